@@ -1,0 +1,29 @@
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: demo test bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	# torch first, pinned: the local CPU build; anything else downloads a CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) examples/lora_mlp.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/implicit_overhead.py
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check peftx tests examples benchmarks
+	$(VENV)/bin/ruff format --check peftx tests examples benchmarks
+
+clean:
+	rm -rf $(VENV)
