@@ -1,0 +1,17 @@
+"""Every error peftx raises on purpose, in one place."""
+
+
+class MaterializationError(RuntimeError):
+    """An implicit array would be materialized while materialization is forbidden."""
+
+
+class HandlerOutputError(TypeError):
+    """A primitive handler returned a value of the wrong shape or dtype."""
+
+
+class HandlerRegistrationError(TypeError):
+    """A primitive handler cannot be registered as written."""
+
+
+class MaterializationWarning(UserWarning):
+    """An implicit array was materialized because no handler applied."""

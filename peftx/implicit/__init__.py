@@ -1,0 +1,20 @@
+"""Implicit arrays: objects that stand for arrays, and the tracer that routes primitives
+touching them to handlers."""
+
+from .._errors import (
+    HandlerOutputError as HandlerOutputError,
+    HandlerRegistrationError as HandlerRegistrationError,
+    MaterializationError as MaterializationError,
+    MaterializationWarning as MaterializationWarning,
+)
+from ._core import (
+    ImplicitArray as ImplicitArray,
+    MaterializationPolicy as MaterializationPolicy,
+    default_handler as default_handler,
+    is_implicit as is_implicit,
+    materialization_policy as materialization_policy,
+    materialize_all as materialize_all,
+    primitive_handler as primitive_handler,
+    strict as strict,
+    use_implicit_args as use_implicit_args,
+)
