@@ -22,14 +22,17 @@ class Scaled(ImplicitArray):
         return self.value * self.scale
 
 
-@primitive_handler("dot_general")
-def _scaled_lhs(primitive, x: Scaled, y, **params):
-    return default_handler(primitive, x.value, y, **params) * x.scale
+def _parts(x):
+    return (x.value, x.scale) if isinstance(x, Scaled) else (x, None)
 
 
 @primitive_handler("dot_general")
-def _scaled_rhs(primitive, x, y: Scaled, **params):
-    return default_handler(primitive, x, y.value, **params) * y.scale
+def _scaled_dot(primitive, x: Scaled | jax.Array, y: Scaled | jax.Array, **params):
+    (xv, xs), (yv, ys) = _parts(x), _parts(y)
+    out = default_handler(primitive, xv, yv, **params)
+    for scale in (xs, ys):
+        out = out if scale is None else out * scale
+    return out
 
 
 class LoraMatrix(ImplicitArray):

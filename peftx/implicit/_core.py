@@ -82,6 +82,17 @@ class ImplicitArray(quax.ArrayValue):
     def default(primitive: Any, values: Sequence[Any], params: dict[str, Any]) -> Any:
         return _fallback(primitive, values, params)
 
+    def _outside_use_implicit_args(self, *args: Any) -> Any:
+        raise TypeError(
+            f"a {type(self).__name__} was used in arithmetic outside `use_implicit_args`. "
+            "Pass implicit arrays as arguments of the wrapped function (or inside an "
+            "`eqx.Module` that is the function), not through a closure: e.g. "
+            "`use_implicit_args(model)(x)` or `jax.vmap(use_implicit_args(model))(x)`."
+        )
+
+    __matmul__ = __rmatmul__ = __add__ = __radd__ = _outside_use_implicit_args
+    __sub__ = __rsub__ = __mul__ = __rmul__ = __neg__ = _outside_use_implicit_args
+
 
 def use_implicit_args(fn: _F) -> _F:
     """Wrap `fn` so any leaf of its arguments may be an `ImplicitArray`.
@@ -292,15 +303,20 @@ def _candidates(primitive: Any, args: tuple[Any, ...]) -> list[tuple[_Handler, t
 def _dispatch(primitive: Any, args: tuple[Any, ...], params: dict[str, Any]) -> Any:
     if not any(isinstance(a, ImplicitArray) for a in args):
         return primitive.bind(*args, **params)
+    # Constants (NumPy arrays, Python scalars) become JAX arrays, so a handler's
+    # `jax.Array` annotation covers every dense operand.
+    args = tuple(a if isinstance(a, quax.Value | jax.Array) else jnp.asarray(a) for a in args)
+    declined = []
     for handler, call_args in _candidates(primitive, args):
         out = _call_nested(
             lambda *a, fn=handler.fn: fn(primitive, *a, **params), *call_args
         )
         if out is NotImplemented:
+            declined.append(handler.name)
             continue
         _check_output(primitive, handler, args, params, out)
         return out
-    return _fallback(primitive, args, params)
+    return _fallback(primitive, args, params, declined)
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -351,11 +367,13 @@ def _fmt_struct(s: Any) -> str:
 # Materialization
 
 
-def _fallback(primitive: Any, values: Sequence[Any], params: dict[str, Any]) -> Any:
+def _fallback(
+    primitive: Any, values: Sequence[Any], params: dict[str, Any], declined: Sequence[str] = ()
+) -> Any:
     arrays = []
     for v in values:
         if isinstance(v, ImplicitArray):
-            _report_materialization(primitive.name, type(v), v)
+            _report_materialization(primitive.name, type(v), v, declined)
             arrays.append(_materialize_nested(v))
         elif isinstance(v, quax.Value):
             arrays.append(type(v).materialise(v))
@@ -364,19 +382,21 @@ def _fallback(primitive: Any, values: Sequence[Any], params: dict[str, Any]) -> 
     return primitive.bind(*arrays, **params)
 
 
-def _report_materialization(primitive_name: str | None, cls: type, value: Any) -> None:
+def _report_materialization(
+    primitive_name: str | None, cls: type, value: Any, declined: Sequence[str] = ()
+) -> None:
     policy = _policy.get()
     if policy == "ignore":
         return
     what = f"primitive `{primitive_name}`" if primitive_name else "an internal step of the engine"
-    dense = _fmt_struct(_struct(value))
+    why = f"every handler declined ({', '.join(declined)})" if declined else "there is no handler"
     msg = (
-        f"{what} has no handler for {cls.__name__}, so it was materialized into a dense "
-        f"{dense} array."
+        f"{what} needs {cls.__name__} as a dense {_fmt_struct(_struct(value))} array: {why} "
+        f"for {cls.__name__} with these operands"
     )
     if policy == "error":
         raise MaterializationError(
-            f"{msg} Materialization is forbidden here (strict mode). Register a handler with "
+            f"{msg}, and materialization is forbidden here (strict mode). Register a handler with "
             f"`peftx.implicit.primitive_handler({primitive_name or '...'!r})` for "
             f"{cls.__name__}, or leave the `strict()` block."
         )
@@ -385,7 +405,7 @@ def _report_materialization(primitive_name: str | None, cls: type, value: Any) -
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(msg, MaterializationWarning, stacklevel=2)
+    warnings.warn(f"{msg}, so it is materialized.", MaterializationWarning, stacklevel=2)
 
 
 def _materialize_nested(x: ImplicitArray) -> Array:
@@ -428,7 +448,7 @@ def is_implicit(x: Any) -> bool:
 def materialize_all(tree: Any) -> Any:
     """Replace every `ImplicitArray` in a pytree by its dense array."""
     return jtu.tree_map(
-        lambda x: use_implicit_args(_materialize_nested)(x) if is_implicit(x) else x,
+        lambda x: _materialize_nested(x) if is_implicit(x) else x,
         tree,
         is_leaf=is_implicit,
     )
