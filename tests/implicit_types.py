@@ -35,6 +35,11 @@ def _scaled_dot(primitive, x: Scaled | jax.Array, y: Scaled | jax.Array, **param
     return out
 
 
+@primitive_handler("reduce_sum")
+def _scaled_sum(primitive, x: Scaled, **params):
+    return primitive.bind(x.value, **params) * x.scale
+
+
 class LoraMatrix(ImplicitArray):
     """qax's README example: `w + a @ b.T`, with `w` (m, n), `a` (m, k), `b` (n, k)."""
 
