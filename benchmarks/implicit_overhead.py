@@ -1,6 +1,7 @@
 """What implicit arrays cost: compile time and run time of a LoRA MLP against a dense one.
 
-A 12-layer MLP (width 256, batch 64) whose every weight is the `LoraWeight` of
+A 12-layer MLP (width 256, batch 64; then width 1024, batch 512) whose every weight is the
+`LoraWeight` of
 `examples/lora_mlp.py` (imported from there, so the benchmark times the demo's handler),
 against the same MLP with the merged dense weights. Everything runs under `strict()`, so
 the implicit timings are of the handler path, never of a materialized weight.
@@ -29,7 +30,8 @@ lora_mlp = importlib.util.module_from_spec(_spec)
 sys.modules["lora_mlp"] = lora_mlp
 _spec.loader.exec_module(lora_mlp)
 
-WIDTH, LAYERS, BATCH, RANK = 256, 12, 64, 8
+LAYERS, RANK = 12, 8
+SIZES = [(256, 64), (1024, 512)]  # (width, batch)
 COMPILE_REPEATS, WARMUP, CALLS = 7, 5, 50
 
 
@@ -61,9 +63,9 @@ def call_seconds(fn: Callable, *args: Any) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def run(width: int, batch: int) -> None:
     mlp_key, lora_key, b_key, x_key = jax.random.split(jax.random.key(0), 4)
-    mlp = eqx.nn.MLP(WIDTH, WIDTH, WIDTH, depth=LAYERS - 1, key=mlp_key)
+    mlp = eqx.nn.MLP(width, width, width, depth=LAYERS - 1, key=mlp_key)
     lora = lora_mlp.add_lora(mlp, r=RANK, alpha=2.0 * RANK, key=lora_key)
     # Nonzero `lora_B`, as after training, so the adapter path is not all zeros.
     b_keys = jax.random.split(b_key, LAYERS)
@@ -83,7 +85,7 @@ def main() -> None:
     # `jax.jit` takes arrays only: the activation functions stay outside, closed over.
     lora_params, static = eqx.partition(lora, eqx.is_array)
     dense_params, _ = eqx.partition(dense, eqx.is_array)
-    x = jax.random.normal(x_key, (BATCH, WIDTH))
+    x = jax.random.normal(x_key, (batch, width))
 
     def make_f() -> Callable:
         return lambda params, x: jax.vmap(eqx.combine(params, static))(x)
@@ -106,7 +108,7 @@ def main() -> None:
         per_call = {name: call_seconds(fn, params, x) for name, (fn, params) in runs.items()}
 
     print(
-        f"MLP: {LAYERS} layers, width {WIDTH}, batch {BATCH}, LoRA rank {RANK}; "
+        f"MLP: {LAYERS} layers, width {width}, batch {batch}, LoRA rank {RANK}; "
         f"jax {jax.__version__} on {jax.devices()[0].platform}, "
         f"{COMPILE_REPEATS} compiles / {CALLS} calls, medians.\n"
     )
@@ -130,6 +132,12 @@ def main() -> None:
     for name, seconds in per_call.items():
         print(f"| `{name}` | {1e6 * seconds:.1f} | {seconds / base_call:.2f}x |")
     print("\nratio: against `jax.jit(use_implicit_args(f))`.")
+
+
+def main() -> None:
+    for width, batch in SIZES:
+        run(width, batch)
+        print()
 
 
 if __name__ == "__main__":

@@ -73,4 +73,3 @@ def dense_like(x):
 def random_scaled(key, shape, dtype=jnp.float32):
     k1, k2 = jax.random.split(key)
     return Scaled(jax.random.normal(k1, shape, dtype), 1.5 + jax.random.uniform(k2, (), dtype))
-

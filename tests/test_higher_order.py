@@ -108,9 +108,9 @@ def test_custom_vjp_rule_is_used_not_bypassed(wx):
     matvec.defvjp(fwd, bwd)
     w, x = wx
     with strict():
-        g = jax.grad(use_implicit_args(lambda w, x: jnp.sum(jnp.sin(matvec(w, x)))), argnums=(0, 1))(
-            w, x
-        )
+        g = jax.grad(
+            use_implicit_args(lambda w, x: jnp.sum(jnp.sin(matvec(w, x)))), argnums=(0, 1)
+        )(w, x)
     want = jax.grad(lambda w, x: 0.5 * jnp.sum(jnp.sin(dense_like(w) @ x)), argnums=(0, 1))(w, x)
     _close(g, want)
 
@@ -190,8 +190,11 @@ def test_scan_over_stacked_implicit_arrays(getkey):
     with strict():
         got = jax.jit(use_implicit_args(fn))(ws, x)
         grads = jax.grad(lambda ws, x: jnp.sum(use_implicit_args(fn)(ws, x)), argnums=(0, 1))(ws, x)
+
     def ref(value, scale, x):
-        return jax.lax.scan(lambda h, w: (jnp.tanh(w @ h), None), x, value * scale[:, None, None])[0]
+        return jax.lax.scan(lambda h, w: (jnp.tanh(w @ h), None), x, value * scale[:, None, None])[
+            0
+        ]
 
     _close(got, ref(ws.value, ws.scale, x))
     want = jax.grad(lambda v, s, x: jnp.sum(ref(v, s, x)), argnums=(0, 1, 2))(ws.value, ws.scale, x)
@@ -203,7 +206,9 @@ def test_vmap_over_implicit_arrays(getkey):
     x = jax.random.normal(getkey(), (2,))
     with strict():
         got = jax.vmap(use_implicit_args(lambda w, x: w @ x), in_axes=(0, None))(ws, x)
-        got_filter = eqx.filter_vmap(use_implicit_args(lambda w, x: w @ x), in_axes=(0, None))(ws, x)
+        got_filter = eqx.filter_vmap(use_implicit_args(lambda w, x: w @ x), in_axes=(0, None))(
+            ws, x
+        )
     want = jnp.einsum("bij,j->bi", ws.value * ws.scale[:, None, None], x)
     _close(got, want)
     _close(got_filter, want)

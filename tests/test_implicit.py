@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from implicit_types import LoraMatrix, Scaled, dense_like, random_scaled
 from jax.test_util import check_grads
 
@@ -109,9 +108,7 @@ def dot_general_case(draw):
 
     def pos(axes, kind):
         return tuple(
-            sorted(
-                (j for j, (k, _) in enumerate(axes) if k == kind), key=lambda j: axes[j][1]
-            )
+            sorted((j for j, (k, _) in enumerate(axes) if k == kind), key=lambda j: axes[j][1])
         )
 
     dims = ((pos(lhs_axes, "c"), pos(rhs_axes, "c")), (pos(lhs_axes, "b"), pos(rhs_axes, "b")))
@@ -219,8 +216,15 @@ def test_primitive_handler_returns_the_function():
 def test_default_handler_runs_the_primitive_on_dense_values(getkey):
     w = _lora(getkey())
     x = jax.random.normal(getkey(), (3, 5))
-    out = default_handler(jax.lax.dot_general_p, x, w.w, dimension_numbers=(((1,), (0,)), ((), ())),
-                          precision=None, preferred_element_type=jnp.float32, out_sharding=None)
+    out = default_handler(
+        jax.lax.dot_general_p,
+        x,
+        w.w,
+        dimension_numbers=(((1,), (0,)), ((), ())),
+        precision=None,
+        preferred_element_type=jnp.float32,
+        out_sharding=None,
+    )
     np.testing.assert_allclose(out, x @ w.w, rtol=1e-6)
 
 
@@ -233,7 +237,11 @@ class _Unhandled(_Base):
 
 def test_materialization_warns_once_naming_primitive_and_class():
     x = _Unhandled(jnp.arange(3.0))
-    with pytest.warns(MaterializationWarning, match=r"primitive `exp` needs _Unhandled as a dense float32\[3\] array: there is no handler"):
+    with pytest.warns(
+        MaterializationWarning,
+        match=r"primitive `exp` needs _Unhandled as a dense float32\[3\] array: there is no "
+        "handler",
+    ):
         out = use_implicit_args(jnp.exp)(x)
     np.testing.assert_allclose(out, jnp.exp(jnp.arange(3.0)))
     with warnings.catch_warnings():
@@ -246,7 +254,12 @@ def test_materialization_warns_once_naming_primitive_and_class():
 
 def test_strict_mode_raises_and_names_the_fix():
     x = _Unhandled(jnp.arange(3.0))
-    with strict(), pytest.raises(MaterializationError, match=r"`log1p`.*_Unhandled.*primitive_handler\('log1p'\)"):
+    with (
+        strict(),
+        pytest.raises(
+            MaterializationError, match=r"`log1p`.*_Unhandled.*primitive_handler\('log1p'\)"
+        ),
+    ):
         use_implicit_args(jnp.log1p)(x)
     with materialization_policy("ignore"), warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -273,13 +286,18 @@ def _wrong_shape(primitive, x, w: _BadShape, **params):
 
 def test_handler_with_wrong_shape_is_reported():
     w = _BadShape(jnp.ones((4, 2)))
-    msg = r"_wrong_shape for primitive `dot_general` returned \[float32\[7, 7\]\].*gives \[float32\[3, 2\]\]"
+    msg = (
+        r"_wrong_shape for primitive `dot_general` returned \[float32\[7, 7\]\].*"
+        r"gives \[float32\[3, 2\]\]"
+    )
     with pytest.raises(HandlerOutputError, match=msg):
         use_implicit_args(lambda w, x: x @ w)(w, jnp.ones((3, 4)))
 
 
 def test_registration_errors():
-    with pytest.raises(HandlerRegistrationError, match=r"no JAX primitive is named 'dot_genral'.*dot_general"):
+    with pytest.raises(
+        HandlerRegistrationError, match=r"no JAX primitive is named 'dot_genral'.*dot_general"
+    ):
         primitive_handler("dot_genral")
     with pytest.raises(HandlerRegistrationError, match="higher-order primitive"):
         primitive_handler("scan")
@@ -331,7 +349,10 @@ def test_declining_handlers_are_named_in_the_message():
     def _never(primitive, x: _Child, **params):
         return NotImplemented
 
-    with strict(), pytest.raises(MaterializationError, match=r"every handler declined \(.*_never\)"):
+    with (
+        strict(),
+        pytest.raises(MaterializationError, match=r"every handler declined \(.*_never\)"),
+    ):
         use_implicit_args(jnp.exp2)(x)
 
 

@@ -98,7 +98,9 @@ def test_zero_biases_in_an_equinox_model(getkey):
         mlp,
         replace_fn=lambda b: Zeros(b.shape, b.dtype),
     )
-    dense_bias = eqx.tree_at(lambda m: [layer.bias for layer in m.layers], mlp, replace_fn=jnp.zeros_like)
+    dense_bias = eqx.tree_at(
+        lambda m: [layer.bias for layer in m.layers], mlp, replace_fn=jnp.zeros_like
+    )
     x = jax.random.normal(getkey(), (5, 4))
     with strict():
         got = jax.jit(jax.vmap(use_implicit_args(zero_bias.__call__)))(x)

@@ -18,12 +18,11 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import quax
-from jaxtyping import Array, ArrayLike
+from jaxtyping import Array
 
 from .._errors import (
     HandlerOutputError,
@@ -159,9 +158,7 @@ def strict() -> contextlib.AbstractContextManager[None]:
     return materialization_policy("error")
 
 
-def primitive_handler(
-    primitives: Any, *, precedence: int = 0
-) -> Callable[[_F], _F]:
+def primitive_handler(primitives: Any, *, precedence: int = 0) -> Callable[[_F], _F]:
     """Register a handler for one or more JAX primitives.
 
     The handler is called as `handler(primitive, *args, **params)` and chosen by the type
@@ -308,9 +305,7 @@ def _dispatch(primitive: Any, args: tuple[Any, ...], params: dict[str, Any]) -> 
     args = tuple(a if isinstance(a, quax.Value | jax.Array) else jnp.asarray(a) for a in args)
     declined = []
     for handler, call_args in _candidates(primitive, args):
-        out = _call_nested(
-            lambda *a, fn=handler.fn: fn(primitive, *a, **params), *call_args
-        )
+        out = _call_nested(lambda *a, fn=handler.fn: fn(primitive, *a, **params), *call_args)
         if out is NotImplemented:
             declined.append(handler.name)
             continue

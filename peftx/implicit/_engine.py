@@ -27,8 +27,10 @@ import jax.extend.core.primitives as jprims
 import jax.tree_util as jtu
 import quax
 import quax._trace as qtrace
-from jax._src import ad_util  # ad.Zero: the cotangent a custom_vjp bwd gives for "none"
-from jax._src import core as jcore
+from jax._src import (
+    ad_util,  # ad.Zero: the cotangent a custom_vjp bwd gives for "none"
+    core as jcore,
+)
 from jaxtyping import ArrayLike
 
 _PRIMITIVES: dict[str, jexc.Primitive] = {
@@ -117,7 +119,10 @@ def _is_implicit(x: Any) -> bool:
 
 
 def _remat_rule(
-    *args: quax.ArrayValue | ArrayLike, jaxpr: Any, prevent_cse: bool, differentiated: bool,
+    *args: quax.ArrayValue | ArrayLike,
+    jaxpr: Any,
+    prevent_cse: bool,
+    differentiated: bool,
     policy: Any,
 ) -> Any:
     flat, in_tree = jtu.tree_flatten(args)
@@ -174,7 +179,9 @@ def _process_custom_jvp_call(
 ) -> list[Any]:
     values = _trace_values(self, tracers)
     if not any(map(_is_implicit, values)):
-        return _original_custom_jvp(self, primitive, fun, jvp, tracers, symbolic_zeros=symbolic_zeros)
+        return _original_custom_jvp(
+            self, primitive, fun, jvp, tracers, symbolic_zeros=symbolic_zeros
+        )
     leaves, treedef = jtu.tree_flatten(values)
 
     @jax.custom_jvp
@@ -192,7 +199,9 @@ def _process_custom_jvp_call(
                 diff, static = _split(v)
                 t_diff, _ = eqx.partition(t, jtu.tree_map(eqx.is_inexact_array, v))
                 _, t = jax.jvp(
-                    lambda d, static=static: _materialize(eqx.combine(d, static)), (diff,), (t_diff,)
+                    lambda d, static=static: _materialize(eqx.combine(d, static)),
+                    (diff,),
+                    (t_diff,),
                 )
             dense_tans.append(t)
         outs = quax.quaxify(jvp.call_wrapped)(*vals, *dense_tans)
@@ -206,8 +215,15 @@ def _process_custom_jvp_call(
 
 
 def _process_custom_vjp_call(
-    self: Any, primitive: Any, fun: Any, fwd: Any, bwd: Any, tracers: Sequence[Any], *,
-    out_trees: Callable, symbolic_zeros: bool,
+    self: Any,
+    primitive: Any,
+    fun: Any,
+    fwd: Any,
+    bwd: Any,
+    tracers: Sequence[Any],
+    *,
+    out_trees: Callable,
+    symbolic_zeros: bool,
 ) -> list[Any]:
     values = _trace_values(self, tracers)
     if all(eqx.is_array_like(v) for v in values):
@@ -246,7 +262,9 @@ def _process_custom_vjp_call(
                 ct = ct.materialize()
             if _is_implicit(v):
                 diff, static = _split(v)
-                _, pull = jax.vjp(lambda d, static=static: _materialize(eqx.combine(d, static)), diff)
+                _, pull = jax.vjp(
+                    lambda d, static=static: _materialize(eqx.combine(d, static)), diff
+                )
                 (d_ct,) = pull(ct)
                 d_leaves = jtu.tree_leaves(d_ct, is_leaf=lambda x: x is None)
                 leaf_cts.extend(d_leaves)
