@@ -4,12 +4,15 @@ Each `Linear` weight of a "pretrained" MLP becomes `LoraWeight`, an implicit arr
 `W + scaling * lora_B @ lora_A`, and only `lora_A` and `lora_B` are trained. Training runs
 under `peftx.implicit.strict()`, so materializing a weight would raise.
 
-Run with `make demo`; exits non-zero if the loss does not halve or a check fails.
+Run with `make demo` (settings in `configs/lora_mlp.toml`); exits non-zero if the loss does
+not halve or a check fails.
 """
 
 # ruff: noqa: F722  (jaxtyping shape strings such as "out in" are not Python expressions)
 
+import pathlib
 import sys
+import tomllib
 from typing import Any
 
 import equinox as eqx
@@ -107,16 +110,21 @@ def mse(model: eqx.nn.MLP, x: Float[Array, "n in"], y: Float[Array, "n out"]) ->
     return jnp.mean((pred - y) ** 2)
 
 
-def main(steps: int = 300, log_every: int = 50) -> int:
+CONFIG = pathlib.Path(__file__).parents[1] / "configs" / "lora_mlp.toml"
+
+
+def main(config: pathlib.Path = CONFIG, **overrides: Any) -> int:
+    cfg = {**tomllib.loads(config.read_text()), **overrides}
+    steps, log_every = cfg["steps"], cfg["log_every"]
     pretrained_key, target_key, lora_key, data_key = jax.random.split(jax.random.key(0), 4)
     pretrained = eqx.nn.MLP(16, 1, width_size=64, depth=3, key=pretrained_key)
     target = eqx.nn.MLP(16, 1, width_size=64, depth=3, key=target_key)
     x = jax.random.normal(data_key, (512, 16))
     y = jax.vmap(target)(x)
 
-    model = add_lora(pretrained, r=4, alpha=8.0, key=lora_key)
+    model = add_lora(pretrained, r=cfg["r"], alpha=cfg["lora_alpha"], key=lora_key)
     trainable, frozen = eqx.partition(model, lora_filter_spec(model))
-    optim = optax.adam(1e-2)
+    optim = optax.adam(cfg["learning_rate"])
     opt_state = optim.init(trainable)
 
     @eqx.filter_jit

@@ -1,0 +1,32 @@
+"""Every public name is importable from where the README says it is."""
+
+import peftx
+import peftx.adapters
+import peftx.implicit
+
+PUBLIC = {
+    peftx: ["ImplicitArray", "use_implicit_args", "implicit", "adapters"],
+    peftx.implicit: [
+        "ImplicitArray",
+        "use_implicit_args",
+        "primitive_handler",
+        "default_handler",
+        "materialization_policy",
+        "strict",
+        "is_implicit",
+        "materialize_all",
+        "MaterializationPolicy",
+        "MaterializationWarning",
+        "MaterializationError",
+        "HandlerOutputError",
+        "HandlerRegistrationError",
+    ],
+    peftx.adapters: ["Zeros"],
+}
+
+
+def test_public_names_exist():
+    missing = [
+        f"{m.__name__}.{n}" for m, names in PUBLIC.items() for n in names if not hasattr(m, n)
+    ]
+    assert not missing
