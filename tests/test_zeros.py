@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 from jax import lax
 
 from peftx.adapters import Zeros
@@ -112,3 +113,32 @@ def test_integer_pow_zero_exponent_falls_back():
     with pytest.warns(UserWarning, match="integer_pow"):
         out = use_implicit_args(lambda z: z**0)(Zeros((2,)))
     np.testing.assert_array_equal(out, jnp.ones(2))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple),
+    dtype=st.sampled_from([jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32]),
+    op=st.sampled_from(["add", "radd", "sub", "rsub", "mul", "where", "sum", "transpose"]),
+    seed=st.integers(0, 2**16),
+)
+def test_zeros_any_shape_and_dtype(shape, dtype, op, seed):
+    x = (10 * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
+    fns = {
+        "add": lambda z, x: z + x,
+        "radd": lambda z, x: x + z,
+        "sub": lambda z, x: z - x,
+        "rsub": lambda z, x: x - z,
+        "mul": lambda z, x: z * x + x,
+        "where": lambda z, x: jnp.where(x > 0, z, x),
+        "sum": lambda z, x: (
+            z.sum(axis=tuple(range(0, len(shape), 2))) + x.sum(axis=tuple(range(0, len(shape), 2)))
+        ),
+        "transpose": lambda z, x: z.T + x.T,
+    }
+    fn = fns[op]
+    with strict():
+        got = jax.jit(use_implicit_args(fn))(Zeros(shape, dtype), x)
+    want = fn(jnp.zeros(shape, dtype), x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
