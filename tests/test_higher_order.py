@@ -20,7 +20,8 @@ def _close(a, b, tol=1e-5):
 
 def _check(fn, w, x):
     """`fn(w, x)` with `w` implicit equals it with `w` dense: value, gradient w.r.t. the
-    fields of `w` and `x`, under jit; and under vmap over `x`."""
+    fields of `w` and `x` with jit inside and outside grad and use_implicit_args; and under
+    vmap over `x`."""
 
     def loss(w, x):
         return jnp.sum(jnp.sin(fn(w, x)))
@@ -30,10 +31,16 @@ def _check(fn, w, x):
 
     with strict():
         got = jax.jit(use_implicit_args(fn))(w, x)
-        grads = jax.jit(jax.grad(use_implicit_args(loss), argnums=(0, 1)))(w, x)
+        grads = [
+            jax.jit(jax.grad(use_implicit_args(loss), argnums=(0, 1)))(w, x),
+            jax.grad(jax.jit(use_implicit_args(loss)), argnums=(0, 1))(w, x),
+            jax.grad(use_implicit_args(jax.jit(loss)), argnums=(0, 1))(w, x),
+        ]
         batched = jax.vmap(use_implicit_args(fn), in_axes=(None, 0))(w, jnp.stack([x, 2 * x]))
     _close(got, fn(dense_like(w), x))
-    _close(grads, jax.grad(dense_loss, argnums=(0, 1))(w, x))
+    want = jax.grad(dense_loss, argnums=(0, 1))(w, x)
+    for g in grads:
+        _close(g, want)
     _close(batched, jax.vmap(fn, in_axes=(None, 0))(dense_like(w), jnp.stack([x, 2 * x])))
 
 
