@@ -82,7 +82,9 @@ def test_custom_jvp_rule_sees_the_tangent_of_the_represented_array(getkey):
     _close(g, want)
 
 
-def test_custom_vjp(wx):
+def _matvec_with_custom_vjp(grad_scale):
+    """`w @ x` whose backward rule returns `grad_scale` times the true cotangents."""
+
     @jax.custom_vjp
     def matvec(w, x):
         return w @ x
@@ -92,27 +94,20 @@ def test_custom_vjp(wx):
 
     def bwd(res, g):
         w, x = res
-        return jnp.outer(g, x), g @ w
+        return grad_scale * jnp.outer(g, x), grad_scale * (g @ w)
 
     matvec.defvjp(fwd, bwd)
+    return matvec
+
+
+def test_custom_vjp(wx):
+    matvec = _matvec_with_custom_vjp(1.0)
     _check(lambda w, x: jnp.tanh(matvec(w, x)), *wx)
 
 
 def test_custom_vjp_rule_is_used_not_bypassed(wx):
     """A backward rule that halves the true gradient must be the one that runs."""
-
-    @jax.custom_vjp
-    def matvec(w, x):
-        return w @ x
-
-    def fwd(w, x):
-        return w @ x, (w, x)
-
-    def bwd(res, g):
-        w, x = res
-        return 0.5 * jnp.outer(g, x), 0.5 * (g @ w)
-
-    matvec.defvjp(fwd, bwd)
+    matvec = _matvec_with_custom_vjp(0.5)
     w, x = wx
     with strict():
         g = jax.grad(
