@@ -355,6 +355,10 @@ def test_default_aval_traces_materialize():
     np.testing.assert_allclose(batched, jnp.stack([jnp.arange(3.0), jnp.ones(3)]) * 4)
 
 
+def _string_annotated(primitive, x: "NotAClass"):  # noqa: F821  (a name that does not resolve)
+    return x
+
+
 def test_registration_errors():
     with pytest.raises(
         HandlerRegistrationError, match=r"no JAX primitive is named 'dot_genral'.*dot_general"
@@ -366,6 +370,8 @@ def test_registration_errors():
         primitive_handler("exp")(lambda *, x: x)
     with pytest.raises(HandlerRegistrationError, match="expected a JAX primitive"):
         primitive_handler(3)
+    with pytest.raises(HandlerRegistrationError, match=r"argument `x` is annotated 'NotAClass'"):
+        primitive_handler("exp")(_string_annotated)
 
 
 # ---------------------------------------------------------------- composition

@@ -12,6 +12,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import itertools
 import types
 import typing
 import warnings
@@ -240,18 +241,28 @@ def _parse_handler(fn: Callable[..., Any], precedence: int) -> _Handler:
     positional, n_required, rest = [], 0, _NO_REST
     for p in params[1:]:
         if p.kind in kinds:
-            positional.append(hints.get(p.name, Any))
+            positional.append(_checked_annotation(fn, p.name, hints.get(p.name, Any)))
             n_required += p.default is inspect.Parameter.empty
         elif p.kind is inspect.Parameter.VAR_POSITIONAL:
-            rest = hints.get(p.name, Any)
-    return _Handler(fn, tuple(positional), n_required, rest, precedence, _next_order())
+            rest = _checked_annotation(fn, p.name, hints.get(p.name, Any))
+    return _Handler(fn, tuple(positional), n_required, rest, precedence, next(_order))
 
 
-_order_counter = iter(range(1 << 62))
+_order = itertools.count()
 
 
-def _next_order() -> int:
-    return next(_order_counter)
+def _checked_annotation(fn: Callable[..., Any], name: str, tp: Any) -> Any:
+    members = (
+        typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    )
+    for member in members:
+        if not (member is Any or isinstance(member, type)):
+            raise HandlerRegistrationError(
+                f"handler {fn.__qualname__}: argument `{name}` is annotated {tp!r}; dispatch "
+                "understands classes (an ImplicitArray subclass, jax.Array, ...), unions of "
+                "them, or no annotation (any value)."
+            )
+    return tp
 
 
 def _match_score(tp: Any, value: Any) -> int | None:
@@ -261,8 +272,6 @@ def _match_score(tp: Any, value: Any) -> int | None:
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         scores = [s for t in typing.get_args(tp) if (s := _match_score(t, value)) is not None]
         return max(scores) if scores else None
-    if not isinstance(tp, type):
-        raise HandlerRegistrationError(f"unsupported handler annotation {tp!r}.")
     if not isinstance(value, tp):
         return None
     return len(tp.__mro__) if issubclass(tp, ImplicitArray) else 1
