@@ -1,3 +1,14 @@
 """Adapters and structured weights, each an implicit array with its handlers."""
 
+from ._ia3 import IA3Array as IA3Array, ia3 as ia3
+from ._lora import (
+    DoraArray as DoraArray,
+    LoraArray as LoraArray,
+    LoraInit as LoraInit,
+    dora as dora,
+    lora as lora,
+    unmerge as unmerge,
+    with_dropout as with_dropout,
+    without_dropout as without_dropout,
+)
 from ._zeros import Zeros as Zeros

@@ -13,6 +13,7 @@ from ._core import (
     default_handler as default_handler,
     is_implicit as is_implicit,
     materialization_policy as materialization_policy,
+    materialize as materialize,
     materialize_all as materialize_all,
     primitive_handler as primitive_handler,
     strict as strict,

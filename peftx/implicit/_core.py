@@ -444,6 +444,19 @@ def _call_nested(fn: Callable[..., Any], *args: Any) -> Any:
     return quax.quaxify(rebuilt)(*groups)
 
 
+def materialize(x: Any) -> Array:
+    """The dense array `x` stands for; `x` itself if it is already dense.
+
+    For `materialize()` methods and handlers whose fields may hold implicit arrays (which
+    they see as traced values): `materialize(self.weight)` densifies a quantized base
+    weight on purpose, without the materialization policy getting involved.
+    """
+    if isinstance(x, ImplicitArray):
+        return _materialize_nested(x)
+    inner = _engine.implicit_value(x)
+    return x if inner is None else _materialize_nested(inner)
+
+
 def is_implicit(x: Any) -> bool:
     """Whether `x` is an `ImplicitArray` (a convenient `is_leaf` for tree functions)."""
     return isinstance(x, ImplicitArray)

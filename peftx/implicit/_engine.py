@@ -114,6 +114,13 @@ def _is_implicit(x: Any) -> bool:
     return isinstance(x, _implicit_cls)
 
 
+def implicit_value(x: Any) -> Any:
+    """The implicit array behind an engine tracer, else None."""
+    if isinstance(x, qtrace._QuaxTracer) and _is_implicit(x.value):
+        return x.value
+    return None
+
+
 # --------------------------------------------------------------------------------------
 # jax.checkpoint
 

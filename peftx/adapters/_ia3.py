@@ -1,0 +1,93 @@
+"""IA3: a learned rescaling of a weight's output or input features."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from ..implicit import ImplicitArray, materialize, primitive_handler
+from ._layout import WeightProduct
+
+
+class IA3Array(ImplicitArray):
+    """`weight ⊙ ia3_l` for a `Linear` weight `(out, in)`, with HF PEFT's shapes.
+
+    `ia3_l` is `(out, 1)` to scale the output features (attention keys and values) or
+    `(1, in)` to scale the input features (feed-forward down projections). Products are
+    computed as a rescale of `x @ W` or of `x`, never by forming `W ⊙ l`.
+    """
+
+    weight: Any
+    ia3_l: Array
+
+    def __check_init__(self):
+        shape = tuple(self.weight.shape)
+        if len(shape) < 2:
+            raise ValueError(f"IA3 needs a weight of 2 or more dimensions, got shape {shape}.")
+        out, in_ = shape[-2:]
+        stack = shape[:-2]
+        if tuple(self.ia3_l.shape) not in ((*stack, out, 1), (*stack, 1, in_)):
+            raise ValueError(
+                f"ia3_l must have shape {(out, 1)} (scale outputs) or {(1, in_)} (scale "
+                f"inputs) for a weight of shape {shape}, got {tuple(self.ia3_l.shape)}."
+            )
+        if not jnp.issubdtype(self.ia3_l.dtype, jnp.floating):
+            raise TypeError(f"ia3_l must be floating-point, got dtype {self.ia3_l.dtype}.")
+
+    @property
+    def is_feedforward(self) -> bool:
+        """Whether the input features are scaled (PEFT's `feedforward_modules`)."""
+        return self.ia3_l.shape[-1] != 1
+
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
+
+    def materialize(self) -> Array:
+        w = materialize(self.weight)
+        return w * self.ia3_l.astype(w.dtype)
+
+
+def ia3(weight: Any, *, feedforward: bool = False, dtype: Any = jnp.float32) -> IA3Array:
+    """Wrap `weight` in an `IA3Array` initialized to ones, so the output is unchanged.
+
+    **Arguments:**
+
+    - `weight`: a `Linear` weight `(out, in)`, dense or implicit.
+    - `feedforward`: scale the input features (`(1, in)`) instead of the outputs
+      (`(out, 1)`), as PEFT does for `feedforward_modules`.
+    - `dtype`: dtype of `ia3_l`.
+    """
+    out, in_ = weight.shape[-2:]
+    return IA3Array(weight, jnp.ones((1, in_) if feedforward else (out, 1), dtype))
+
+
+def _ia3_dot(w: IA3Array, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    n = len(w.shape) - 2
+    stack, scaled = p.w[:n], p.w[n + 1] if w.is_feedforward else p.w[n]
+    l_vec = w.ia3_l.reshape(*w.ia3_l.shape[:-2], -1)
+    if scaled in p.x:
+        # the scaled axis meets x: (W ⊙ l)·x == W·(l ⊙ x)
+        x = x * p.along(l_vec.astype(x.dtype), (*stack, scaled), p.x)
+        return p.arrange(*p.contract(x, p.x, w.weight, p.w))
+    y = p.arrange(*p.contract(x, p.x, w.weight, p.w))
+    return y * p.along(l_vec.astype(y.dtype), (*stack, scaled), p.out)
+
+
+@primitive_handler("dot_general")
+def _ia3_lhs(primitive: Any, w: IA3Array, x: jax.Array, **params: Any) -> Any:
+    return _ia3_dot(w, x, True, params)
+
+
+@primitive_handler("dot_general")
+def _ia3_rhs(primitive: Any, x: jax.Array, w: IA3Array, **params: Any) -> Any:
+    return _ia3_dot(w, x, False, params)
+
+
+@primitive_handler("transpose")
+def _ia3_transpose(primitive: Any, w: IA3Array, *, permutation: tuple[int, ...]) -> Any:
+    n = len(w.shape) - 2
+    if tuple(permutation) != (*range(n), n + 1, n):
+        return NotImplemented
+    return IA3Array(jax.lax.transpose(w.weight, permutation), jnp.swapaxes(w.ia3_l, -1, -2))

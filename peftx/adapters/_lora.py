@@ -1,0 +1,487 @@
+"""LoRA and DoRA: `W + s·B·A` as implicit arrays, with HF PEFT's names, shapes and inits."""
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, PRNGKeyArray
+
+from ..implicit import ImplicitArray, materialize, primitive_handler
+from ._layout import WeightProduct
+
+LoraInit = Literal["default", "gaussian", "pissa", "random"]
+
+
+class _AbstractLowRank(ImplicitArray):
+    """The fields and arithmetic shared by `LoraArray` and `DoraArray`."""
+
+    weight: Any
+    lora_A: Array
+    lora_B: Array
+    dropout_key: PRNGKeyArray | None
+    lora_alpha: float = eqx.field(static=True)
+    use_rslora: bool = eqx.field(static=True)
+    lora_dropout: float = eqx.field(static=True)
+    kernel_ndim: int = eqx.field(static=True)
+
+    @property
+    def r(self) -> int:
+        return self.lora_A.shape[self.stack_ndim]
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    @property
+    def stack_ndim(self) -> int:
+        """Leading axes added by stacking layers (with `eqx.filter_vmap`)."""
+        return len(self.weight.shape) - 2 - self.kernel_ndim
+
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
+
+    def delta(self) -> Array:
+        """`scaling · lora_B @ lora_A` in the weight's shape, in the adapters' dtype."""
+        return self.scaling * _product(self.lora_B, self.lora_A, self.stack_ndim)
+
+
+def _init_low_rank(
+    self: _AbstractLowRank,
+    weight: Any,
+    lora_A: Array,
+    lora_B: Array,
+    lora_alpha: float,
+    use_rslora: bool,
+    lora_dropout: float,
+    dropout_key: PRNGKeyArray | None,
+) -> None:
+    _check_factors(weight, lora_A, lora_B, lora_dropout)
+    self.weight = weight
+    self.lora_A = lora_A
+    self.lora_B = lora_B
+    self.dropout_key = dropout_key
+    self.lora_alpha = float(lora_alpha)
+    self.use_rslora = bool(use_rslora)
+    self.lora_dropout = float(lora_dropout)
+    self.kernel_ndim = len(weight.shape) - 2
+
+
+class LoraArray(_AbstractLowRank):
+    """`weight + scaling · lora_B @ lora_A`, never formed when multiplied.
+
+    The layout is Equinox's (and PyTorch's): a `Linear` weight is `(out, in)`, with
+    `lora_A` `(r, in)` and `lora_B` `(out, r)`; a `Conv` weight is `(out, in, *kernel)`, with
+    `lora_A` `(r, in, *kernel)` (a convolution like the layer's) and `lora_B`
+    `(out, r, 1, ...)` (a 1x1 convolution), as in HF PEFT. `scaling` is
+    `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`.
+
+    `weight` may itself be implicit (an `NF4Array` for QLoRA). Arrays stacked by
+    `eqx.filter_vmap` (one per layer) work under `jax.lax.scan` and `jax.vmap`.
+
+    Dropout (`lora_dropout > 0`) applies to the input of `lora_A` and only when
+    `dropout_key` is set, see `with_dropout`.
+    """
+
+    def __init__(
+        self,
+        weight: Any,
+        lora_A: Array,
+        lora_B: Array,
+        *,
+        lora_alpha: float,
+        use_rslora: bool = False,
+        lora_dropout: float = 0.0,
+        dropout_key: PRNGKeyArray | None = None,
+    ):
+        _init_low_rank(
+            self, weight, lora_A, lora_B, lora_alpha, use_rslora, lora_dropout, dropout_key
+        )
+
+    def materialize(self) -> Array:
+        w = materialize(self.weight)
+        return w + self.delta().astype(w.dtype)
+
+
+def _check_factors(weight: Any, lora_A: Any, lora_B: Any, lora_dropout: float) -> None:
+    shape = tuple(weight.shape)
+    if len(shape) < 2:
+        raise ValueError(f"LoRA needs a weight of 2 or more dimensions, got shape {shape}.")
+    out, in_, kernel = shape[0], shape[1], shape[2:]
+    r = lora_A.shape[0]
+    want_a, want_b = (r, in_, *kernel), (out, r, *(1,) * len(kernel))
+    if tuple(lora_A.shape) != want_a or tuple(lora_B.shape) != want_b:
+        raise ValueError(
+            f"LoRA factors do not fit weight {shape}: expected lora_A {want_a} and lora_B "
+            f"{want_b} for rank r={r}, got lora_A {tuple(lora_A.shape)} and lora_B "
+            f"{tuple(lora_B.shape)}."
+        )
+    _check_rank(r, shape)
+    for name, factor in (("lora_A", lora_A), ("lora_B", lora_B)):
+        if not jnp.issubdtype(factor.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a floating-point array, got dtype {factor.dtype}.")
+    if lora_A.dtype != lora_B.dtype:
+        raise TypeError(
+            f"lora_A and lora_B must share a dtype, got {lora_A.dtype} and {lora_B.dtype}."
+        )
+    if not 0.0 <= lora_dropout < 1.0:
+        raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout}.")
+
+
+def _check_rank(r: int, shape: tuple[int, ...]) -> None:
+    limit = min(shape[0], math.prod(shape[1:]))
+    if not 1 <= r <= limit:
+        raise ValueError(
+            f"LoRA rank r={r} is out of range for a weight of shape {shape}: r must be at "
+            f"least 1 and at most min(out, in) = {limit}."
+        )
+
+
+def _product(b: Array, a: Array, stack_ndim: int) -> Array:
+    """`b @ a` for factors shaped like a weight (conv kernels flattened and restored)."""
+    s = stack_ndim
+    r = a.shape[s]
+    flat_b = b.reshape(*b.shape[: s + 1], r)
+    flat_a = a.reshape(*a.shape[: s + 1], -1)
+    out = jnp.matmul(flat_b, flat_a)
+    return out.reshape(*b.shape[: s + 1], *a.shape[s + 1 :])
+
+
+def _dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
+    if rate == 0.0 or key is None:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+# --------------------------------------------------------------------------------------
+# Products
+
+
+def _lora_terms(
+    w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]
+) -> tuple[Array, Array, Array] | None:
+    """`(W·x, W·x_dropped, (B·A)·x_dropped)`, each in the original product's output order,
+    computed token-major (`x` on the left) and without forming `B·A`. None when the
+    layout is not one a low-rank product can follow."""
+    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    s = w.stack_ndim
+    stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
+    a_labels, b_labels = (*stack, "r", in_l), (*stack, out_l, "r")
+    if in_l in p.x:
+        first, second = (w.lora_A, a_labels), (w.lora_B, b_labels)
+    elif out_l in p.x:
+        first, second = (w.lora_B, b_labels), (w.lora_A, a_labels)
+    else:  # neither axis of W is contracted or batched: an outer product
+        return None
+    base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
+    x_d = _dropout(x, w.lora_dropout, w.dropout_key)
+    base_d = base if x_d is x else p.arrange(*p.contract(x_d, p.x, w.weight, p.w))
+    # The adapters keep their own dtype (PEFT computes them in float32 for half bases).
+    adapter = dataclasses.replace(p, preferred_element_type=None)
+    t, t_labels = adapter.contract(x_d.astype(w.lora_A.dtype), p.x, *first)
+    delta = adapter.arrange(*adapter.contract(t, t_labels, *second))
+    return base, base_d, delta.astype(base.dtype)
+
+
+def _lora_dot(w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    if w.kernel_ndim:
+        return NotImplemented
+    terms = _lora_terms(w, x, w_is_lhs, params)
+    if terms is None:
+        return NotImplemented
+    base, _, delta = terms
+    return base + jnp.asarray(w.scaling, base.dtype) * delta
+
+
+@primitive_handler("dot_general")
+def _lora_lhs(primitive: Any, w: LoraArray, x: jax.Array, **params: Any) -> Any:
+    return _lora_dot(w, x, True, params)
+
+
+@primitive_handler("dot_general")
+def _lora_rhs(primitive: Any, x: jax.Array, w: LoraArray, **params: Any) -> Any:
+    return _lora_dot(w, x, False, params)
+
+
+@primitive_handler("conv_general_dilated")
+def _lora_conv(primitive: Any, x: jax.Array, w: LoraArray, **params: Any) -> Any:
+    if not w.kernel_ndim or w.stack_ndim or params["feature_group_count"] != 1:
+        return NotImplemented
+    if params["batch_group_count"] != 1:
+        return NotImplemented
+    base = primitive.bind(x, w.weight, **params)
+    adapter_params = {**params, "preferred_element_type": None}
+    x_d = _dropout(x, w.lora_dropout, w.dropout_key).astype(w.lora_A.dtype)
+    t = primitive.bind(x_d, w.lora_A, **adapter_params)
+    _, rhs_spec, out_spec = params["dimension_numbers"]
+    n = w.kernel_ndim
+    pointwise = {
+        **adapter_params,
+        "window_strides": (1,) * n,
+        "padding": ((0, 0),) * n,
+        "lhs_dilation": (1,) * n,
+        "rhs_dilation": (1,) * n,
+        "dimension_numbers": lax.ConvDimensionNumbers(out_spec, rhs_spec, out_spec),
+    }
+    delta = primitive.bind(t, w.lora_B, **pointwise)
+    return base + (w.scaling * delta).astype(base.dtype)
+
+
+@primitive_handler("transpose")
+def _lora_transpose(primitive: Any, w: LoraArray, *, permutation: tuple[int, ...]) -> Any:
+    s = w.stack_ndim
+    if w.kernel_ndim or tuple(permutation) != (*range(s), s + 1, s):
+        return NotImplemented
+    # (W + s·B·A)ᵀ = Wᵀ + s·Aᵀ·Bᵀ: again a LoRA, with the factors' roles exchanged.
+    return eqx.tree_at(
+        lambda m: (m.weight, m.lora_A, m.lora_B),
+        w,
+        (
+            lax.transpose(w.weight, permutation),
+            jnp.swapaxes(w.lora_B, -1, -2),
+            jnp.swapaxes(w.lora_A, -1, -2),
+        ),
+    )
+
+
+@primitive_handler("convert_element_type")
+def _lora_astype(primitive: Any, w: _AbstractLowRank, **params: Any) -> Any:
+    if not jnp.issubdtype(params["new_dtype"], jnp.floating):
+        return NotImplemented
+    return eqx.tree_at(lambda m: m.weight, w, primitive.bind(w.weight, **params))
+
+
+# --------------------------------------------------------------------------------------
+# Construction
+
+
+def lora(
+    weight: Any,
+    *,
+    r: int = 8,
+    lora_alpha: float = 8.0,
+    init: LoraInit = "default",
+    use_rslora: bool = False,
+    lora_dropout: float = 0.0,
+    dtype: Any = jnp.float32,
+    key: PRNGKeyArray,
+) -> LoraArray:
+    """Wrap `weight` in a `LoraArray` with fresh factors, initialized as HF PEFT does.
+
+    **Arguments:**
+
+    - `weight`: a `Linear` weight `(out, in)` or `Conv` weight `(out, in, *kernel)`; dense
+      or implicit (e.g. `NF4Array` for QLoRA).
+    - `r`, `lora_alpha`, `use_rslora`, `lora_dropout`: as in `peft.LoraConfig`.
+    - `init`: PEFT's `init_lora_weights`. `"default"` (`True`): `lora_A` Kaiming-uniform,
+      `lora_B` zeros, so the output equals the base model's. `"gaussian"`: `lora_A` normal
+      with std `1/r`, `lora_B` zeros. `"pissa"`: the top-`r` singular triplets of `W` go
+      into the factors and `W` is replaced by the residual (same output as the base).
+      `"random"` (`False`): both factors random, for tests.
+    - `dtype`: the factors' dtype (PEFT keeps adapters in float32).
+    - `key`: a JAX PRNG key.
+
+    **Returns:**
+
+    A `LoraArray`.
+    """
+    shape = tuple(weight.shape)
+    if len(shape) < 2:
+        raise ValueError(f"LoRA needs a weight of 2 or more dimensions, got shape {shape}.")
+    _check_rank(r, shape)
+    out, in_, kernel = shape[0], shape[1], shape[2:]
+    a_shape, b_shape = (r, in_, *kernel), (out, r, *(1,) * len(kernel))
+    a_key, b_key = jax.random.split(key)
+    # Kaiming-uniform with a=sqrt(5), PyTorch's default for Linear/Conv weights.
+    a_bound = 1.0 / math.sqrt(in_ * math.prod(kernel))
+    if init == "pissa":
+        weight, lora_A, lora_B = _pissa(weight, r, lora_alpha, use_rslora, dtype)
+    elif init in ("default", "gaussian", "random"):
+        if init == "gaussian":
+            lora_A = jax.random.normal(a_key, a_shape, dtype) / r
+        else:
+            lora_A = jax.random.uniform(a_key, a_shape, dtype, -a_bound, a_bound)
+        if init == "random":
+            b_bound = 1.0 / math.sqrt(r)
+            lora_B = jax.random.uniform(b_key, b_shape, dtype, -b_bound, b_bound)
+        else:
+            lora_B = jnp.zeros(b_shape, dtype)
+    else:
+        raise ValueError(
+            f"unknown LoRA init {init!r}; expected one of 'default', 'gaussian', 'pissa', "
+            "'random'."
+        )
+    return LoraArray(
+        weight,
+        lora_A,
+        lora_B,
+        lora_alpha=lora_alpha,
+        use_rslora=use_rslora,
+        lora_dropout=lora_dropout,
+    )
+
+
+def _pissa(
+    weight: Any, r: int, lora_alpha: float, use_rslora: bool, dtype: Any
+) -> tuple[Array, Array, Array]:
+    if isinstance(weight, ImplicitArray) or weight.ndim != 2:
+        raise TypeError(
+            "PiSSA initialization needs a dense 2-D floating-point weight; quantize the "
+            f"residual afterwards. Got {type(weight).__name__} of shape {tuple(weight.shape)}."
+        )
+    if not jnp.issubdtype(weight.dtype, jnp.floating):
+        raise TypeError(f"PiSSA needs a floating-point weight, got dtype {weight.dtype}.")
+    scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
+    u, s, vh = jnp.linalg.svd(weight.astype(jnp.float32), full_matrices=False)
+    root = jnp.sqrt(s[:r] / scaling)
+    lora_A = root[:, None] * vh[:r]
+    lora_B = u[:, :r] * root[None, :]
+    residual = weight.astype(jnp.float32) - scaling * lora_B @ lora_A
+    return residual.astype(weight.dtype), lora_A.astype(dtype), lora_B.astype(dtype)
+
+
+def with_dropout(tree: Any, key: PRNGKeyArray) -> Any:
+    """Give every adapter in `tree` a fresh dropout key (training mode).
+
+    Call it inside the jitted loss with a new key each step. Under `jax.vmap` over
+    examples, the adapters see one example at a time and share the mask unless the keys
+    are batched too; see the README.
+    """
+    adapters = [x for x in jax.tree.leaves(tree, is_leaf=_has_dropout) if _has_dropout(x)]
+    keys = list(jax.random.split(key, max(len(adapters), 1)))
+    return jax.tree.map(
+        lambda x: _set_key(x, keys.pop()) if _has_dropout(x) else x, tree, is_leaf=_has_dropout
+    )
+
+
+def without_dropout(tree: Any) -> Any:
+    """Remove every adapter's dropout key (inference mode)."""
+    return jax.tree.map(
+        lambda x: _set_key(x, None) if _has_dropout(x) else x, tree, is_leaf=_has_dropout
+    )
+
+
+def _has_dropout(x: Any) -> bool:
+    return isinstance(x, _AbstractLowRank)
+
+
+def _set_key(x: _AbstractLowRank, key: PRNGKeyArray | None) -> _AbstractLowRank:
+    return eqx.tree_at(lambda m: m.dropout_key, x, key, is_leaf=lambda n: n is None)
+
+
+def unmerge(merged: Array, adapter: _AbstractLowRank) -> _AbstractLowRank:
+    """The adapter on the base weight recovered from `merged = W + s·B·A` (LoRA) or from
+    its DoRA counterpart."""
+    if isinstance(adapter, DoraArray):
+        merged = merged * (adapter.weight_norm() / adapter.lora_magnitude_vector)[..., None]
+    base = merged - adapter.delta().astype(merged.dtype)
+    return eqx.tree_at(lambda m: m.weight, adapter, base.astype(merged.dtype))
+
+
+# --------------------------------------------------------------------------------------
+# DoRA
+
+
+class DoraArray(_AbstractLowRank):
+    """DoRA: `m ⊙ (W + s·B·A) / ‖W + s·B·A‖`, the norm taken per output row.
+
+    As in HF PEFT (and the DoRA paper, §4.3) the norm is treated as a constant for
+    gradients. It is computed from the factors (`W·Aᵀ` and `A·Aᵀ` are small), so no
+    weight-sized array is formed. `lora_magnitude_vector` has shape `(out,)`. Products
+    with the weight in any layout are handled; `transpose(dora)` itself is not (it is
+    materialized, with a warning).
+    """
+
+    lora_magnitude_vector: Array
+
+    def __init__(
+        self,
+        weight: Any,
+        lora_A: Array,
+        lora_B: Array,
+        lora_magnitude_vector: Array,
+        *,
+        lora_alpha: float,
+        use_rslora: bool = False,
+        lora_dropout: float = 0.0,
+        dropout_key: PRNGKeyArray | None = None,
+    ):
+        _init_low_rank(
+            self, weight, lora_A, lora_B, lora_alpha, use_rslora, lora_dropout, dropout_key
+        )
+        if len(weight.shape) != 2:
+            raise ValueError(
+                f"DoRA supports Linear weights (out, in) only, got shape {tuple(weight.shape)}."
+            )
+        if tuple(lora_magnitude_vector.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"lora_magnitude_vector must have shape ({weight.shape[0]},), one entry per "
+                f"output feature, got {tuple(lora_magnitude_vector.shape)}."
+            )
+        self.lora_magnitude_vector = lora_magnitude_vector
+
+    def weight_norm(self) -> Array:
+        """`‖W + s·B·A‖` per output row, without forming the weight-sized sum."""
+        return _dora_norm(self)
+
+    def materialize(self) -> Array:
+        w = materialize(self.weight)
+        dense = w + self.delta().astype(w.dtype)
+        return dense * (self.lora_magnitude_vector / self.weight_norm())[..., None].astype(w.dtype)
+
+
+def _dora_norm(lora: _AbstractLowRank) -> Array:
+    w = materialize(lora.weight).astype(jnp.float32)
+    a = lora.lora_A.astype(jnp.float32)
+    b = lora.lora_B.astype(jnp.float32)
+    s = lora.scaling
+    # ‖w + s·b·a‖² = ‖w‖² + 2s·⟨w, b·a⟩ + s²·⟨b·(a·aᵀ), b⟩, row by row
+    wa = jnp.matmul(w, jnp.swapaxes(a, -1, -2))
+    aa = jnp.matmul(a, jnp.swapaxes(a, -1, -2))
+    sq = jnp.sum(w * w, -1) + 2 * s * jnp.sum(wa * b, -1) + s * s * jnp.sum((b @ aa) * b, -1)
+    return lax.stop_gradient(jnp.sqrt(jnp.maximum(sq, 0.0)))
+
+
+def dora(lora_array: LoraArray) -> DoraArray:
+    """DoRA from a LoRA: the magnitude starts at the row norms, so the output is unchanged."""
+    x = lora_array
+    return DoraArray(
+        x.weight,
+        x.lora_A,
+        x.lora_B,
+        _dora_norm(x).astype(x.lora_A.dtype),
+        lora_alpha=x.lora_alpha,
+        use_rslora=x.use_rslora,
+        lora_dropout=x.lora_dropout,
+        dropout_key=x.dropout_key,
+    )
+
+
+def _dora_dot(w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    stack, out_l = p.w[: w.stack_ndim], p.w[w.stack_ndim]
+    scale = w.lora_magnitude_vector / _dora_norm(w)
+    if out_l in p.x:  # W's rows meet x: (diag(m/‖·‖)·V)·x == V·(m/‖·‖ ⊙ x)
+        x = x * p.along(scale.astype(x.dtype), (*stack, out_l), p.x)
+        return _lora_dot(w, x, w_is_lhs, params)
+    terms = _lora_terms(w, x, w_is_lhs, params)
+    if terms is None:
+        return NotImplemented
+    base, base_d, delta = terms
+    scale = p.along(scale.astype(base.dtype), (*stack, out_l), p.out)
+    # PEFT's form: base(x) + (m/‖·‖ - 1)·base(dropout(x)) + m/‖·‖ · s·B·A·dropout(x)
+    return base + (scale - 1) * base_d + scale * jnp.asarray(w.scaling, base.dtype) * delta
+
+
+@primitive_handler("dot_general")
+def _dora_lhs(primitive: Any, w: DoraArray, x: jax.Array, **params: Any) -> Any:
+    return _dora_dot(w, x, True, params)
+
+
+@primitive_handler("dot_general")
+def _dora_rhs(primitive: Any, x: jax.Array, w: DoraArray, **params: Any) -> Any:
+    return _dora_dot(w, x, False, params)
