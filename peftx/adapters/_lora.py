@@ -54,9 +54,9 @@ def _init_low_rank(
     weight: Any,
     lora_A: Array,
     lora_B: Array,
-    lora_alpha: float,
+    lora_alpha: float | int,
     use_rslora: bool,
-    lora_dropout: float,
+    lora_dropout: float | int,
     dropout_key: PRNGKeyArray | None,
 ) -> None:
     _check_factors(weight, lora_A, lora_B, lora_dropout)
@@ -92,9 +92,9 @@ class LoraArray(_AbstractLowRank):
         lora_A: Array,
         lora_B: Array,
         *,
-        lora_alpha: float,
+        lora_alpha: float | int,
         use_rslora: bool = False,
-        lora_dropout: float = 0.0,
+        lora_dropout: float | int = 0.0,
         dropout_key: PRNGKeyArray | None = None,
     ):
         _init_low_rank(
@@ -263,10 +263,10 @@ def lora(
     weight: Any,
     *,
     r: int = 8,
-    lora_alpha: float = 8.0,
+    lora_alpha: float | int = 8.0,
     init: LoraInit = "default",
     use_rslora: bool = False,
-    lora_dropout: float = 0.0,
+    lora_dropout: float | int = 0.0,
     dtype: Any = jnp.float32,
     key: PRNGKeyArray,
 ) -> LoraArray:
@@ -312,8 +312,7 @@ def lora(
             lora_B = jnp.zeros(b_shape, dtype)
     else:
         raise ValueError(
-            f"unknown LoRA init {init!r}; expected one of 'default', 'gaussian', 'pissa', "
-            "'random'."
+            f"unknown LoRA init {init!r}; expected one of 'default', 'gaussian', 'pissa', 'random'."
         )
     return LoraArray(
         weight,
@@ -326,7 +325,7 @@ def lora(
 
 
 def _pissa(
-    weight: Any, r: int, lora_alpha: float, use_rslora: bool, dtype: Any
+    weight: Any, r: int, lora_alpha: float | int, use_rslora: bool, dtype: Any
 ) -> tuple[Array, Array, Array]:
     if isinstance(weight, ImplicitArray) or weight.ndim != 2:
         raise TypeError(
@@ -391,9 +390,7 @@ class DoraArray(_AbstractLowRank):
 
     As in HF PEFT (and the DoRA paper, §4.3) the norm is treated as a constant for
     gradients. It is computed from the factors (`W·Aᵀ` and `A·Aᵀ` are small), so no
-    weight-sized array is formed. `lora_magnitude_vector` has shape `(out,)`. Products
-    with the weight in any layout are handled; `transpose(dora)` itself is not (it is
-    materialized, with a warning).
+    weight-sized array is formed. `lora_magnitude_vector` has shape `(out,)`.
     """
 
     lora_magnitude_vector: Array
@@ -405,9 +402,9 @@ class DoraArray(_AbstractLowRank):
         lora_B: Array,
         lora_magnitude_vector: Array,
         *,
-        lora_alpha: float,
+        lora_alpha: float | int,
         use_rslora: bool = False,
-        lora_dropout: float = 0.0,
+        lora_dropout: float | int = 0.0,
         dropout_key: PRNGKeyArray | None = None,
     ):
         _init_low_rank(

@@ -19,3 +19,4 @@ from ._core import (
     strict as strict,
     use_implicit_args as use_implicit_args,
 )
+from ._transposed import Transposed as Transposed

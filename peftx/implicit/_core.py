@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -117,7 +118,29 @@ def use_implicit_args(fn: _F) -> _F:
         # A bound method (e.g. `model.__call__`) hides its object from pytree flattening;
         # expose it so implicit arrays inside the object are seen.
         fn = jtu.Partial(fn.__func__, fn.__self__)
-    return quax.quaxify(fn)
+    return _ImplicitFunction(quax.quaxify(fn))
+
+
+class _ImplicitFunction(eqx.Module):
+    fn: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for x in jtu.tree_leaves((args, kwargs), is_leaf=is_implicit):
+            if is_implicit(x):
+                _check_complete(x)
+        return self.fn(*args, **kwargs)
+
+
+def _check_complete(x: ImplicitArray) -> None:
+    try:
+        x.aval()
+    except (AttributeError, TypeError) as e:
+        raise TypeError(
+            f"use_implicit_args got a {type(x).__name__} with missing fields, as one half of "
+            "`eqx.partition` leaves it. Combine the halves before the implicit arrays are "
+            "used: `use_implicit_args(model_fn)(eqx.combine(trainable, frozen), x)` inside "
+            "the function you differentiate."
+        ) from e
 
 
 def default_handler(primitive: Any, *args: Any, **params: Any) -> Any:
