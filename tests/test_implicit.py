@@ -427,3 +427,27 @@ def test_implicit_array_in_a_closure_gets_a_clear_error(getkey):
     w = _lora(getkey())
     with pytest.raises(TypeError, match="outside `use_implicit_args`.*as arguments"):
         use_implicit_args(lambda x: x @ w)(jnp.ones((2, 5)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=dot_general_case(), data=st.data(), seed=st.integers(0, 2**16))
+def test_products_with_a_transposed_implicit_array(case, data, seed):
+    """`transpose` of an implicit array without a handler of its own stays lazy
+    (`Transposed`), and products with it go to the array's own handler."""
+    lhs_shape, rhs_shape, dims, _ = case
+    perm = tuple(data.draw(st.permutations(range(len(lhs_shape)))))
+    base_shape = [0] * len(lhs_shape)
+    for i, p in enumerate(perm):
+        base_shape[p] = lhs_shape[i]
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    base, rhs = random_scaled(k1, tuple(base_shape)), jax.random.normal(k2, rhs_shape)
+
+    def fn(a, b):
+        return jax.lax.dot_general(jnp.transpose(a, perm), b, dims)
+
+    with strict():
+        got = jax.jit(use_implicit_args(fn))(base, rhs)
+        flipped = use_implicit_args(lambda a: jnp.transpose(jnp.transpose(a, perm), perm))(base)
+    np.testing.assert_allclose(got, fn(base.materialize(), rhs), rtol=1e-4, atol=1e-4)
+    twice = jnp.transpose(jnp.transpose(base.materialize(), perm), perm)
+    np.testing.assert_allclose(dense_like(flipped), twice, rtol=1e-6)
