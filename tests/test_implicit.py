@@ -119,7 +119,7 @@ def dot_general_case(draw):
 _TOL = {jnp.float32: 1e-4, jnp.bfloat16: 5e-2, jnp.float16: 1e-2}
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     case=dot_general_case(),
     dtype=st.sampled_from(list(_TOL)),
@@ -429,7 +429,7 @@ def test_implicit_array_in_a_closure_gets_a_clear_error(getkey):
         use_implicit_args(lambda x: x @ w)(jnp.ones((2, 5)))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(case=dot_general_case(), data=st.data(), seed=st.integers(0, 2**16))
 def test_products_with_a_transposed_implicit_array(case, data, seed):
     """`transpose` of an implicit array without a handler of its own stays lazy

@@ -105,7 +105,7 @@ def weight_product(draw):
     return w_shape, x_shape, dims, w_first
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(case=weight_product(), seed=st.integers(0, 2**16))
 def test_lora_dot_general_any_layout(case, seed):
     w_shape, x_shape, dims, w_first = case
