@@ -287,16 +287,18 @@ def test_with_dropout_gives_each_adapter_its_own_key(getkey):
 # ---------------------------------------------------------------- models
 
 
-def _stacked_lora_layers(key, n=4, d=6, r=2):
+def _stacked_lora_layers(key, n=4, d=6, r=2, use_dora=False):
     def make(k):
         kw, kl = jax.random.split(k)
-        return lora(jax.random.normal(kw, (d, d)) / 2, r=r, lora_alpha=4.0, init="random", key=kl)
+        w = lora(jax.random.normal(kw, (d, d)) / 2, r=r, lora_alpha=4.0, init="random", key=kl)
+        return dora(w) if use_dora else w
 
     return eqx.filter_vmap(make)(jax.random.split(key, n))
 
 
-def test_scan_over_stacked_lora_layers(getkey):
-    layers = _stacked_lora_layers(getkey())
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_scan_over_stacked_lora_layers(getkey, use_dora):
+    layers = _stacked_lora_layers(getkey(), use_dora=use_dora)
     x = jax.random.normal(getkey(), (3, 6))
     params, static = eqx.partition(layers, lambda a: a is not layers.weight and eqx.is_array(a))
 
