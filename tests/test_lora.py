@@ -455,3 +455,16 @@ def test_conv2d_matches_peft():
     with strict():
         out = use_implicit_args(conv)(x_np)
     _close(out, _torch(layer(torch.tensor(x_np)[None]))[0], tol=1e-5)
+
+
+def test_forward_mode_through_a_lora_product_is_refused(getkey):
+    """The explicit backward (token-major, see `_low_rank`) is a `custom_vjp`, so forward
+    mode is not available through LoRA products; reverse mode and its nesting are."""
+    w = _random_lora(getkey())
+    x = jax.random.normal(getkey(), (5,))
+    f = use_implicit_args(lambda w, x: jnp.tanh(w @ x))
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda x: f(w, x), (x,), (jnp.ones(5),))
+    hess = jax.hessian(lambda x: jnp.sum(f(w, x)))(x)
+    want = jax.hessian(lambda x: jnp.sum(jnp.tanh(w.materialize() @ x)))(x)
+    _close(hess, want, tol=1e-4)

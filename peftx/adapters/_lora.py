@@ -11,7 +11,7 @@ from jax import lax
 from jaxtyping import Array, PRNGKeyArray
 
 from ..implicit import ImplicitArray, materialize, primitive_handler
-from ._layout import WeightProduct
+from ._layout import Labels, WeightProduct
 
 LoraInit = Literal["default", "gaussian", "pissa", "random"]
 
@@ -164,9 +164,9 @@ def _dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
 def _lora_terms(
     w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]
 ) -> tuple[Array, Array, Array] | None:
-    """`(W·x, W·x_dropped, (B·A)·x_dropped)`, each in the original product's output order,
-    computed token-major (`x` on the left) and without forming `B·A`. None when the
-    layout is not one a low-rank product can follow."""
+    """`(W·x, W·x_dropped, scaling·(B·A)·x_dropped)`, each in the original product's output
+    order and dtype, computed token-major (`x` on the left) and without forming `B·A`. None
+    when the layout is not one a low-rank product can follow."""
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
     s = w.stack_ndim
     stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
@@ -182,9 +182,66 @@ def _lora_terms(
     base_d = base if x_d is x else p.arrange(*p.contract(x_d, p.x, w.weight, p.w))
     # The adapters keep their own dtype (PEFT computes them in float32 for half bases).
     adapter = dataclasses.replace(p, preferred_element_type=None)
-    t, t_labels = adapter.contract(x_d.astype(w.lora_A.dtype), p.x, *first)
-    delta = adapter.arrange(*adapter.contract(t, t_labels, *second))
-    return base, base_d, delta.astype(base.dtype)
+    delta = _low_rank(adapter, first[1], second[1], w.scaling, base.dtype)(
+        x_d.astype(w.lora_A.dtype), first[0], second[0]
+    )
+    return base, base_d, delta
+
+
+def _low_rank(
+    p: WeightProduct, first_labels: Labels, second_labels: Labels, scaling: float, dtype: Any
+) -> Any:
+    """`f(x, first, second) = scaling · second·(first·x)`, in `p.out` order and `dtype`,
+    with its backward written out.
+
+    Autodiff would contract the output's cotangent over the token axes with the cotangent
+    on the left, which XLA on CPU serves by a transposed copy of that (activation-sized)
+    cotangent; the copy absorbs the elementwise ops that produce the cotangent, and it is
+    made again for every consumer. The products below keep the small `(tokens, r)` arrays
+    on the left and the cotangent and `x` in their token-major layout, and put `scaling` on
+    the small arrays, so the cotangent reaching this product is used as it arrives (shared
+    with `W`'s own backward). Reverse mode only: a `custom_vjp` has no forward mode.
+    """
+    t_labels = _result_labels(p, p.x, first_labels)
+
+    def into(target: Labels, a: Array, la: Labels, b: Array, lb: Labels) -> Array:
+        q = dataclasses.replace(p, out=target)
+        return q.arrange(*q.contract(a, la, b, lb))
+
+    def forward(x: Array, first: Array, second: Array) -> tuple[Array, Array]:
+        t = into(t_labels, x, p.x, first, first_labels)
+        delta = p.arrange(*p.contract(t, t_labels, second, second_labels))
+        return jnp.asarray(scaling, dtype) * delta.astype(dtype), t
+
+    @jax.custom_vjp
+    def low_rank(x: Array, first: Array, second: Array) -> Array:
+        return forward(x, first, second)[0]
+
+    def low_rank_fwd(x: Array, first: Array, second: Array) -> tuple[Array, tuple]:
+        out, t = forward(x, first, second)
+        return out, (x, first, second, t)
+
+    def low_rank_bwd(res: tuple, ct: Array) -> tuple[Array, Array, Array]:
+        x, first, second, t = res
+        ct = ct.astype(x.dtype)
+        ct_t = scaling * into(t_labels, ct, p.out, second, second_labels)
+        d_second = into(second_labels, scaling * t, t_labels, ct, p.out)
+        d_x = into(p.x, ct_t, t_labels, first, first_labels)
+        d_first = into(first_labels, ct_t, t_labels, x, p.x)
+        return d_x, d_first, d_second
+
+    low_rank.defvjp(low_rank_fwd, low_rank_bwd)
+    return low_rank
+
+
+def _result_labels(p: WeightProduct, la: Labels, lb: Labels) -> Labels:
+    """The labels of `p.contract(a, la, b, lb)`: batch, then `a`'s free, then `b`'s free."""
+    shared = [lab for lab in la if lab in lb]
+    return (
+        *(lab for lab in shared if lab in p.out),
+        *(lab for lab in la if lab not in shared),
+        *(lab for lab in lb if lab not in shared),
+    )
 
 
 def _lora_dot(w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
@@ -194,7 +251,7 @@ def _lora_dot(w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, A
     if terms is None:
         return NotImplemented
     base, _, delta = terms
-    return base + jnp.asarray(w.scaling, base.dtype) * delta
+    return base + delta
 
 
 @primitive_handler("dot_general")
@@ -471,7 +528,7 @@ def _dora_dot(w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
     base, base_d, delta = terms
     scale = p.along(scale.astype(base.dtype), (*stack, out_l), p.out)
     # PEFT's form: base(x) + (m/‖·‖ - 1)·base(dropout(x)) + m/‖·‖ · s·B·A·dropout(x)
-    return base + (scale - 1) * base_d + scale * jnp.asarray(w.scaling, base.dtype) * delta
+    return base + (scale - 1) * base_d + scale * delta
 
 
 @primitive_handler("dot_general")

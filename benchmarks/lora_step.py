@@ -1,0 +1,373 @@
+"""One LoRA training step on a GPT-2-style decoder: full fine-tuning, a hand-written
+Equinox LoRA layer, and peftx's `LoraArray`, measured side by side in one run.
+
+The model is written the idiomatic Equinox way: one sequence at a time, every
+`eqx.nn.Linear` applied per token with `jax.vmap`, the batch added by `jax.vmap` over
+sequences. LoRA (r=8, alpha=16) goes on q, k, v, o, fc and proj of every block. Each
+step is next-token cross-entropy, `optax.adamw`, under `eqx.filter_jit`; the times are
+medians over `--steps` steps taken round-robin across the variants (so drifts of the
+machine hit every variant alike), warm-up excluded.
+
+The peftx variants:
+
+- `peftx LoRA (batch vmap outside)`: `jax.vmap` over the batch of
+  `use_implicit_args(lambda m, t: m(t))(model, tokens)`; the per-token `vmap`s of the
+  model run inside `use_implicit_args`, so the handler sees `(tokens, features)` products,
+  which the outer batch `vmap` then batches.
+- `peftx LoRA (all vmaps inside)`: `use_implicit_args(lambda m, b: jax.vmap(m)(b))`: the
+  handler sees the whole `(batch, tokens, features)` product.
+
+Before timing: the peftx loss and gradients are checked against the hand-written layer on
+the same weights, and each peftx step is traced under `peftx.implicit.strict()`, so no
+weight is ever materialized.
+
+Run: `python benchmarks/lora_step.py [--layers 6] [--steps 7] [--hlo]`. `--hlo` also
+prints, for each variant, how much the optimized HLO copies and transposes activations:
+on CPU, autodiff's factor gradients contract the output cotangent over the tokens with
+the cotangent on the left, and XLA serves that with a transposed copy into which it fuses
+(and so recomputes, layer after layer) the elementwise ops producing the cotangent. The
+LoRA handler's explicit backward avoids it; full fine-tuning cannot (its `dW` needs it).
+"""
+
+import argparse
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+import peftx
+from peftx.implicit import strict, use_implicit_args
+
+D_MODEL, HEADS, VOCAB, SEQ, BATCH = 512, 8, 1024, 128, 8
+RANK, ALPHA = 8, 16
+TARGETS = ("q", "k", "v", "o", "fc", "proj")
+
+
+# --------------------------------------------------------------------------------------
+# The model
+
+
+class Block(eqx.Module):
+    ln1: eqx.nn.LayerNorm
+    q: eqx.nn.Linear
+    k: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+    ln2: eqx.nn.LayerNorm
+    fc: eqx.nn.Linear
+    proj: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+
+    def __init__(self, d: int, heads: int, *, key: PRNGKeyArray):
+        kq, kk, kv, ko, kf, kp = jax.random.split(key, 6)
+        self.ln1, self.ln2 = eqx.nn.LayerNorm(d), eqx.nn.LayerNorm(d)
+        self.q = eqx.nn.Linear(d, d, key=kq)
+        self.k = eqx.nn.Linear(d, d, key=kk)
+        self.v = eqx.nn.Linear(d, d, key=kv)
+        self.o = eqx.nn.Linear(d, d, key=ko)
+        self.fc = eqx.nn.Linear(d, 4 * d, key=kf)
+        self.proj = eqx.nn.Linear(4 * d, d, key=kp)
+        self.heads = heads
+
+    def __call__(self, x: Float[Array, "seq d"]) -> Float[Array, "seq d"]:
+        seq, d = x.shape
+        h = jax.vmap(self.ln1)(x)
+        split = lambda y: y.reshape(seq, self.heads, d // self.heads)  # noqa: E731
+        q, k, v = (split(jax.vmap(lin)(h)) for lin in (self.q, self.k, self.v))
+        scores = jnp.einsum("thd,shd->hts", q, k) / math.sqrt(d // self.heads)
+        causal = jnp.tril(jnp.ones((seq, seq), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        att = jnp.einsum("hts,shd->thd", jax.nn.softmax(scores, axis=-1), v).reshape(seq, d)
+        x = x + jax.vmap(self.o)(att)
+        h = jax.nn.gelu(jax.vmap(self.fc)(jax.vmap(self.ln2)(x)))
+        return x + jax.vmap(self.proj)(h)
+
+
+class GPT(eqx.Module):
+    tok: eqx.nn.Embedding
+    pos: eqx.nn.Embedding
+    blocks: list[Block]
+    ln_f: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, layers: int, *, key: PRNGKeyArray):
+        kt, kp, kh, *kb = jax.random.split(key, 3 + layers)
+        self.tok = eqx.nn.Embedding(VOCAB, D_MODEL, key=kt)
+        self.pos = eqx.nn.Embedding(SEQ, D_MODEL, key=kp)
+        self.blocks = [Block(D_MODEL, HEADS, key=k) for k in kb]
+        self.ln_f = eqx.nn.LayerNorm(D_MODEL)
+        self.head = eqx.nn.Linear(D_MODEL, VOCAB, use_bias=False, key=kh)
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        x = jax.vmap(self.tok)(tokens) + jax.vmap(self.pos)(jnp.arange(tokens.shape[0]))
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(jax.vmap(self.ln_f)(x))
+
+
+def next_token_loss(logits: Float[Array, "batch seq vocab"], batch: Int[Array, "batch seq"]):
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch[:, 1:]).mean()
+
+
+# --------------------------------------------------------------------------------------
+# Adapters
+
+
+class LoraLinear(eqx.Module):
+    """The hand-written LoRA layer: `W @ x + b + s · B @ (A @ x)` for one vector `x`."""
+
+    weight: Array
+    bias: Array
+    lora_A: Array
+    lora_B: Array
+    scaling: float = eqx.field(static=True)
+
+    def __call__(self, x: Float[Array, " in"]) -> Float[Array, " out"]:
+        return self.weight @ x + self.bias + self.scaling * (self.lora_B @ (self.lora_A @ x))
+
+
+def _targets(model: GPT) -> list[eqx.nn.Linear]:
+    return [getattr(b, name) for b in model.blocks for name in TARGETS]
+
+
+def with_peftx_lora(model: GPT, *, key: PRNGKeyArray) -> GPT:
+    """Every target weight replaced by a `peftx.adapters.lora` array (random factors,
+    so the adapter path is not all zeros and the gradient check means something)."""
+    layers = _targets(model)
+    keys = jax.random.split(key, len(layers))
+    adapted = [
+        peftx.adapters.lora(lin.weight, r=RANK, lora_alpha=ALPHA, init="random", key=k)
+        for lin, k in zip(layers, keys)
+    ]
+    return eqx.tree_at(lambda m: [lin.weight for lin in _targets(m)], model, adapted)
+
+
+def with_hand_lora(peftx_model: GPT) -> GPT:
+    """The hand-written layer on exactly the weights and factors of `peftx_model`."""
+    layers = [
+        LoraLinear(lin.weight.weight, lin.bias, lin.weight.lora_A, lin.weight.lora_B,
+                   lin.weight.scaling)
+        for lin in _targets(peftx_model)
+    ]  # fmt: skip
+    return eqx.tree_at(_targets, peftx_model, layers)
+
+
+def lora_filter(model: GPT) -> Any:
+    """Trainable = the `lora_A`/`lora_B` leaves, for `eqx.partition`."""
+
+    def is_factor(path: tuple[Any, ...], leaf: Any) -> bool:
+        return eqx.is_array(leaf) and getattr(path[-1], "name", None) in ("lora_A", "lora_B")
+
+    return jax.tree_util.tree_map_with_path(is_factor, model)
+
+
+# --------------------------------------------------------------------------------------
+# Losses and steps
+
+
+def dense_loss(model: GPT, batch: Int[Array, "batch seq"]) -> Array:
+    return next_token_loss(jax.vmap(model)(batch), batch)
+
+
+def peftx_loss_batch_outside(model: GPT, batch: Int[Array, "batch seq"]) -> Array:
+    logits = jax.vmap(lambda t: use_implicit_args(lambda m, t: m(t))(model, t))(batch)
+    return next_token_loss(logits, batch)
+
+
+def peftx_loss_all_inside(model: GPT, batch: Int[Array, "batch seq"]) -> Array:
+    logits = use_implicit_args(lambda m, b: jax.vmap(m)(b))(model, batch)
+    return next_token_loss(logits, batch)
+
+
+def make_step(loss: Callable[[GPT, Array], Array], optim: optax.GradientTransformation):
+    def loss_fn(trainable: GPT, frozen: GPT, batch: Array) -> Array:
+        return loss(eqx.combine(trainable, frozen), batch)
+
+    @eqx.filter_jit
+    def step(trainable: GPT, frozen: GPT, opt_state: Any, batch: Array):
+        value, grads = eqx.filter_value_and_grad(loss_fn)(trainable, frozen, batch)
+        updates, opt_state = optim.update(grads, opt_state, trainable)
+        return eqx.apply_updates(trainable, updates), opt_state, value
+
+    return step, loss_fn
+
+
+class Variant:
+    def __init__(self, name: str, model: GPT, spec: Any, loss: Callable, optim: Any):
+        self.name = name
+        self.trainable, self.frozen = eqx.partition(model, spec)
+        self.opt_state = optim.init(self.trainable)
+        self.step, self.loss_fn = make_step(loss, optim)
+        self.times: list[float] = []
+
+    def run(self, batch: Array) -> float:
+        t0 = time.perf_counter()
+        self.trainable, self.opt_state, value = self.step(
+            self.trainable, self.frozen, self.opt_state, batch
+        )
+        jax.block_until_ready((self.trainable, self.opt_state, value))
+        return time.perf_counter() - t0
+
+    def hlo(self, batch: Array) -> str:
+        lowered = self.step.lower(self.trainable, self.frozen, self.opt_state, batch)
+        return lowered.compile().compiled.as_text()  # equinox's wrapper, then JAX's
+
+
+# --------------------------------------------------------------------------------------
+# Checks and reports
+
+
+def check_against_hand_written(hand: GPT, lora: GPT, batch: Array, tol: float = 1e-5) -> str:
+    spec_h, spec_p = lora_filter(hand), lora_filter(lora)
+    th, fh = eqx.partition(hand, spec_h)
+    tp, fp = eqx.partition(lora, spec_p)
+    want = jax.jit(jax.value_and_grad(lambda t, f: dense_loss(eqx.combine(t, f), batch)))(th, fh)
+    gh = [g for g in jax.tree.leaves(want[1])]
+    worst = 0.0
+    for loss in (peftx_loss_batch_outside, peftx_loss_all_inside):
+        with strict():
+            got = eqx.filter_jit(
+                jax.value_and_grad(lambda t, f, loss=loss: loss(eqx.combine(t, f), batch))
+            )(tp, fp)
+        gp = jax.tree.leaves(got[1])
+        if len(gp) != len(gh) or len(gp) != 2 * len(TARGETS) * len(hand.blocks):
+            raise SystemExit(f"gradient leaves differ: {len(gp)} vs {len(gh)}")
+        np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
+        for a, b in zip(gp, gh):
+            scale = float(jnp.max(jnp.abs(b)))
+            err = float(jnp.max(jnp.abs(a - b)))
+            worst = max(worst, err / scale)
+            if err > tol * max(scale, 1.0):
+                raise SystemExit(f"{loss.__name__}: gradient differs by {err:.2e} (max {scale})")
+    return f"loss {float(want[0]):.6f}; max gradient difference / max gradient {worst:.1e}"
+
+
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\((.*)$")
+
+
+def _elements(shape: str) -> int:
+    return sum(
+        math.prod(int(d) for d in dims.split(",") if d)
+        for dims in re.findall(r"\[([\d,]*)\]", shape)
+    )
+
+
+def hlo_summary(text: str) -> str:
+    """Where the optimized HLO moves activations around: the entry-level operations
+    (fusions, copies, transposes) that transpose or copy an activation-sized array, the
+    bytes they read, and the largest fan-in of an activation-sized fusion (a long chain of
+    elementwise ops that XLA fused, and so recomputes, instead of storing)."""
+    bodies: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        if line and not line[0].isspace():
+            m = re.match(r"^(?:ENTRY )?%?([\w.\-]+)", line)
+            current = m.group(1) if m else None
+            bodies[current] = []
+        elif current is not None:
+            bodies[current].append(line)
+    entry = text[text.index("ENTRY") :].splitlines()
+    shapes = {m.group(1): m.group(2) for line in entry if (m := _INSTR.match(line))}
+    act = BATCH * SEQ * D_MODEL
+    moves = n_moves = fan_in = 0
+    for line in entry:
+        m = _INSTR.match(line)
+        if not m or _elements(m.group(2)) < act:
+            continue
+        name, _, op, rest = m.groups()
+        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+        if op == "fusion":
+            body = bodies.get(re.search(r"calls=%([\w.\-]+)", rest).group(1), [])
+            moving = any(
+                (i := _INSTR.match(b)) and i.group(3) in ("copy", "transpose")
+                and _elements(i.group(2)) >= act
+                for b in body
+            )  # fmt: skip
+            if "__ynn_fusion" not in rest:
+                fan_in = max(fan_in, len(operands))
+        else:
+            moving = op in ("copy", "transpose")
+        if moving:
+            n_moves += 1
+            moves += sum(_elements(shapes.get(o, "")) for o in operands)
+    return (
+        f"{n_moves} activation-sized copy/transpose ops reading {4 * moves / 2**20:.0f} MiB; "
+        f"largest fusion fan-in {fan_in}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--hlo", action="store_true")
+    args = parser.parse_args()
+
+    model_key, lora_key, data_key = jax.random.split(jax.random.key(0), 3)
+    base = GPT(args.layers, key=model_key)
+    lora = with_peftx_lora(base, key=lora_key)
+    hand = with_hand_lora(lora)
+    batch = jax.random.randint(data_key, (BATCH, SEQ), 0, VOCAB)
+
+    print(check_against_hand_written(hand, lora, batch))
+
+    optim = optax.adamw(1e-4)
+    variants = [
+        Variant("full fine-tuning", base, eqx.is_inexact_array, dense_loss, optim),
+        Variant("hand-written LoraLinear", hand, lora_filter(hand), dense_loss, optim),
+        Variant("peftx LoRA (batch vmap outside)", lora, lora_filter(lora),
+                peftx_loss_batch_outside, optim),
+        Variant("peftx LoRA (all vmaps inside)", lora, lora_filter(lora),
+                peftx_loss_all_inside, optim),
+    ]  # fmt: skip
+
+    compile_s = {}
+    for v in variants:
+        t0 = time.perf_counter()
+        with strict():  # the first call traces: any materialization raises here
+            v.run(batch)
+        compile_s[v.name] = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        for v in variants:
+            v.run(batch)
+    for _ in range(args.steps):
+        for v in variants:
+            v.times.append(v.run(batch))
+
+    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(base, eqx.is_array)))
+    n_lora = sum(x.size for x in jax.tree.leaves(variants[2].trainable))
+    print(
+        f"\nGPT-2-style decoder: {args.layers} layers, d_model {D_MODEL}, {HEADS} heads, MLP 4x, "
+        f"vocab {VOCAB}, batch {BATCH}x{SEQ}; {n_params / 1e6:.1f}M params, LoRA r={RANK} on "
+        f"{','.join(TARGETS)} ({n_lora / 1e3:.0f}K trainable). jax {jax.__version__}, "
+        f"{jax.devices()[0].platform}; median of {args.steps} steps after {args.warmup} warm-up, "
+        "round-robin.\n"
+    )
+    print("| train step | median (ms) | min (ms) | vs full FT | first call (s) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    full = statistics.median(variants[0].times)
+    for v in variants:
+        med = statistics.median(v.times)
+        print(
+            f"| {v.name} | {1e3 * med:.0f} | {1e3 * min(v.times):.0f} | {med / full:.2f}x "
+            f"| {compile_s[v.name]:.1f} |"
+        )
+
+    if args.hlo:
+        print("\nOptimized HLO, per step:")
+        for v in variants:
+            print(f"- {v.name}: {hlo_summary(v.hlo(batch))}")
+
+
+if __name__ == "__main__":
+    main()
