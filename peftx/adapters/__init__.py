@@ -11,4 +11,11 @@ from ._lora import (
     with_dropout as with_dropout,
     without_dropout as without_dropout,
 )
+from ._merge import merge as merge
+from ._quantized import (
+    Int8Array as Int8Array,
+    NF4Array as NF4Array,
+    quantize_int8 as quantize_int8,
+    quantize_nf4 as quantize_nf4,
+)
 from ._zeros import Zeros as Zeros

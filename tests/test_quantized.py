@@ -1,0 +1,580 @@
+"""Quantized weights: NF4 bit for bit against bitsandbytes' algorithm (re-implemented here
+in PyTorch), round-trip bounds, the checkpoint format, and the `dot_general` handler
+against the materialized weight, in strict mode."""
+
+import json
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import peftx.adapters._quantized as quantized_module
+from peftx.adapters import Int8Array, NF4Array, lora, quantize_int8, quantize_nf4
+from peftx.implicit import (
+    MaterializationWarning,
+    materialization_policy,
+    strict,
+    use_implicit_args,
+)
+
+# bitsandbytes' NF4 code, index 0..15 (ANCHORS.md; `get_4bit_type("nf4")`).
+NF4_CODE = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+]  # fmt: skip
+# The thresholds written in bitsandbytes' CUDA kernel `dQuantizeNF4` (csrc/kernels.cu), in
+# increasing order: a value above threshold k gets a code above k.
+CUDA_NF4_THRESHOLDS = [
+    -0.8480964004993439, -0.6106329262256622, -0.4599952697753906, -0.33967943489551544,
+    -0.23460740596055984, -0.13791173323988914, -0.045525018125772476, 0.03979014977812767,
+    0.1202552504837513, 0.2035212516784668, 0.2920137718319893, 0.3893125355243683,
+    0.5016634166240692, 0.6427869200706482, 0.8614784181118011,
+]  # fmt: skip
+HALF_GAP = max(b - a for a, b in zip(NF4_CODE, NF4_CODE[1:])) / 2
+DTYPES = {
+    "float32": (jnp.float32, torch.float32),
+    "bfloat16": (jnp.bfloat16, torch.bfloat16),
+    "float16": (jnp.float16, torch.float16),
+}
+
+
+def _close(a, b, tol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+materialize = jax.jit(lambda a: a.materialize())  # one compilation per shape, not per op
+
+
+def _codes(packed):
+    """The 4-bit codes in storage order: high nibble first."""
+    packed = np.asarray(packed)
+    return np.stack([packed >> 4, packed & 15], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+# ---------------------------------------------------------------- a PyTorch reference
+
+
+def torch_quantize_nf4(w, blocksize):
+    """bitsandbytes' `quantize_4bit(quant_type="nf4")` as its CUDA kernel computes it."""
+    flat = w.reshape(-1).float()
+    n = flat.numel()
+    blocks = -(-n // blocksize)
+    padded = torch.zeros(blocks * blocksize)
+    padded[:n] = flat
+    x = padded.view(blocks, blocksize)
+    absmax = x.abs().amax(dim=1)
+    scaled = x * (1.0 / absmax)[:, None]
+    codes = (scaled[..., None] > torch.tensor(CUDA_NF4_THRESHOLDS)).sum(-1).to(torch.uint8)
+    codes = codes.reshape(-1)[: 2 * ((n + 1) // 2)]
+    return ((codes[0::2] << 4) | codes[1::2]).numpy(), absmax.numpy()
+
+
+def torch_dequantize_nf4(packed, absmax, blocksize, shape, dtype):
+    """bitsandbytes' `dequantize_4bit`: `code[nibble] * absmax[block]` in float32."""
+    packed = torch.tensor(np.asarray(packed))
+    nibbles = torch.stack([packed >> 4, packed & 15], dim=-1).reshape(-1).long()
+    values = torch.tensor(NF4_CODE)[nibbles]
+    scale = torch.tensor(np.asarray(absmax)).repeat_interleave(blocksize)
+    n = math.prod(shape)
+    return (values[:n] * scale[:n]).to(dtype).reshape(shape)
+
+
+def torch_dynamic_map():
+    """bitsandbytes' `create_dynamic_map()` (signed, 7 exponent bits)."""
+    data = []
+    for i in range(7):
+        bounds = torch.linspace(0.1, 1, 2**i + 1, dtype=torch.float32)
+        means = (bounds[:-1] + bounds[1:]) / 2.0
+        data += ((10 ** (-6 + i)) * means).tolist()
+        data += (-(10 ** (-6 + i)) * means).tolist()
+    data += [0, 1.0]
+    data.sort()
+    return torch.tensor(data, dtype=torch.float32)
+
+
+def torch_quantize_blockwise(a, code, blocksize):
+    """bitsandbytes' `quantize_blockwise` as its PyTorch backend computes it: the nearest
+    code by `argmin`."""
+    n = a.numel()
+    blocks = -(-n // blocksize)
+    padded = torch.zeros(blocks * blocksize)
+    padded[:n] = a
+    x = padded.view(blocks, blocksize)
+    absmax = x.abs().amax(dim=1)
+    scaled = torch.clamp(x * (1.0 / absmax)[:, None], -1, 1).reshape(-1)[:n]
+    codes = torch.argmin((scaled[:, None] - code).abs(), dim=-1).to(torch.uint8)
+    return codes.numpy(), absmax.numpy()
+
+
+# ---------------------------------------------------------------- the NF4 format
+
+
+def test_nf4_code_table_is_bitsandbytes():
+    every_code = jnp.array([0x01, 0x23, 0x45, 0x67, 0x89, 0xAB, 0xCD, 0xEF], jnp.uint8)
+    a = NF4Array(every_code, jnp.ones(1), shape=(16,), dtype=jnp.float32, blocksize=16)
+    np.testing.assert_array_equal(a.materialize(), np.array(NF4_CODE, np.float32))
+    np.testing.assert_array_equal(
+        a.to_bnb_dict()["weight.quant_map"], np.array(NF4_CODE, np.float32)
+    )
+
+
+def test_values_on_a_threshold_go_down_as_in_the_cuda_kernel():
+    t = np.array(CUDA_NF4_THRESHOLDS, np.float32)
+    above = np.nextafter(t, np.float32(2))
+    ones = np.ones_like(t)  # each block of 4 holds its absmax 1.0 first
+    w = np.stack([ones, t, above, 0 * t], axis=1)
+    codes = _codes(quantize_nf4(jnp.asarray(w), blocksize=4).packed).reshape(15, 4)
+    np.testing.assert_array_equal(codes[:, 0], 15)
+    np.testing.assert_array_equal(codes[:, 1], np.arange(15))
+    np.testing.assert_array_equal(codes[:, 2], np.arange(1, 16))
+    np.testing.assert_array_equal(codes[:, 3], 7)
+
+
+@pytest.mark.parametrize(
+    "weight,packed",
+    [([1.0, -1.0], [0xF0]), ([-1.0, 1.0], [0x0F]), ([1.0, -1.0, 1.0], [0xF0, 0xF7])],
+    ids=["first-high", "second-low", "odd-size-pads-with-code-of-zero"],
+)
+def test_first_element_in_the_high_nibble(weight, packed):
+    a = quantize_nf4(jnp.array(weight))
+    np.testing.assert_array_equal(a.packed, np.array(packed, np.uint8))
+    np.testing.assert_array_equal(a.materialize(), np.array(weight, np.float32))
+
+
+@pytest.mark.parametrize(
+    "shape,blocksize",
+    [((64, 64), 64), ((7,), 2), ((2, 3, 5), 4)],
+)
+def test_storage_is_half_a_byte_per_value_plus_absmaxes(shape, blocksize):
+    n = math.prod(shape)
+    a = quantize_nf4(jnp.ones(shape), blocksize=blocksize)
+    assert a.packed.dtype == jnp.uint8 and a.packed.shape == (math.ceil(n / 2),)
+    assert a.absmax.dtype == jnp.float32 and a.absmax.shape == (math.ceil(n / blocksize),)
+    assert a.nbytes == math.ceil(n / 2) + 4 * math.ceil(n / blocksize)
+    assert a.shape == shape and a.dtype == jnp.float32
+    assert a.to_bnb_dict()["weight"].shape == (math.ceil(n / 2), 1)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 24), min_size=1, max_size=3).map(tuple),
+    blocksize=st.sampled_from([2, 4, 6, 16, 64, 256]),
+    dtype=st.sampled_from(list(DTYPES)),
+    scale=st.sampled_from([1e-3, 1.0, 100.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_error_is_within_half_a_code_gap(shape, blocksize, dtype, scale, seed):
+    jdtype, _ = DTYPES[dtype]
+    w = (scale * np.random.default_rng(seed).standard_normal(shape)).astype(jdtype)
+    dense = jax.jit(lambda w: quantize_nf4(w, blocksize=blocksize).materialize())(w)
+    assert dense.dtype == jdtype
+    got = np.asarray(dense, np.float64).reshape(-1)
+    flat = np.asarray(w, np.float64).reshape(-1)
+    padded = np.pad(np.abs(flat), (0, -flat.size % blocksize))
+    absmax = np.repeat(padded.reshape(-1, blocksize).max(axis=1), blocksize)[: flat.size]
+    # Half a gap of the code, scaled, plus the rounding of the result to `dtype`.
+    eps = float(jnp.finfo(jdtype).eps)
+    bound = absmax * (HALF_GAP + eps) + 1e-7 * scale
+    assert np.all(np.abs(got - flat) <= bound)
+
+
+@pytest.mark.parametrize(
+    "shape,blocksize,dtype",
+    [
+        *(((48, 80), 64, dtype) for dtype in DTYPES),
+        ((37, 29), 64, "bfloat16"),  # odd size
+        ((5, 7), 16, "float16"),
+        ((301,), 256, "float32"),
+    ],
+)
+def test_quantize_matches_bitsandbytes_bit_for_bit(shape, blocksize, dtype):
+    jdtype, tdtype = DTYPES[dtype]
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape))).to(tdtype)
+    w.view(-1)[:blocksize] = 0.0  # an all-zero block: 0 * (1 / 0) is NaN, code 0
+    want_packed, want_absmax = torch_quantize_nf4(w, blocksize)
+    # (the arithmetic runs jitted inside `quantize_nf4`, as it would in a user's jit)
+    a = quantize_nf4(jnp.asarray(w.float().numpy()).astype(jdtype), blocksize=blocksize)
+    np.testing.assert_array_equal(a.packed, want_packed)
+    np.testing.assert_array_equal(a.absmax, want_absmax)
+    want = torch_dequantize_nf4(a.packed, a.absmax, blocksize, shape, tdtype)
+    np.testing.assert_array_equal(np.asarray(materialize(a), np.float32), want.float().numpy())
+
+
+def test_double_quant_matches_bitsandbytes():
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(0))
+    a = quantize_nf4(jnp.asarray(w.numpy()), double_quant=True)
+    packed, absmax = torch_quantize_nf4(w, 64)
+    np.testing.assert_array_equal(a.packed, packed)
+    dynamic = torch_dynamic_map()
+    np.testing.assert_array_equal(a.to_bnb_dict()["weight.nested_quant_map"], dynamic.numpy())
+    # bitsandbytes subtracts `absmax.mean()`; the last bit of a float32 mean depends on the
+    # summation order (it differs between bitsandbytes' own CUDA and CPU paths too).
+    offset = np.asarray(a.nested_offset)
+    np.testing.assert_allclose(offset, torch.from_numpy(absmax).mean().numpy(), rtol=1e-6)
+    codes, nested_absmax = torch_quantize_blockwise(torch.from_numpy(absmax - offset), dynamic, 256)
+    np.testing.assert_array_equal(a.absmax, codes)
+    np.testing.assert_array_equal(a.nested_absmax, nested_absmax)
+
+
+def test_double_quant_is_close_and_smaller():
+    w = jax.random.normal(jax.random.key(0), (512, 256)) * jnp.linspace(0.1, 3.0, 256)[None]
+    single, double = quantize_nf4(w), quantize_nf4(w, double_quant=True)
+    offset = np.asarray(double.nested_offset)
+    nested_scale = np.abs(np.asarray(single.absmax) - offset).max()
+    dynamic = torch_dynamic_map().numpy()
+    blocks = single.absmax.size
+    nested_absmax = np.repeat(np.asarray(double.nested_absmax), 256)[:blocks]
+    absmax = dynamic[np.asarray(double.absmax)] * nested_absmax + offset
+    # half the widest gap of the dynamic map (next to 1.0) per unit of nested absmax
+    gap = np.diff(dynamic).max() / 2
+    err = np.abs(absmax - np.asarray(single.absmax)).max()
+    assert 0 < err <= gap * nested_scale * (1 + 1e-6)
+    n = w.size
+    assert single.nbytes == n // 2 + 4 * (n // 64)
+    assert double.nbytes == n // 2 + n // 64 + 4 * math.ceil(n / 64 / 256) + 4
+    diff = np.abs(np.asarray(double.materialize() - single.materialize())).max()
+    assert diff <= gap * nested_scale * (1 + 1e-6)
+    np.testing.assert_array_equal(double.packed, single.packed)
+
+
+# ---------------------------------------------------------------- checkpoint format
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bnb_dict_layout_and_round_trip(double_quant, dtype):
+    w = jax.random.normal(jax.random.key(1), (70, 33)).astype(DTYPES[dtype][0])
+    a = quantize_nf4(w, double_quant=double_quant)
+    state = a.to_bnb_dict()
+    keys = ["weight", "weight.absmax", "weight.quant_map"]
+    if double_quant:
+        keys += ["weight.nested_absmax", "weight.nested_quant_map"]
+    assert list(state) == [*keys, "weight.quant_state.bitsandbytes__nf4"]
+    n, blocks = 70 * 33, math.ceil(70 * 33 / 64)
+    want = {
+        "weight": (np.uint8, (math.ceil(n / 2), 1)),
+        "weight.absmax": (np.uint8 if double_quant else np.float32, (blocks,)),
+        "weight.quant_map": (np.float32, (16,)),
+        "weight.nested_absmax": (np.float32, (math.ceil(blocks / 256),)),
+        "weight.nested_quant_map": (np.float32, (256,)),
+    }
+    for key in keys:
+        assert (state[key].dtype, state[key].shape) == want[key], key
+    quant_state = state["weight.quant_state.bitsandbytes__nf4"]
+    assert quant_state.dtype == np.uint8 and quant_state.ndim == 1
+    meta = json.loads(bytes(quant_state).decode("utf-8"))
+    want_meta = {"quant_type": "nf4", "blocksize": 64, "dtype": dtype, "shape": [70, 33]}
+    if double_quant:
+        offset = float(a.nested_offset)
+        want_meta |= {"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": offset}
+    assert list(meta.items()) == list(want_meta.items())  # bitsandbytes' key order too
+    prefixed = {f"model.layers.0.mlp.down_proj.{k}": v for k, v in state.items()}
+    for loaded in (NF4Array.from_bnb_dict(state), NF4Array.from_bnb_dict(prefixed)):
+        assert jax.tree.structure(loaded) == jax.tree.structure(a)
+        for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(a), strict=True):
+            assert x.dtype == y.dtype
+            np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(loaded.materialize(), a.materialize())
+
+
+def test_from_bnb_dict_reads_a_wider_quant_storage():
+    a = quantize_nf4(jax.random.normal(jax.random.key(2), (16, 8)))
+    state = a.to_bnb_dict()
+    state["weight"] = state["weight"].reshape(-1).view(jnp.bfloat16).reshape(-1, 1)
+    np.testing.assert_array_equal(NF4Array.from_bnb_dict(state).packed, a.packed)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda s: s.pop("weight.absmax"), "needs the entries"),
+        (lambda s: s.update({"weight.quant_map": s["weight.quant_map"][::-1]}), "NF4 code"),
+        (lambda s: s.update({"bias": np.zeros(3)}), "accepts"),
+        (lambda s: s.update({"other.weight": s["weight"]}), "repeats the entry"),
+        (
+            lambda s: s.update(
+                {
+                    "weight.quant_state.bitsandbytes__fp4": s.pop(
+                        "weight.quant_state.bitsandbytes__nf4"
+                    )
+                }
+            ),
+            "FP4 weights are not supported",
+        ),
+    ],
+    ids=["missing", "wrong-code", "unknown", "two-weights", "fp4"],
+)
+def test_from_bnb_dict_errors(edit, match):
+    state = quantize_nf4(jnp.ones((4, 4))).to_bnb_dict()
+    edit(state)
+    with pytest.raises(ValueError, match=match):
+        NF4Array.from_bnb_dict(state)
+
+
+# ---------------------------------------------------------------- handlers
+
+
+def _quantized(kind, w):
+    return {
+        "nf4": lambda: quantize_nf4(w),
+        "nf4-double-quant": lambda: quantize_nf4(w, double_quant=True),
+        "nf4-blocksize-6": lambda: quantize_nf4(w, blocksize=6),
+        "int8": lambda: quantize_int8(w),
+    }[kind]()
+
+
+KINDS = ["nf4", "nf4-double-quant", "nf4-blocksize-6", "int8"]
+LAYOUTS = {
+    "eqx W @ x": lambda w, x: w @ x[0],
+    "vmap(W @ x)": lambda w, x: jax.vmap(lambda v: w @ v)(x),
+    "x @ W.T": lambda w, x: x @ w.T,
+    "3-D x": lambda w, x: jnp.einsum("oi,tbi->tbo", w, jnp.stack([x, 2 * x])),
+    "contract the out axis": lambda w, x: jnp.tanh(x @ w.T) @ w,
+}
+
+
+@pytest.fixture
+def chunking(request, monkeypatch):
+    """Chunked: a chunk size so small that the weights here are dequantized a few rows at
+    a time, with rows left over. Whole: the default, which leaves them in one piece."""
+    if request.param == "chunked":
+        monkeypatch.setattr(quantized_module, "_CHUNK_ELEMENTS", 40)
+    return request.param
+
+
+def _cases(*groups):
+    """pytest params `(kind, layout, chunking)` from `(kinds, layouts, chunkings)` groups."""
+    return [
+        pytest.param(k, lay, c, id=f"{c}-{k}-{lay}")
+        for kinds, layouts, chunkings in groups
+        for c in chunkings
+        for k in kinds
+        for lay in layouts
+    ]
+
+
+# The chunked path depends on the layout (where the weight's rows land in the output) and
+# on the storage (NF4 blocks that straddle chunks, int8 rows, double quantization); the
+# whole path only on the storage.
+DOT_CASES = _cases(
+    (["nf4-blocksize-6"], list(LAYOUTS), ["chunked"]),
+    (["int8"], ["x @ W.T", "3-D x"], ["chunked"]),
+    (["nf4", "nf4-double-quant"], ["vmap(W @ x)"], ["chunked"]),
+    (["nf4", "nf4-double-quant", "int8"], ["x @ W.T"], ["whole"]),
+)
+
+
+@pytest.mark.parametrize("kind,layout,chunking", DOT_CASES, indirect=["chunking"])
+def test_dot_general_matches_materialized(getkey, kind, layout, chunking):
+    fn = LAYOUTS[layout]
+    a = _quantized(kind, jax.random.normal(getkey(), (13, 16)))
+    x = jax.random.normal(getkey(), (3, 16))
+
+    def loss(x, w, f):
+        return jnp.sum(jnp.sin(f(w, x)))
+
+    implicit = use_implicit_args(fn)
+
+    @jax.jit  # one compilation for the handler and the dense reference
+    def run(a, x):
+        dense = a.materialize()
+        got = implicit(a, x), jax.grad(loss)(x, a, implicit)
+        return got, (fn(dense, x), jax.grad(loss)(x, dense, fn))
+
+    with strict():
+        (got, grad), (want, want_grad) = run(a, x)
+    _close(got, want)
+    _close(grad, want_grad, tol=1e-4)
+
+
+STORAGE_CASES = [
+    pytest.param(kind, chunking, id=f"{chunking}-{kind}")
+    for kind, chunking in [("nf4", "whole"), ("nf4-double-quant", "chunked"), ("int8", "chunked")]
+]
+
+
+@pytest.mark.parametrize("kind,chunking", STORAGE_CASES, indirect=["chunking"])
+def test_vmap_and_scan_over_stacked_quantized_weights(getkey, kind, chunking):
+    dense_stack = jax.random.normal(getkey(), (4, 16, 16)) / 4
+    stack = jax.vmap(lambda w: _quantized(kind, w))(dense_stack)
+    assert stack.shape == (4, 16, 16)
+    dense = materialize(stack)
+    x = jax.random.normal(getkey(), (16,))
+
+    def scanned(ws, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(w @ h), None), x, ws)[0]
+
+    def loss(x, ws, f):
+        return jnp.sum(f(ws, x))
+
+    implicit = use_implicit_args(scanned)
+
+    @jax.jit  # one compilation for the handlers and the dense reference
+    def run(stack, dense, x):
+        mapped = jax.vmap(use_implicit_args(lambda w, x: w @ x), in_axes=(0, None))(stack, x)
+        got = implicit(stack, x), jax.grad(loss)(x, stack, implicit), mapped
+        return got, (scanned(dense, x), jax.grad(loss)(x, dense, scanned), dense @ x)
+
+    with strict():
+        got, want = run(stack, dense, x)
+    _close(got, want)
+    np.testing.assert_array_equal(materialize(jax.tree.map(lambda leaf: leaf[2], stack)), dense[2])
+
+
+@pytest.mark.parametrize("kind,chunking", STORAGE_CASES, indirect=["chunking"])
+def test_backward_keeps_no_dense_weight(getkey, kind, chunking):
+    """Under `jax.vjp` w.r.t. the activations, what is saved for the backward pass is the
+    quantized storage, not a dense copy of the weight."""
+    a = _quantized(kind, jax.random.normal(getkey(), (64, 48)))
+    x = jax.random.normal(getkey(), (5, 48))
+    f = jax.jit(use_implicit_args(lambda a, x: jnp.sin(x @ a.T)))
+    with strict():
+        out, pullback = jax.vjp(lambda x: f(a, x), x)
+        (dx,) = jax.jit(pullback)(jnp.ones_like(out))
+    saved = [leaf for leaf in jax.tree.leaves(pullback) if hasattr(leaf, "dtype")]
+    assert saved
+    for leaf in saved:
+        is_float = jnp.issubdtype(leaf.dtype, jnp.floating)
+        assert not (is_float and leaf.size >= math.prod(a.shape)), leaf.shape
+    dense = materialize(a)
+    _close(dx, jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(x @ dense.T))))(x), tol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["nf4", "nf4-double-quant", "int8"])
+def test_no_gradient_reaches_codes_or_scales(getkey, kind):
+    a = _quantized(kind, jax.random.normal(getkey(), (8, 6)))
+    x = jax.random.normal(getkey(), (6,))
+    loss = use_implicit_args(lambda a, x: jnp.sum(a @ x))
+    with strict():
+        grad_a, grad_x = eqx.filter_jit(eqx.filter_grad(lambda ax: loss(*ax)))((a, x))
+    float_leaves = jax.tree.leaves(grad_a)
+    assert float_leaves  # the float32 scales/absmaxes are differentiable leaves ...
+    for leaf in float_leaves:
+        np.testing.assert_array_equal(leaf, 0.0)  # ... and get exactly nothing
+    _close(grad_x, jnp.sum(a.materialize(), axis=0))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_astype_from_float32_stays_quantized(getkey, kind):
+    a = _quantized(kind, jax.random.normal(getkey(), (8, 6)))
+    x = jax.random.normal(getkey(), (6,)).astype(jnp.bfloat16)
+    with strict():
+        got = jax.jit(use_implicit_args(lambda a, x: a.astype(jnp.bfloat16) @ x))(a, x)
+    np.testing.assert_array_equal(got, a.materialize().astype(jnp.bfloat16) @ x)
+
+
+def test_astype_from_bfloat16_is_materialized_correctly(getkey):
+    """From a narrower dtype the result would be rounded twice; the handler declines."""
+    a = quantize_nf4(jax.random.normal(getkey(), (8, 6)).astype(jnp.bfloat16))
+    x = jax.random.normal(getkey(), (6,))
+    with materialization_policy("warn"), pytest.warns(MaterializationWarning, match="convert"):
+        got = use_implicit_args(lambda a, x: a.astype(jnp.float32) @ x)(a, x)
+    np.testing.assert_array_equal(got, a.materialize().astype(jnp.float32) @ x)
+
+
+def test_qlora_lora_over_an_nf4_weight(getkey):
+    base = quantize_nf4(jax.random.normal(getkey(), (12, 10)), double_quant=True)
+    w = lora(base, r=2, lora_alpha=4.0, init="random", key=getkey())
+    x = jax.random.normal(getkey(), (3, 10))
+    params, static = eqx.partition(w, lambda leaf: leaf is w.lora_A or leaf is w.lora_B)
+
+    def loss(params, x, f):
+        return jnp.sum(jnp.sin(f(eqx.combine(params, static), x)))
+
+    implicit = use_implicit_args(lambda w, x: x @ w.T)
+
+    def dense(w, x):
+        return x @ w.materialize().T
+
+    @jax.jit  # one compilation for the handlers and the dense reference
+    def run(params, x):
+        w = eqx.combine(params, static)
+        got = implicit(w, x), jax.grad(loss)(params, x, implicit)
+        return got, (dense(w, x), jax.grad(loss)(params, x, dense))
+
+    with strict():
+        got, want = run(params, x)
+    _close(got, want)
+
+
+# ---------------------------------------------------------------- int8
+
+
+def test_int8_codes_and_round_trip(getkey):
+    w = jax.random.normal(getkey(), (5, 3, 4)).at[2].set(0.0)  # N-D, channel axis 0
+    a = quantize_int8(w)
+    wn = np.asarray(w)
+    absmax = np.abs(wn).reshape(5, -1).max(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        want = np.nan_to_num(np.round(wn * (np.float32(127) / absmax)[:, None, None]))
+    np.testing.assert_array_equal(a.codes, want.astype(np.int8))
+    np.testing.assert_array_equal(a.scale, absmax / np.float32(127))
+    assert a.shape == (5, 3, 4) and a.dtype == jnp.float32 and a.nbytes == 60 + 4 * 5
+    err = np.abs(np.asarray(a.materialize()) - wn)
+    assert np.all(err <= (absmax / 254 + 1e-6 * absmax)[:, None, None])
+    np.testing.assert_array_equal(a.materialize()[2], 0.0)
+    half = quantize_int8(w.astype(jnp.float16))
+    assert half.dtype == jnp.float16 and half.materialize().dtype == jnp.float16
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        (lambda: quantize_nf4(jnp.ones((4, 4), jnp.int32)), TypeError, "floating-point"),
+        (lambda: quantize_nf4(jnp.ones((4, 4)), blocksize=3), ValueError, "multiple of 2"),
+        (lambda: quantize_nf4(jnp.ones((4, 4)), blocksize=0), ValueError, "multiple of 2"),
+        (lambda: quantize_nf4(jnp.ones((4, 4)), blocksize=-2), ValueError, "multiple of 2"),
+        (lambda: quantize_nf4(jnp.ones((0, 4))), ValueError, "empty weight"),
+        (lambda: quantize_int8(jnp.ones((4, 4), jnp.uint8)), TypeError, "floating-point"),
+        (lambda: quantize_int8(jnp.float32(1.0)), ValueError, "channel axis"),
+        (
+            lambda: NF4Array(jnp.zeros(7, jnp.uint8), jnp.ones(1), shape=(4, 4), dtype="float32"),
+            ValueError,
+            r"shapes \{'packed': \(8,\), 'absmax': \(1,\)\}",
+        ),
+        (
+            lambda: NF4Array(
+                jnp.zeros(8, jnp.uint8), jnp.ones(1, jnp.uint8), shape=(16,), dtype="float32"
+            ),
+            TypeError,
+            "`absmax` must be float32",
+        ),
+        (
+            lambda: NF4Array(
+                jnp.zeros(8, jnp.uint8),
+                jnp.ones(1, jnp.uint8),
+                shape=(16,),
+                dtype="float32",
+                nested_absmax=jnp.ones(1),
+            ),
+            ValueError,
+            "pass both or neither",
+        ),
+        (
+            lambda: NF4Array(jnp.zeros(8, jnp.uint8), jnp.ones(1), shape=(16,), dtype="int8"),
+            TypeError,
+            "floating dtype",
+        ),
+        (lambda: Int8Array(jnp.zeros((4, 3), jnp.int8), jnp.ones(3)), ValueError, "one entry per"),
+        (lambda: Int8Array(jnp.zeros((4, 3)), jnp.ones(4)), TypeError, "codes"),
+        (
+            lambda: jax.vmap(quantize_nf4)(jnp.ones((2, 4, 4))).to_bnb_dict(),
+            ValueError,
+            "convert each slice",
+        ),
+    ],
+)
+def test_bad_input(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
