@@ -4,6 +4,7 @@ import importlib.util
 import pathlib
 
 import jax
+import pytest
 
 EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
 
@@ -15,10 +16,11 @@ def _load(name):
     return module
 
 
-def test_lora_mlp_demo(capsys):
+@pytest.mark.parametrize("quantize", [False, True])
+def test_lora_mlp_demo(capsys, quantize):
     # optax mixes Python floats with its int32 step count, which strict promotion refuses.
     with jax.numpy_dtype_promotion("standard"):
-        assert _load("lora_mlp").main(steps=100, log_every=50) == 0
+        assert _load("lora_mlp").main(steps=100, log_every=50, quantize=quantize) == 0
     assert "OK" in capsys.readouterr().out
 
 
