@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ..implicit import ImplicitArray, materialize, primitive_handler
-from ._layout import WeightProduct
+from ._layout import WeightProduct, weight_dot_handlers
 
 
 class IA3Array(ImplicitArray):
@@ -75,14 +75,7 @@ def _ia3_dot(w: IA3Array, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> A
     return y * p.along(l_vec.astype(y.dtype), (*stack, scaled), p.out)
 
 
-@primitive_handler("dot_general")
-def _ia3_lhs(primitive: Any, w: IA3Array, x: jax.Array, **params: Any) -> Any:
-    return _ia3_dot(w, x, True, params)
-
-
-@primitive_handler("dot_general")
-def _ia3_rhs(primitive: Any, x: jax.Array, w: IA3Array, **params: Any) -> Any:
-    return _ia3_dot(w, x, False, params)
+weight_dot_handlers(IA3Array, _ia3_dot)
 
 
 @primitive_handler("transpose")

@@ -8,11 +8,15 @@ with batch axes.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array
+
+from ..implicit import primitive_handler
 
 Labels = tuple[str, ...]
 
@@ -84,3 +88,19 @@ class WeightProduct:
         for i in order:
             shape[target.index(vec_labels[i])] = vec.shape[i]
         return jnp.transpose(vec, order).reshape(shape)
+
+
+def weight_dot_handlers(cls: type, product: Callable[[Any, Array, bool, dict], Any]) -> None:
+    """Register `product(w, x, w_is_lhs, params)` as the `dot_general` handler for a `cls`
+    weight on either side of a dense `x`."""
+
+    def lhs(primitive: Any, w: cls, x: jax.Array, **params: Any) -> Any:  # type: ignore[valid-type]
+        return product(w, x, True, params)
+
+    def rhs(primitive: Any, x: jax.Array, w: cls, **params: Any) -> Any:  # type: ignore[valid-type]
+        return product(w, x, False, params)
+
+    for side, fn in (("lhs", lhs), ("rhs", rhs)):
+        fn.__qualname__ = f"{product.__qualname__}[{cls.__name__} {side}]"
+        fn.__module__ = product.__module__
+        primitive_handler("dot_general")(fn)

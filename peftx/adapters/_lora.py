@@ -11,7 +11,7 @@ from jax import lax
 from jaxtyping import Array, PRNGKeyArray
 
 from ..implicit import ImplicitArray, materialize, primitive_handler
-from ._layout import Labels, WeightProduct
+from ._layout import Labels, WeightProduct, weight_dot_handlers
 
 LoraInit = Literal["default", "gaussian", "pissa", "random"]
 
@@ -254,14 +254,7 @@ def _lora_dot(w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, A
     return base + delta
 
 
-@primitive_handler("dot_general")
-def _lora_lhs(primitive: Any, w: LoraArray, x: jax.Array, **params: Any) -> Any:
-    return _lora_dot(w, x, True, params)
-
-
-@primitive_handler("dot_general")
-def _lora_rhs(primitive: Any, x: jax.Array, w: LoraArray, **params: Any) -> Any:
-    return _lora_dot(w, x, False, params)
+weight_dot_handlers(LoraArray, _lora_dot)
 
 
 @primitive_handler("conv_general_dilated")
@@ -531,11 +524,4 @@ def _dora_dot(w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
     return base + (scale - 1) * base_d + scale * delta
 
 
-@primitive_handler("dot_general")
-def _dora_lhs(primitive: Any, w: DoraArray, x: jax.Array, **params: Any) -> Any:
-    return _dora_dot(w, x, True, params)
-
-
-@primitive_handler("dot_general")
-def _dora_rhs(primitive: Any, x: jax.Array, w: DoraArray, **params: Any) -> Any:
-    return _dora_dot(w, x, False, params)
+weight_dot_handlers(DoraArray, _dora_dot)
