@@ -1,6 +1,24 @@
 """peftx: parameter-efficient fine-tuning for JAX and Equinox."""
 
 from . import adapters as adapters, implicit as implicit
+from ._errors import TargetNotFoundError as TargetNotFoundError
+from ._select import (
+    Predicate as Predicate,
+    Selection as Selection,
+    dotted as dotted,
+    in_layers as in_layers,
+    layer_index as layer_index,
+    named as named,
+    of_type as of_type,
+    path_glob as path_glob,
+    path_regex as path_regex,
+    peft_targets as peft_targets,
+    require_matches as require_matches,
+    select as select,
+    where as where,
+    with_ndim as with_ndim,
+    with_shape as with_shape,
+)
 from .implicit import (
     ImplicitArray as ImplicitArray,
     use_implicit_args as use_implicit_args,

@@ -15,3 +15,10 @@ class HandlerRegistrationError(TypeError):
 
 class MaterializationWarning(UserWarning):
     """An implicit array was materialized because no handler applied."""
+
+
+class TargetNotFoundError(KeyError):
+    """A target selection (e.g. PEFT's `target_modules`) matches no module."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])

@@ -5,7 +5,28 @@ import peftx.adapters
 import peftx.implicit
 
 PUBLIC = {
-    peftx: ["ImplicitArray", "use_implicit_args", "implicit", "adapters"],
+    peftx: [
+        "ImplicitArray",
+        "use_implicit_args",
+        "implicit",
+        "adapters",
+        "select",
+        "Selection",
+        "Predicate",
+        "of_type",
+        "named",
+        "path_glob",
+        "path_regex",
+        "in_layers",
+        "layer_index",
+        "with_shape",
+        "with_ndim",
+        "where",
+        "peft_targets",
+        "require_matches",
+        "dotted",
+        "TargetNotFoundError",
+    ],
     peftx.implicit: [
         "ImplicitArray",
         "use_implicit_args",
