@@ -20,6 +20,8 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/implicit_overhead.py
+	$(PY) benchmarks/lora_step.py
+	$(PY) benchmarks/quantized_matmul.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check peftx tests examples benchmarks

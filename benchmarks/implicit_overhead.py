@@ -1,18 +1,15 @@
 """What implicit arrays cost: compile time and run time of a LoRA MLP against a dense one.
 
-A 12-layer MLP (width 256, batch 64; then width 1024, batch 512) whose every weight is the
-`LoraWeight` of
-`examples/lora_mlp.py` (imported from there, so the benchmark times the demo's handler),
-against the same MLP with the merged dense weights. Everything runs under `strict()`, so
-the implicit timings are of the handler path, never of a materialized weight.
+A 12-layer MLP (width 256, batch 64; then width 1024, batch 512) whose every weight is a
+`peftx.adapters.lora` array (rank 8, alpha 16, both factors random, so the adapter path is
+not all zeros), against the same MLP with the merged dense weights. Everything runs under
+`strict()`, so the implicit timings are of the handler path, never of a materialized
+weight.
 
 Run with `make bench`.
 """
 
-import importlib.util
-import pathlib
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,13 +21,7 @@ import jax.numpy as jnp
 import peftx
 from peftx.implicit import use_implicit_args
 
-_EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "lora_mlp.py"
-_spec = importlib.util.spec_from_file_location("lora_mlp", _EXAMPLE)
-lora_mlp = importlib.util.module_from_spec(_spec)
-sys.modules["lora_mlp"] = lora_mlp
-_spec.loader.exec_module(lora_mlp)
-
-LAYERS, RANK = 12, 8
+LAYERS, RANK, ALPHA = 12, 8, 16
 SIZES = [(256, 64), (1024, 512)]  # (width, batch)
 COMPILE_REPEATS, WARMUP, CALLS = 7, 5, 50
 
@@ -64,17 +55,14 @@ def call_seconds(fn: Callable, *args: Any) -> float:
 
 
 def run(width: int, batch: int) -> None:
-    mlp_key, lora_key, b_key, x_key = jax.random.split(jax.random.key(0), 4)
+    mlp_key, lora_key, x_key = jax.random.split(jax.random.key(0), 3)
     mlp = eqx.nn.MLP(width, width, width, depth=LAYERS - 1, key=mlp_key)
-    lora = lora_mlp.add_lora(mlp, r=RANK, alpha=2.0 * RANK, key=lora_key)
-    # Nonzero `lora_B`, as after training, so the adapter path is not all zeros.
-    b_keys = jax.random.split(b_key, LAYERS)
     lora = eqx.tree_at(
-        lambda m: [layer.weight.lora_B for layer in m.layers],
-        lora,
+        lambda m: [layer.weight for layer in m.layers],
+        mlp,
         [
-            0.01 * jax.random.normal(k, layer.weight.lora_B.shape)
-            for layer, k in zip(lora.layers, b_keys)
+            peftx.adapters.lora(layer.weight, r=RANK, lora_alpha=ALPHA, init="random", key=k)
+            for layer, k in zip(mlp.layers, jax.random.split(lora_key, LAYERS))
         ],
     )
     dense = eqx.tree_at(

@@ -1,5 +1,6 @@
-"""One LoRA training step on a GPT-2-style decoder: full fine-tuning, a hand-written
-Equinox LoRA layer, and peftx's `LoraArray`, measured side by side in one run.
+"""One PEFT training step on a GPT-2-style decoder: full fine-tuning, a hand-written
+Equinox LoRA layer, and peftx's `LoraArray`, `IA3Array` and QLoRA (`LoraArray` on an
+`NF4Array`), measured side by side in one run.
 
 The model is written the idiomatic Equinox way: one sequence at a time, every
 `eqx.nn.Linear` applied per token with `jax.vmap`, the batch added by `jax.vmap` over
@@ -16,12 +17,22 @@ The peftx variants:
   which the outer batch `vmap` then batches.
 - `peftx LoRA (all vmaps inside)`: `use_implicit_args(lambda m, b: jax.vmap(m)(b))`: the
   handler sees the whole `(batch, tokens, features)` product.
+- `peftx IA3`: `ia3(weight)` (output scaling) on k and v, `ia3(weight, feedforward=True)`
+  (input scaling) on proj, the IA3 paper's placement; only `ia3_l` is trained.
+- `peftx QLoRA`: every LoRA target's base weight is `quantize_nf4(weight,
+  double_quant=True)` (frozen), with the same r=8 factors on top; only `lora_A`/`lora_B`
+  are trained.
 
-Before timing: the peftx loss and gradients are checked against the hand-written layer on
-the same weights, and each peftx step is traced under `peftx.implicit.strict()`, so no
-weight is ever materialized.
+IA3 and QLoRA run with all vmaps inside `use_implicit_args`, like the second LoRA row.
 
-Run: `python benchmarks/lora_step.py [--layers 6] [--steps 7] [--hlo]`. `--hlo` also
+Before timing: the peftx LoRA loss and gradients are checked against the hand-written
+layer on the same weights; the QLoRA loss and gradients against a dense-base LoRA on the
+dequantized weights; the IA3 loss (ones-initialized, so the base model's) and `ia3_l`
+gradients against full fine-tuning's loss and weight gradients. Every step is first
+traced under `peftx.implicit.strict()`, so no weight is ever materialized.
+
+Run: `python benchmarks/lora_step.py [--layers 6] [--steps 7] [--quick] [--hlo]`
+(about 3 minutes on 2 CPU cores; `--quick` takes 3 steps after 1 warm-up). `--hlo` also
 prints, for each variant, how much the optimized HLO copies and transposes activations:
 on CPU, autodiff's factor gradients contract the output cotangent over the tokens with
 the cotangent on the left, and XLA serves that with a transposed copy into which it fuses
@@ -40,7 +51,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -50,6 +60,7 @@ from peftx.implicit import strict, use_implicit_args
 D_MODEL, HEADS, VOCAB, SEQ, BATCH = 512, 8, 1024, 128, 8
 RANK, ALPHA = 8, 16
 TARGETS = ("q", "k", "v", "o", "fc", "proj")
+IA3_TARGETS = {"k": False, "v": False, "proj": True}  # name: feedforward (scale inputs)
 
 
 # --------------------------------------------------------------------------------------
@@ -135,8 +146,8 @@ class LoraLinear(eqx.Module):
         return self.weight @ x + self.bias + self.scaling * (self.lora_B @ (self.lora_A @ x))
 
 
-def _targets(model: GPT) -> list[eqx.nn.Linear]:
-    return [getattr(b, name) for b in model.blocks for name in TARGETS]
+def _targets(model: GPT, names: Any = TARGETS) -> list[eqx.nn.Linear]:
+    return [getattr(b, name) for b in model.blocks for name in names]
 
 
 def with_peftx_lora(model: GPT, *, key: PRNGKeyArray) -> GPT:
@@ -161,13 +172,58 @@ def with_hand_lora(peftx_model: GPT) -> GPT:
     return eqx.tree_at(_targets, peftx_model, layers)
 
 
+def with_peftx_ia3(model: GPT) -> GPT:
+    """`ia3` on k and v (outputs scaled) and proj (inputs scaled); `ia3_l` starts at ones."""
+    adapted = [
+        peftx.adapters.ia3(getattr(b, name).weight, feedforward=feedforward)
+        for b in model.blocks
+        for name, feedforward in IA3_TARGETS.items()
+    ]
+    return eqx.tree_at(lambda m: [lin.weight for lin in _targets(m, IA3_TARGETS)], model, adapted)
+
+
+@eqx.filter_jit
+def quantize(weight: Array) -> peftx.adapters.NF4Array:
+    return peftx.adapters.quantize_nf4(weight, double_quant=True)
+
+
+def with_nf4_base(lora: GPT) -> GPT:
+    """QLoRA: the base weight inside every `LoraArray` of `lora` quantized to NF4 with
+    double quantization; the factors are kept, so it differs from `lora` by the rounding
+    of the base weights only."""
+    return eqx.tree_at(
+        lambda m: [lin.weight.weight for lin in _targets(m)],
+        lora,
+        [quantize(lin.weight.weight) for lin in _targets(lora)],
+    )
+
+
+def dequantized(qlora: GPT) -> GPT:
+    """`qlora` with each NF4 base weight replaced by its dense dequantized value."""
+    return eqx.tree_at(
+        lambda m: [lin.weight.weight for lin in _targets(m)],
+        qlora,
+        [lin.weight.weight.materialize() for lin in _targets(qlora)],
+    )
+
+
+def leaf_filter(model: GPT, names: tuple[str, ...]) -> Any:
+    """Trainable = the array leaves whose field name is in `names`, for `eqx.partition`."""
+
+    def is_trainable(path: tuple[Any, ...], leaf: Any) -> bool:
+        return eqx.is_array(leaf) and getattr(path[-1], "name", None) in names
+
+    return jax.tree_util.tree_map_with_path(is_trainable, model)
+
+
 def lora_filter(model: GPT) -> Any:
-    """Trainable = the `lora_A`/`lora_B` leaves, for `eqx.partition`."""
+    """Trainable = the `lora_A`/`lora_B` leaves."""
+    return leaf_filter(model, ("lora_A", "lora_B"))
 
-    def is_factor(path: tuple[Any, ...], leaf: Any) -> bool:
-        return eqx.is_array(leaf) and getattr(path[-1], "name", None) in ("lora_A", "lora_B")
 
-    return jax.tree_util.tree_map_with_path(is_factor, model)
+def ia3_filter(model: GPT) -> Any:
+    """Trainable = the `ia3_l` leaves."""
+    return leaf_filter(model, ("ia3_l",))
 
 
 # --------------------------------------------------------------------------------------
@@ -226,29 +282,80 @@ class Variant:
 # Checks and reports
 
 
+def _value_and_grad(loss: Callable[[GPT, Array], Array]) -> Callable:
+    """`(trainable, frozen, batch) -> (loss, gradient)`, jitted."""
+    return eqx.filter_jit(jax.value_and_grad(lambda t, f, b: loss(eqx.combine(t, f), b)))
+
+
+def _compare(name: str, got: tuple, want: tuple, tol: float) -> float:
+    """Raises unless the losses agree to `tol` and every gradient leaf to `tol` times its
+    largest entry; returns the worst gradient difference relative to that entry."""
+    (got_loss, got_grads), (want_loss, want_grads) = got, want
+    if len(got_grads) != len(want_grads):
+        raise SystemExit(f"{name}: {len(got_grads)} gradient leaves, expected {len(want_grads)}")
+    if abs(float(got_loss) - float(want_loss)) > tol:
+        raise SystemExit(f"{name}: loss {float(got_loss)} differs from {float(want_loss)}")
+    worst = 0.0
+    for a, b in zip(got_grads, want_grads):
+        scale = float(jnp.max(jnp.abs(b)))
+        err = float(jnp.max(jnp.abs(a - b)))
+        worst = max(worst, err / scale)
+        if err > tol * max(scale, 1.0):
+            raise SystemExit(f"{name}: gradient differs by {err:.2e} (max {scale})")
+    return worst
+
+
 def check_against_hand_written(hand: GPT, lora: GPT, batch: Array, tol: float = 1e-5) -> str:
-    spec_h, spec_p = lora_filter(hand), lora_filter(lora)
-    th, fh = eqx.partition(hand, spec_h)
-    tp, fp = eqx.partition(lora, spec_p)
+    th, fh = eqx.partition(hand, lora_filter(hand))
+    tp, fp = eqx.partition(lora, lora_filter(lora))
     want = jax.jit(jax.value_and_grad(lambda t, f: dense_loss(eqx.combine(t, f), batch)))(th, fh)
-    gh = [g for g in jax.tree.leaves(want[1])]
+    want = want[0], jax.tree.leaves(want[1])
+    if len(want[1]) != 2 * len(TARGETS) * len(hand.blocks):
+        raise SystemExit(f"{len(want[1])} LoRA gradient leaves")
     worst = 0.0
     for loss in (peftx_loss_batch_outside, peftx_loss_all_inside):
         with strict():
-            got = eqx.filter_jit(
-                jax.value_and_grad(lambda t, f, loss=loss: loss(eqx.combine(t, f), batch))
-            )(tp, fp)
-        gp = jax.tree.leaves(got[1])
-        if len(gp) != len(gh) or len(gp) != 2 * len(TARGETS) * len(hand.blocks):
-            raise SystemExit(f"gradient leaves differ: {len(gp)} vs {len(gh)}")
-        np.testing.assert_allclose(got[0], want[0], rtol=tol, atol=tol)
-        for a, b in zip(gp, gh):
-            scale = float(jnp.max(jnp.abs(b)))
-            err = float(jnp.max(jnp.abs(a - b)))
-            worst = max(worst, err / scale)
-            if err > tol * max(scale, 1.0):
-                raise SystemExit(f"{loss.__name__}: gradient differs by {err:.2e} (max {scale})")
+            got = _value_and_grad(loss)(tp, fp, batch)
+        worst = max(worst, _compare(loss.__name__, (got[0], jax.tree.leaves(got[1])), want, tol))
     return f"loss {float(want[0]):.6f}; max gradient difference / max gradient {worst:.1e}"
+
+
+def check_qlora(qlora: GPT, batch: Array, tol: float = 1e-4) -> str:
+    """QLoRA against a LoRA whose dense base weights are the dequantized NF4 weights."""
+    value_and_grad = _value_and_grad(peftx_loss_all_inside)
+    dense = dequantized(qlora)
+    with strict():
+        got = value_and_grad(*eqx.partition(qlora, lora_filter(qlora)), batch)
+        want = value_and_grad(*eqx.partition(dense, lora_filter(dense)), batch)
+    leaves = lambda r: (r[0], jax.tree.leaves(r[1]))  # noqa: E731
+    worst = _compare("QLoRA", leaves(got), leaves(want), tol)
+    return (
+        f"QLoRA vs LoRA on the dequantized weights: loss {float(got[0]):.6f} vs "
+        f"{float(want[0]):.6f}; max gradient difference / max gradient {worst:.1e}"
+    )
+
+
+def check_ia3(base: GPT, ia3: GPT, batch: Array, tol: float = 1e-4) -> str:
+    """IA3 at `ia3_l = 1` against full fine-tuning: the same loss, and the gradient of
+    each scale is the weight-gradient of the base weight contracted with the weight,
+    `dL/dl = sum(W * dL/dW)` over the axis that `l` does not index."""
+    full_loss, full_grads = eqx.filter_jit(eqx.filter_value_and_grad(dense_loss))(base, batch)
+    with strict():
+        got = _value_and_grad(peftx_loss_all_inside)(*eqx.partition(ia3, ia3_filter(ia3)), batch)
+    want = [
+        jnp.sum(w.weight * g.weight, axis=0 if feedforward else 1, keepdims=True)
+        for w, g, feedforward in zip(
+            _targets(base, IA3_TARGETS),
+            _targets(full_grads, IA3_TARGETS),
+            list(IA3_TARGETS.values()) * len(base.blocks),
+        )
+    ]
+    got_l = [lin.weight.ia3_l for lin in _targets(got[1], IA3_TARGETS)]
+    worst = _compare("IA3", (got[0], got_l), (full_loss, want), tol)
+    return (
+        f"IA3 vs full fine-tuning: loss {float(got[0]):.6f} vs {float(full_loss):.6f}; "
+        f"max ia3_l gradient difference / max gradient {worst:.1e}"
+    )
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\((.*)$")
@@ -310,16 +417,23 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="3 steps after 1 warm-up")
     parser.add_argument("--hlo", action="store_true")
     args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup = 3, 1
 
     model_key, lora_key, data_key = jax.random.split(jax.random.key(0), 3)
     base = GPT(args.layers, key=model_key)
     lora = with_peftx_lora(base, key=lora_key)
     hand = with_hand_lora(lora)
+    ia3 = with_peftx_ia3(base)
+    qlora = with_nf4_base(lora)
     batch = jax.random.randint(data_key, (BATCH, SEQ), 0, VOCAB)
 
     print(check_against_hand_written(hand, lora, batch))
+    print(check_qlora(qlora, batch))
+    print(check_ia3(base, ia3, batch))
 
     optim = optax.adamw(1e-4)
     variants = [
@@ -328,6 +442,9 @@ def main() -> None:
         Variant("peftx LoRA (batch vmap outside)", lora, lora_filter(lora),
                 peftx_loss_batch_outside, optim),
         Variant("peftx LoRA (all vmaps inside)", lora, lora_filter(lora),
+                peftx_loss_all_inside, optim),
+        Variant("peftx IA3 (k, v, proj)", ia3, ia3_filter(ia3), peftx_loss_all_inside, optim),
+        Variant("peftx QLoRA (NF4 + double quant)", qlora, lora_filter(qlora),
                 peftx_loss_all_inside, optim),
     ]  # fmt: skip
 
@@ -345,11 +462,15 @@ def main() -> None:
             v.times.append(v.run(batch))
 
     n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(base, eqx.is_array)))
-    n_lora = sum(x.size for x in jax.tree.leaves(variants[2].trainable))
+    n_lora, n_ia3 = (
+        sum(x.size for x in jax.tree.leaves(v.trainable)) for v in (variants[2], variants[4])
+    )
     print(
         f"\nGPT-2-style decoder: {args.layers} layers, d_model {D_MODEL}, {HEADS} heads, MLP 4x, "
         f"vocab {VOCAB}, batch {BATCH}x{SEQ}; {n_params / 1e6:.1f}M params, LoRA r={RANK} on "
-        f"{','.join(TARGETS)} ({n_lora / 1e3:.0f}K trainable). jax {jax.__version__}, "
+        f"{','.join(TARGETS)} ({n_lora / 1e3:.0f}K trainable), IA3 on "
+        f"{','.join(IA3_TARGETS)} ({n_ia3 / 1e3:.0f}K trainable), QLoRA = the LoRA on NF4 "
+        f"double-quantized base weights. jax {jax.__version__}, "
         f"{jax.devices()[0].platform}; median of {args.steps} steps after {args.warmup} warm-up, "
         "round-robin.\n"
     )

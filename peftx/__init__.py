@@ -1,7 +1,23 @@
 """peftx: parameter-efficient fine-tuning for JAX and Equinox."""
 
 from . import adapters as adapters, implicit as implicit
-from ._errors import TargetNotFoundError as TargetNotFoundError
+from ._config import (
+    AbstractAdapterConfig as AbstractAdapterConfig,
+    IA3Config as IA3Config,
+    LoraConfig as LoraConfig,
+    from_toml as from_toml,
+    load_config as load_config,
+    save_config as save_config,
+)
+from ._errors import (
+    TargetNotFoundError as TargetNotFoundError,
+    UnsupportedTargetError as UnsupportedTargetError,
+)
+from ._peft_model import (
+    PeftModel as PeftModel,
+    get_peft_model as get_peft_model,
+    partition as partition,
+)
 from ._select import (
     Predicate as Predicate,
     Selection as Selection,

@@ -22,3 +22,7 @@ class TargetNotFoundError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class UnsupportedTargetError(TypeError):
+    """A selected module is of a type the adapter cannot wrap."""

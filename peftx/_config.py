@@ -1,0 +1,682 @@
+"""Adapter configurations in HF PEFT's format: `LoraConfig`, `IA3Config`, `adapter_config.json`.
+
+Field names, meanings and defaults are PEFT's (checked against PEFT 0.21.2), so an
+`adapter_config.json` written here loads in `peft.LoraConfig.from_pretrained` and one written by
+PEFT loads here. Configs are frozen and hashable (usable as static fields of an `eqx.Module`);
+list-valued fields are stored as tuples.
+
+Resolving a config against a model (PEFT's per-architecture defaults when `target_modules` is
+`None`, expanding `"all-linear"`) is the model-level API's job, not this module's.
+"""
+
+import contextlib
+import dataclasses
+import difflib
+import enum
+import json
+import os
+import pathlib
+import tempfile
+import tomllib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal
+
+from ._select import Predicate
+
+CONFIG_NAME = "adapter_config.json"
+
+TaskType = Literal[
+    "SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION"
+]
+_TASK_TYPES: tuple[str | None, ...] = (None, *TaskType.__args__)
+
+# Fields holding one of PEFT's module-name rules: a regex string (full match on the dotted
+# path), a list of names (exact or dotted-suffix match), or, in peftx only, a `Predicate`.
+_RULE_FIELDS = ("target_modules", "exclude_modules", "feedforward_modules")
+_RULE_TYPE = "None, a regex string, a list of module names, or a peftx Predicate"
+
+# Keys that PEFT 0.21.2 writes but peftx does not model, with PEFT's default values. On load,
+# a default value is dropped silently. A non-default value of a key in `_HARMLESS` is ignored
+# with a warning (it only matters to PEFT's torch machinery or to initialization, which is
+# over once an adapter is saved); any other non-default value is an error, because ignoring it
+# would give an adapter that computes something else.
+_PEFT_ONLY_COMMON: dict[str, Any] = {"auto_mapping": None}
+_PEFT_ONLY_LORA: dict[str, Any] = {
+    "megatron_config": None,
+    "megatron_core": "megatron.core",
+    "trainable_token_indices": None,
+    "loftq_config": {},
+    "eva_config": None,
+    "corda_config": None,
+    "lora_ga_config": None,
+    "velora_config": None,
+    "alora_invocation_tokens": None,
+    "use_qalora": False,
+    "qalora_group_size": 16,
+    "monteclora_config": None,
+    "layer_replication": None,
+    "lora_bias": False,
+    "target_parameters": None,
+    "use_bdlora": None,
+    "arrow_config": None,
+    "kasa_config": None,
+    "ensure_weight_tying": False,
+}
+_HARMLESS = frozenset(
+    {
+        "auto_mapping",
+        "megatron_config",
+        "megatron_core",
+        "loftq_config",
+        "eva_config",
+        "corda_config",
+        "lora_ga_config",
+        "velora_config",
+        "qalora_group_size",
+        "ensure_weight_tying",
+    }
+)
+# Keys PEFT never saves (PEFT itself drops them on load).
+_NEVER_SAVED = frozenset({"runtime_config"})
+
+# The order in which PEFT 0.21.2's `to_dict` lists its keys (`asdict` field order).
+_PEFT_BASE_KEYS = (
+    "task_type",
+    "peft_type",
+    "auto_mapping",
+    "peft_version",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+)
+_LORA_KEYS = (
+    *_PEFT_BASE_KEYS,
+    "r",
+    "target_modules",
+    "exclude_modules",
+    "lora_alpha",
+    "lora_dropout",
+    "fan_in_fan_out",
+    "bias",
+    "use_rslora",
+    "modules_to_save",
+    "init_lora_weights",
+    "layers_to_transform",
+    "layers_pattern",
+    "rank_pattern",
+    "alpha_pattern",
+    "megatron_config",
+    "megatron_core",
+    "trainable_token_indices",
+    "loftq_config",
+    "eva_config",
+    "corda_config",
+    "lora_ga_config",
+    "use_dora",
+    "velora_config",
+    "alora_invocation_tokens",
+    "use_qalora",
+    "qalora_group_size",
+    "monteclora_config",
+    "layer_replication",
+    "lora_bias",
+    "target_parameters",
+    "use_bdlora",
+    "arrow_config",
+    "kasa_config",
+    "ensure_weight_tying",
+)
+_IA3_KEYS = (
+    *_PEFT_BASE_KEYS,
+    "target_modules",
+    "exclude_modules",
+    "feedforward_modules",
+    "fan_in_fan_out",
+    "modules_to_save",
+    "init_ia3_weights",
+)
+
+
+# -- per-field checks, shared by `__post_init__` and `from_dict` ----------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, list | tuple) and all(isinstance(x, str) for x in v)
+
+
+def _is_rule(v: Any) -> bool:
+    return v is None or isinstance(v, str | Predicate) or _is_str_list(v)
+
+
+def _is_layers(v: Any) -> bool:
+    return v is None or _is_int(v) or (isinstance(v, list | tuple) and all(map(_is_int, v)))
+
+
+def _is_map(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: (
+        isinstance(v, Mapping) and all(isinstance(k, str) and check(x) for k, x in v.items())
+    )
+
+
+_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "base_model_name_or_path": (lambda v: v is None or isinstance(v, str), "None or a string"),
+    "revision": (lambda v: v is None or isinstance(v, str), "None or a string"),
+    "peft_version": (lambda v: v is None or isinstance(v, str), "None or a string"),
+    "inference_mode": (lambda v: isinstance(v, bool), "a bool"),
+    "target_modules": (_is_rule, _RULE_TYPE),
+    "exclude_modules": (_is_rule, _RULE_TYPE),
+    "feedforward_modules": (_is_rule, _RULE_TYPE),
+    "fan_in_fan_out": (lambda v: isinstance(v, bool), "a bool"),
+    "modules_to_save": (lambda v: v is None or _is_str_list(v), "None or a list of strings"),
+    "layers_to_transform": (_is_layers, "None, an int, or a list of ints"),
+    "layers_pattern": (
+        lambda v: v is None or isinstance(v, str) or _is_str_list(v),
+        "None, a string, or a list of strings",
+    ),
+    "r": (_is_int, "an int"),
+    "lora_alpha": (_is_number, "a number"),
+    "lora_dropout": (_is_number, "a number"),
+    "use_rslora": (lambda v: isinstance(v, bool), "a bool"),
+    "use_dora": (lambda v: isinstance(v, bool), "a bool"),
+    "rank_pattern": (_is_map(_is_int), "a dict from module-name patterns to int ranks"),
+    "alpha_pattern": (_is_map(_is_number), "a dict from module-name patterns to numbers"),
+    "init_ia3_weights": (lambda v: isinstance(v, bool), "a bool"),
+}
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "task_type": _TASK_TYPES,
+    "bias": ("none", "all", "lora_only"),
+    "init_lora_weights": (True, False, "gaussian", "pissa"),
+}
+
+
+def _check_field(name: str, value: Any) -> None:
+    """A `TypeError`/`ValueError` naming the field if `value` is not valid for it alone."""
+    if name in _TYPES:
+        check, expected = _TYPES[name]
+        if not check(value):
+            raise TypeError(
+                f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
+            )
+    if name in _CHOICES:
+        choices = _CHOICES[name]
+        # Compare types too, so that `1` is not taken for `True`.
+        if not any(type(value) is type(c) and value == c for c in choices):
+            words = {c.lower(): c for c in choices if isinstance(c, str)}
+            close = (
+                difflib.get_close_matches(value.lower(), words, n=1)
+                if isinstance(value, str)
+                else []
+            )
+            hint = f" Did you mean {words[close[0]]!r}?" if close else ""
+            raise ValueError(
+                f"`{name}` must be one of {', '.join(map(repr, choices))}; got {value!r}.{hint}"
+            )
+
+
+def _frozen(value: Any) -> Any:
+    """`value` with lists as tuples (dicts are copied, their values likewise)."""
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    if isinstance(value, Mapping):
+        return {k: _frozen(v) for k, v in value.items()}
+    return value
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    # PEFT writes `None`, `{}`, `[]` and `False` interchangeably for "not used".
+    return value == default or (not value and not default)
+
+
+# -- the configs ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AbstractAdapterConfig:
+    """What `LoraConfig` and `IA3Config` share: PEFT's `PeftConfig` fields and the module
+    selection fields. Not instantiated itself; annotate with it to accept either config."""
+
+    task_type: TaskType | None = None
+    peft_type: str
+    base_model_name_or_path: str | None = None
+    revision: str | None = None
+    inference_mode: bool = False
+    peft_version: str | None = None
+    target_modules: str | list[str] | tuple[str, ...] | Predicate | None = None
+    exclude_modules: str | list[str] | tuple[str, ...] | Predicate | None = None
+    fan_in_fan_out: bool = False
+    modules_to_save: list[str] | tuple[str, ...] | None = None
+    layers_to_transform: int | list[int] | tuple[int, ...] | None = None
+    layers_pattern: str | list[str] | tuple[str, ...] | None = None
+
+    _PEFT_TYPE: ClassVar[str]
+    _KEYS: ClassVar[tuple[str, ...]]
+    _PEFT_ONLY: ClassVar[dict[str, Any]]
+
+    def __post_init__(self) -> None:
+        if type(self) is AbstractAdapterConfig:
+            raise TypeError("Use LoraConfig or IA3Config; AbstractAdapterConfig is abstract.")
+        if self.peft_type != self._PEFT_TYPE:
+            raise ValueError(
+                f"`peft_type` of a {type(self).__name__} must be {self._PEFT_TYPE!r}; got "
+                f"{self.peft_type!r}. Use peftx.load_config to choose the class from `peft_type`."
+            )
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            _check_field(field.name, value)
+            object.__setattr__(self, field.name, _frozen(value))
+        # PEFT's own checks (`LoraConfig.__post_init__`).
+        target = self.target_modules
+        if isinstance(target, str) and self.layers_to_transform is not None:
+            raise ValueError(
+                "`layers_to_transform` cannot be used when `target_modules` is a str "
+                f"({target!r}): a regex already says which layers. Put the layer numbers into "
+                "the regex, or pass `target_modules` as a list of names."
+            )
+        if isinstance(target, str) and self.layers_pattern is not None:
+            raise ValueError(
+                "`layers_pattern` cannot be used when `target_modules` is a str "
+                f"({target!r}). Pass `target_modules` as a list of names instead."
+            )
+        if self.layers_pattern and self.layers_to_transform is None:
+            raise ValueError(
+                f"`layers_pattern` ({self.layers_pattern!r}) is only used together with "
+                "`layers_to_transform`; set `layers_to_transform` to the layer indices to adapt, "
+                "or drop `layers_pattern`."
+            )
+        if isinstance(target, Predicate) and (
+            self.layers_to_transform is not None or self.layers_pattern is not None
+        ):
+            raise ValueError(
+                "`layers_to_transform`/`layers_pattern` cannot be combined with a Predicate "
+                "`target_modules`; compose the predicate with `peftx.in_layers(...)` instead."
+            )
+        layers = self.layers_to_transform
+        if any(i < 0 for i in ((layers,) if isinstance(layers, int) else layers or ())):
+            raise ValueError(f"`layers_to_transform` must be layer indices >= 0; got {layers!r}.")
+
+    def __hash__(self) -> int:
+        values = tuple(_hashable(getattr(self, f.name)) for f in dataclasses.fields(self))
+        return hash((type(self), values))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as PEFT writes it into `adapter_config.json`: every key PEFT's
+        `to_dict()` has (PEFT-only features at their defaults), lists for tuples.
+
+        Raises `TypeError` if a module rule is a `Predicate`, which has no JSON form.
+        """
+        for name in _RULE_FIELDS:
+            value = getattr(self, name, None)
+            if isinstance(value, Predicate):
+                raise TypeError(
+                    f"`{name}` is the predicate {value}, which cannot be written to "
+                    f"{CONFIG_NAME}. To save this config, give `{name}` as a list of module "
+                    "names or a regex string; or save the list of selected paths, e.g. "
+                    f"`dataclasses.replace(config, {name}=peftx.select(model).at(pred).paths())`."
+                )
+        own = {f.name for f in dataclasses.fields(self)}
+        out = {
+            key: _jsonable(getattr(self, key) if key in own else self._PEFT_ONLY[key])
+            for key in self._KEYS
+        }
+        # peftx fields PEFT lacks (IA3's layer selection) are written only when used.
+        for key in sorted(own - set(self._KEYS)):
+            if getattr(self, key) is not None:
+                out[key] = _jsonable(getattr(self, key))
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, strict: bool = False) -> "AbstractAdapterConfig":
+        """The config stored in `d` (as read from `adapter_config.json`).
+
+        **Arguments:**
+
+        - `d`: the keys and values of the config, as in `adapter_config.json` (PEFT's own
+          `config.to_dict()` works too). `peft_type`, if present, must be this class's
+          (`"LORA"` or `"IA3"`); use `load_config` to dispatch on it.
+        - `strict`: what to do with keys neither PEFT nor peftx knows. `False` (for files
+          written by a newer PEFT): ignore them with a `UserWarning` naming them. `True` (for
+          hand-written files): raise `ValueError`, suggesting the closest known key.
+
+        Keys of PEFT features peftx does not implement are accepted at their default value;
+        otherwise they are ignored with a warning if they cannot change what the adapter
+        computes, or raise `ValueError` if they can.
+        """
+        # PEFT's in-memory `to_dict()` holds enums and sets; its JSON holds strings and lists.
+        values = {
+            k: v.value if isinstance(v, enum.Enum) else sorted(v) if isinstance(v, set) else v
+            for k, v in d.items()
+        }
+        peft_type = values.pop("peft_type", cls._PEFT_TYPE)
+        if peft_type != cls._PEFT_TYPE:
+            raise ValueError(
+                f"This is a config of `peft_type` {peft_type!r}, not {cls._PEFT_TYPE!r}, so it "
+                f"cannot be loaded as {cls.__name__}. Use peftx.load_config, which chooses the "
+                "class from `peft_type`."
+            )
+        own = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        ignored: list[str] = []
+        unknown: list[str] = []
+        for key, value in values.items():
+            if key in own:
+                _check_field(key, value)
+                kwargs[key] = value
+            elif key in cls._PEFT_ONLY:
+                if _is_default(value, cls._PEFT_ONLY[key]):
+                    continue
+                if key not in _HARMLESS:
+                    raise ValueError(
+                        f"`{key}={value!r}` asks for a PEFT feature that peftx does not "
+                        f"implement, so this {cls.__name__} cannot be loaded faithfully. Remove "
+                        f"`{key}` (or set it to {cls._PEFT_ONLY[key]!r}) to load it without it."
+                    )
+                ignored.append(key)
+            elif key not in _NEVER_SAVED:
+                unknown.append(key)
+        if ignored:
+            warnings.warn(
+                f"{cls.__name__}: {sorted(ignored)} are PEFT settings with no effect in peftx; "
+                "they are ignored.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if unknown and strict:
+            known = sorted(own | {"peft_type"})
+            hints = {k: difflib.get_close_matches(k, known, n=1) for k in sorted(unknown)}
+            described = ", ".join(
+                f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items()
+            )
+            raise ValueError(
+                f"Unknown {cls.__name__} keys: {described}. Known keys: {', '.join(known)}."
+            )
+        if unknown:
+            warnings.warn(
+                f"{cls.__name__}: ignoring keys this version of peftx does not know: "
+                f"{sorted(unknown)}. The config was probably written by a newer PEFT; the "
+                "adapter is loaded as if they had their defaults.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return cls(**kwargs)
+
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> pathlib.Path:
+        """PEFT's name for `save_config(self, directory)`."""
+        return save_config(self, directory)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> "AbstractAdapterConfig":
+        """PEFT's name for loading this class from a directory holding `adapter_config.json`
+        (or from that file itself). A file of another `peft_type` is an error."""
+        return cls.from_dict(_read_json(path))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraConfig(AbstractAdapterConfig):
+    """HF PEFT's `LoraConfig`: the same field names, meanings and defaults.
+
+    **Arguments:**
+
+    - `r`: the rank of the update `ΔW = (B @ A) * scaling`.
+    - `lora_alpha`: `scaling = lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`).
+    - `target_modules`: which modules to adapt. A string is a regex that must match the whole
+      dotted path; a list matches a path equal to an entry or ending in `"." + entry`; the
+      string `"all-linear"` means every linear layer except the output head (expanded by the
+      model-level API, which then saves the expanded list, as PEFT does); `None` means the
+      architecture's default list (also resolved by the model-level API). peftx also accepts
+      a `Predicate` (see `peftx.peft_targets`), which cannot be saved to JSON.
+    - `exclude_modules`: modules never adapted; same forms as `target_modules`; wins over it.
+    - `lora_dropout`: dropout probability on the LoRA input, in `[0, 1)`.
+    - `fan_in_fan_out`: the base weight is stored `(in, out)` (GPT-2's `Conv1D`).
+    - `bias`: which biases train: `"none"`, `"all"` or `"lora_only"` (of adapted layers).
+    - `use_rslora`: rank-stabilized scaling `lora_alpha / sqrt(r)`.
+    - `modules_to_save`: modules trained in full and saved alongside the adapter.
+    - `init_lora_weights`: `True` (Kaiming-uniform A, zero B: a no-op at start), `False`
+      (random B too, for tests), `"gaussian"` (normal A with std `1/r`), `"pissa"`.
+    - `layers_to_transform`: only these layer indices (the first numbered path segment, or
+      the one after `layers_pattern`). Not allowed with a regex `target_modules`.
+    - `layers_pattern`: the name of the layer list (`"layers"`, `"h"`); needs
+      `layers_to_transform`.
+    - `rank_pattern`, `alpha_pattern`: per-module `r`/`lora_alpha`, keyed by regex.
+    - `use_dora`: weight-decomposed LoRA (a learned magnitude vector).
+    - `task_type`, `base_model_name_or_path`, `revision`, `inference_mode`, `peft_version`:
+      PEFT's bookkeeping, written to and read from `adapter_config.json` as is.
+
+    ```python
+    config = peftx.LoraConfig(r=8, lora_alpha=16, target_modules=["query", "value"])
+    peftx.save_config(config, "out/")      # out/adapter_config.json, loadable by PEFT
+    assert peftx.load_config("out/") == config
+    ```
+    """
+
+    peft_type: Literal["LORA"] = "LORA"
+    r: int = 8
+    lora_alpha: int | float = 8
+    lora_dropout: int | float = 0.0
+    bias: Literal["none", "all", "lora_only"] = "none"
+    use_rslora: bool = False
+    init_lora_weights: bool | Literal["gaussian", "pissa"] = True
+    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
+    alpha_pattern: dict[str, int | float] = dataclasses.field(default_factory=dict)
+    use_dora: bool = False
+
+    _PEFT_TYPE: ClassVar[str] = "LORA"
+    _KEYS: ClassVar[tuple[str, ...]] = _LORA_KEYS
+    _PEFT_ONLY: ClassVar[dict[str, Any]] = {**_PEFT_ONLY_COMMON, **_PEFT_ONLY_LORA}
+
+    __hash__ = AbstractAdapterConfig.__hash__
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "lora_dropout", float(self.lora_dropout))
+        if self.r < 1:
+            raise ValueError(f"`r` (the LoRA rank) must be a positive integer; got {self.r}.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(
+                f"`lora_dropout` must be a probability in [0, 1); got {self.lora_dropout}."
+            )
+        bad = {k: v for k, v in self.rank_pattern.items() if v < 1}
+        if bad:
+            raise ValueError(f"`rank_pattern` ranks must be positive integers; got {bad}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IA3Config(AbstractAdapterConfig):
+    """HF PEFT's `IA3Config`: the same field names, meanings and defaults.
+
+    **Arguments:**
+
+    - `target_modules`, `exclude_modules`, `fan_in_fan_out`, `modules_to_save`: as for
+      `LoraConfig` (including `"all-linear"`, `None` and `Predicate`).
+    - `feedforward_modules`: the targets whose *input* is scaled (`ia3_l` of shape `(1, in)`)
+      rather than their output (`(out, 1)`). When it and `target_modules` are both lists, it
+      must be a subset of `target_modules` (PEFT's rule).
+    - `init_ia3_weights`: start the scaling vectors at ones (a no-op). `False` is for tests.
+    - `layers_to_transform`, `layers_pattern`: as for `LoraConfig`. PEFT's `IA3Config` has no
+      such fields: they are written to JSON only when set, and PEFT ignores them (with a
+      warning) when loading such a file.
+    - `task_type`, `base_model_name_or_path`, `revision`, `inference_mode`, `peft_version`:
+      PEFT's bookkeeping.
+    """
+
+    peft_type: Literal["IA3"] = "IA3"
+    feedforward_modules: str | list[str] | tuple[str, ...] | Predicate | None = None
+    init_ia3_weights: bool = True
+
+    _PEFT_TYPE: ClassVar[str] = "IA3"
+    _KEYS: ClassVar[tuple[str, ...]] = _IA3_KEYS
+    _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
+
+    __hash__ = AbstractAdapterConfig.__hash__
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ff, target = self.feedforward_modules, self.target_modules
+        if isinstance(ff, tuple) and isinstance(target, tuple) and not set(ff) <= set(target):
+            raise ValueError(
+                "`feedforward_modules` must be a subset of `target_modules`; "
+                f"{sorted(set(ff) - set(target))} are not in `target_modules` {list(target)}. "
+                "Add them to `target_modules`, or remove them from `feedforward_modules`."
+            )
+
+
+_CLASSES: dict[str, type[AbstractAdapterConfig]] = {"LORA": LoraConfig, "IA3": IA3Config}
+_TOML_TABLES: dict[str, type[AbstractAdapterConfig]] = {"lora": LoraConfig, "ia3": IA3Config}
+
+
+# -- files ----------------------------------------------------------------------------------
+
+
+def _read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = pathlib.Path(path)
+    if path.is_dir():
+        file = path / CONFIG_NAME
+        if not file.is_file():
+            found = sorted(p.name for p in path.iterdir())
+            raise FileNotFoundError(
+                f"No {CONFIG_NAME} in the directory {str(path)!r} (it holds {found}). An "
+                "adapter saved under a name other than 'default' is in a subfolder of that name."
+            )
+    elif path.is_file():
+        file = path
+    else:
+        raise FileNotFoundError(f"No such file or directory: {str(path)!r}.")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(file)!r} holds a {type(data).__name__}, not a JSON object.")
+    return data
+
+
+def _from_mapping(d: Mapping[str, Any], where: str) -> AbstractAdapterConfig:
+    if "peft_type" not in d:
+        raise ValueError(
+            f"{where} has no `peft_type`, so its adapter type is unknown. Add "
+            f'`"peft_type": "LORA"` (or one of {list(_CLASSES)}), or load it with '
+            "LoraConfig.from_dict / IA3Config.from_dict."
+        )
+    cls = _CLASSES.get(d["peft_type"])
+    if cls is None:
+        raise ValueError(
+            f"{where} has `peft_type` {d['peft_type']!r}; peftx supports {list(_CLASSES)}."
+        )
+    return cls.from_dict(d)
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+) -> AbstractAdapterConfig:
+    """A `LoraConfig` or `IA3Config`, chosen by the `peft_type` key, like PEFT's
+    `PeftConfig.from_pretrained`.
+
+    **Arguments:**
+
+    - `source`: a directory holding `adapter_config.json`, a JSON file, a `.toml` file (read
+      with `from_toml`), or an already parsed dict.
+
+    **Returns:** the config. Keys unknown to this version are ignored with a `UserWarning`
+    (see `AbstractAdapterConfig.from_dict`).
+    """
+    if isinstance(source, Mapping):
+        return _from_mapping(source, "The config")
+    if pathlib.Path(source).suffix == ".toml":
+        return from_toml(source)
+    return _from_mapping(_read_json(source), repr(str(source)))
+
+
+def save_config(config: AbstractAdapterConfig, directory: str | os.PathLike[str]) -> pathlib.Path:
+    """Write `config` to `directory/adapter_config.json` as PEFT's `save_pretrained` does
+    (sorted keys, indent 2), creating `directory` if needed.
+
+    The file is written to a temporary file in the same directory and moved into place with
+    `os.replace`, so a reader never sees a half-written config, and a failed write leaves any
+    previous config untouched.
+
+    **Returns:** the path of the written file.
+    """
+    directory = pathlib.Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(
+            f"{str(directory)!r} is a file; save_config takes the directory to write "
+            f"{CONFIG_NAME} into."
+        )
+    text = json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / CONFIG_NAME
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{CONFIG_NAME}.", suffix=".tmp")
+    try:
+        # mkstemp makes the file private (0600); the config is an ordinary shared file.
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def from_toml(path: str | os.PathLike[str]) -> AbstractAdapterConfig:
+    """The adapter config in a TOML file's `[lora]` or `[ia3]` table.
+
+    The table holds the same keys as `adapter_config.json` (TOML has no `null`: leave a key
+    out for `None`). The table's name chooses the class. Everything else in the file, such as
+    top-level keys or a `[train]` table of training settings, is not read here; read it with
+    `tomllib` yourself. Since TOML files are written by hand, an unknown key in the table is a
+    `ValueError` naming the closest known key, not a warning.
+
+    ```toml
+    [lora]
+    r = 8
+    lora_alpha = 16
+    target_modules = ["query", "value"]
+
+    [train]
+    learning_rate = 5e-4
+    ```
+    """
+    path = pathlib.Path(path)
+    with path.open("rb") as file:
+        try:
+            data = tomllib.load(file)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{str(path)!r} is not valid TOML: {e}") from e
+    tables = [name for name in _TOML_TABLES if name in data]
+    if len(tables) != 1:
+        raise ValueError(
+            f"{str(path)!r} must have exactly one adapter table, [lora] or [ia3]; it has "
+            f"{['[' + t + ']' for t in tables] or 'none'} (top-level keys/tables: "
+            f"{sorted(data)})."
+        )
+    table = data[tables[0]]
+    if not isinstance(table, dict):
+        raise TypeError(f"`{tables[0]}` in {str(path)!r} must be a table, got {table!r}.")
+    return _TOML_TABLES[tables[0]].from_dict(table, strict=True)
