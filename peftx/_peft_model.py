@@ -142,12 +142,14 @@ def _targets(config: Any, model: Any) -> Predicate:
         head = _output_head(model)
         chosen = of_type(eqx.nn.Linear) & Predicate(lambda p, n: p != head, f"not {head}")
     else:
-        return peft_targets(
+        # PEFT's own rule applies a name-based `exclude_modules` itself.
+        chosen = peft_targets(
             target,
             exclude_modules=None if isinstance(exclude, Predicate) else exclude,
             layers_to_transform=config.layers_to_transform,
             layers_pattern=config.layers_pattern,
-        ) & (~exclude if isinstance(exclude, Predicate) else Predicate(lambda p, n: True, ""))
+        )
+        exclude = exclude if isinstance(exclude, Predicate) else None
     if isinstance(exclude, Predicate):
         return chosen & ~exclude
     if exclude:
@@ -209,7 +211,7 @@ def get_peft_model(
         for (path, node), k in zip(modules, keys)
     ]
     paths = [p for p, _ in modules]
-    where = select(model).at(Predicate(lambda p, n: p in paths, "targets")).where_fn()
+    where = chosen.at(Predicate(lambda p, n: p in paths, "targets")).where_fn()
     return PeftModel(
         eqx.tree_at(where, model, adapted),
         peft_type,
