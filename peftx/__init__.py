@@ -11,9 +11,11 @@ from ._config import (
 )
 from ._errors import (
     TargetNotFoundError as TargetNotFoundError,
+    UnknownAdapterError as UnknownAdapterError,
     UnsupportedTargetError as UnsupportedTargetError,
 )
 from ._peft_model import (
+    BASE as BASE,
     PeftModel as PeftModel,
     get_peft_model as get_peft_model,
     partition as partition,

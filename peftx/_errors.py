@@ -26,3 +26,10 @@ class TargetNotFoundError(KeyError):
 
 class UnsupportedTargetError(TypeError):
     """A selected module is of a type the adapter cannot wrap."""
+
+
+class UnknownAdapterError(KeyError):
+    """An adapter name that the model does not have."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])

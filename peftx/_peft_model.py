@@ -1,67 +1,172 @@
-"""`get_peft_model`: adapters placed on an Equinox model by a PEFT config."""
+"""`get_peft_model` and `PeftModel`: named adapters placed on an Equinox model by PEFT configs."""
 
+import dataclasses
+import difflib
 import math
 import re
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
-from jaxtyping import PRNGKeyArray
+import jax.numpy as jnp
+from jaxtyping import Array, Int, PRNGKeyArray
 
-from ._errors import UnsupportedTargetError
+from ._errors import UnknownAdapterError, UnsupportedTargetError
 from ._select import Predicate, of_type, peft_targets, require_matches, select
+from ._targets import check_layers, target_predicate, with_defaults
 from .adapters import (
+    AdapterSet,
     DoraArray,
     IA3Array,
     LoraArray,
+    LoraEmbeddingArray,
+    detach,
     dora,
     ia3,
     lora,
+    lora_embedding,
     merge,
 )
 from .implicit import use_implicit_args
 
-_ADAPTERS = (LoraArray, DoraArray, IA3Array)
+BASE = "__base__"
+"""The name that routes an example of a mixed batch to the base model (PEFT's)."""
+
 _TRAINED_FIELDS = {
     LoraArray: ("lora_A", "lora_B"),
     DoraArray: ("lora_A", "lora_B", "lora_magnitude_vector"),
     IA3Array: ("ia3_l",),
+    LoraEmbeddingArray: ("lora_embedding_A", "lora_embedding_B"),
 }
+_ADAPTABLE = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
+CombinationType = Literal["svd", "linear", "cat"]
 
 
-def _is_adapter(x: Any) -> bool:
-    return isinstance(x, _ADAPTERS)
+def _is_set(x: Any) -> bool:
+    return isinstance(x, AdapterSet)
+
+
+def _is_adapted_layer(x: Any) -> bool:
+    return isinstance(x, _ADAPTABLE) and isinstance(x.weight, AdapterSet)
+
+
+def _map_sets(tree: Any, fn: Callable[[AdapterSet], Any]) -> Any:
+    return jax.tree.map(lambda x: fn(x) if _is_set(x) else x, tree, is_leaf=_is_set)
+
+
+def _map_layers(tree: Any, fn: Callable[[Any], Any]) -> Any:
+    return jax.tree.map(
+        lambda x: fn(x) if _is_adapted_layer(x) else x, tree, is_leaf=_is_adapted_layer
+    )
 
 
 class PeftModel(eqx.Module):
-    """A model whose targeted weights are adapters (implicit arrays).
+    """A model whose targeted weights carry named adapters (`AdapterSet`s of implicit arrays).
 
-    Calling it runs the wrapped model under `use_implicit_args`, with the base model's
-    signature. Methods return new models; nothing is changed in place.
+    Calling it runs the wrapped model under `use_implicit_args` with the active adapter,
+    with the base model's signature plus `adapter_names` for mixed batches. Methods
+    return new models; nothing is changed in place.
     """
 
     base_model: Any
-    peft_type: str = eqx.field(static=True)
-    modules_to_save: tuple[str, ...] = eqx.field(static=True)
-    bias: str = eqx.field(static=True)
+    configs: tuple[tuple[str, Any], ...] = eqx.field(static=True)
+    active_adapter: str = eqx.field(static=True)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return use_implicit_args(self.base_model)(*args, **kwargs)
+    @property
+    def peft_config(self) -> dict[str, Any]:
+        """The config of each adapter, by name (PEFT's `peft_config`)."""
+        return dict(self.configs)
 
-    def trainable_spec(self) -> Any:
-        """`True` on every leaf that trains, for `eqx.partition`: adapter factors, the
-        arrays of `modules_to_save`, and biases as `bias` asks."""
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """Every adapter's name, in the order they were added."""
+        return tuple(name for name, _ in self.configs)
 
-        def adapter_spec(a: Any) -> Any:
-            fields = _TRAINED_FIELDS[type(a)]
-            flags = jax.tree.map(lambda _: False, a)
-            return eqx.tree_at(
-                lambda m: [getattr(m, f) for f in fields], flags, [True] * len(fields)
-            )
+    @property
+    def peft_type(self) -> str:
+        return self.configs[0][1].peft_type
 
-        spec = jax.tree.map(
-            lambda a: adapter_spec(a) if _is_adapter(a) else False, self, is_leaf=_is_adapter
-        )
+    @property
+    def modules_to_save(self) -> tuple[str, ...]:
+        return tuple(self.configs[0][1].modules_to_save or ())
+
+    @property
+    def bias(self) -> str:
+        return getattr(self.configs[0][1], "bias", "none")
+
+    def __call__(
+        self, *args: Any, adapter_names: Sequence[str] | Array | None = None, **kwargs: Any
+    ) -> Any:
+        """Run the model; `adapter_names` (one per example, see `prepared`) mixes adapters
+        within the batch."""
+        return use_implicit_args(self.prepared(adapter_names))(*args, **kwargs)
+
+    def prepared(self, adapter_names: Sequence[str] | Array | None = None) -> Any:
+        """The wrapped model as a call runs it, for use under your own `use_implicit_args`.
+
+        IA3's output scale is applied to biases (as PEFT scales the whole layer output).
+        With `adapter_names`, each example of the batch uses its own adapter:
+
+        - a list of names (or `"__base__"` for none), one per example along the leading
+          axis of the activations; only the adapters named are computed;
+        - or integer ids from `adapter_ids(...)`, which may be traced: a batch of them, or
+          one id per call under your own `jax.vmap` (for models that take one example).
+
+        Gradients flow to every adapter used, so several adapters train in one batch.
+        """
+        model = self
+        if adapter_names is not None:
+            active, gate = self._route(adapter_names)
+            model = _map_sets(self, lambda s: AdapterSet(s.weight, s.adapters, gate, active))
+        return _map_layers(model.base_model, _scale_ia3_bias)
+
+    def adapter_ids(self, adapter_names: Sequence[str]) -> Int[Array, " batch"]:
+        """Integer ids of adapter names (`"__base__"` is `len(adapter_names)`), for
+        `prepared`/`__call__` under `jax.vmap` or inside `jax.jit`."""
+        index = {name: i for i, name in enumerate(self.adapter_names)}
+        index[BASE] = len(index)
+        for name in adapter_names:
+            if name not in index:
+                raise self._unknown(name, BASE)
+        return jnp.asarray([index[name] for name in adapter_names], jnp.int32)
+
+    def _route(self, adapter_names: Sequence[str] | Array) -> tuple[tuple[str, ...], Array]:
+        if isinstance(adapter_names, jax.Array):
+            if not jnp.issubdtype(adapter_names.dtype, jnp.integer):
+                raise TypeError(
+                    "adapter_names must be names or integer ids from `adapter_ids`, got an "
+                    f"array of dtype {adapter_names.dtype}."
+                )
+            n = len(self.adapter_names)
+            return self.adapter_names, jax.nn.one_hot(adapter_names, n, dtype=jnp.float32)
+        ids = self.adapter_ids(adapter_names)
+        used = tuple(n for n in self.adapter_names if n in set(adapter_names))
+        columns = jnp.asarray([self.adapter_names.index(n) for n in used], jnp.int32)
+        one_hot = jax.nn.one_hot(ids, len(self.adapter_names), dtype=jnp.float32)
+        return used, one_hot[:, columns]
+
+    # -- training -----------------------------------------------------------------------
+
+    def trainable_spec(self, adapters: Sequence[str] | None = None) -> Any:
+        """`True` on every leaf that trains, for `eqx.partition`: the factors of `adapters`
+        (default: the active adapter), the arrays of `modules_to_save`, and biases as
+        `bias` asks."""
+        names = self._known((self.active_adapter,) if adapters is None else tuple(adapters))
+
+        def set_spec(s: AdapterSet) -> Any:
+            flags = jax.tree.map(lambda _: False, s)
+            for name in names:
+                if name in s.adapters:
+                    fields = _TRAINED_FIELDS[type(s.adapters[name])]
+                    flags = eqx.tree_at(
+                        lambda f, name=name: [getattr(f.adapters[name], x) for x in fields],
+                        flags,
+                        [True] * len(fields),
+                    )
+            return flags
+
+        spec = jax.tree.map(lambda x: set_spec(x) if _is_set(x) else False, self, is_leaf=_is_set)
         sel = select(self.base_model)
         saved = (
             set(sel.at(peft_targets(list(self.modules_to_save))).paths())
@@ -73,7 +178,14 @@ class PeftModel(eqx.Module):
             p
             for p, n in zip(layers.paths(), layers.get())
             if n.bias is not None
-            and (self.bias == "all" or (self.bias == "lora_only" and _is_adapter(n.weight)))
+            and (
+                self.bias == "all"
+                or (
+                    self.bias == "lora_only"
+                    and _is_set(n.weight)
+                    and any(name in n.weight.adapters for name in names)
+                )
+            )
         }
         extra = sel.at(Predicate(lambda p, n: p in saved or p in biased, "trained modules"))
         if not len(extra):
@@ -81,9 +193,7 @@ class PeftModel(eqx.Module):
         flags = [
             jax.tree.map(eqx.is_inexact_array, n)
             if p in saved
-            else eqx.tree_at(
-                lambda m: m.bias, jax.tree.map(lambda _: False, n, is_leaf=_is_adapter), True
-            )
+            else eqx.tree_at(lambda m: m.bias, jax.tree.map(lambda _: False, n), True)
             for p, n in zip(extra.paths(), extra.get())
         ]
         where = extra.where_fn()
@@ -98,142 +208,287 @@ class PeftModel(eqx.Module):
         )
 
     def count_parameters(self) -> tuple[int, int]:
-        """(trainable, all) floating-point parameters, adapters included in both."""
+        """(trainable, all) floating-point parameters, every adapter included in all."""
         trainable, _ = partition(self)
         return _count(trainable), _count(self)
 
-    def merge_and_unload(self) -> Any:
-        """The base model's own class with every adapter merged into a dense weight."""
-        return jax.tree.map(
-            lambda x: merge(x) if _is_adapter(x) else x, self.base_model, is_leaf=_is_adapter
+    # -- several adapters ---------------------------------------------------------------
+
+    def add_adapter(self, adapter_name: str, config: Any, *, key: PRNGKeyArray) -> "PeftModel":
+        """A model with one more adapter, placed by `config`; the active one is unchanged."""
+        return self._add(adapter_name, config, key, model_type=None)
+
+    def set_adapter(self, adapter_name: str) -> "PeftModel":
+        """A model whose active adapter (the one calls use and `partition` trains) is
+        `adapter_name`."""
+        self._known((adapter_name,))
+        model = _map_sets(self, lambda s: AdapterSet(s.weight, s.adapters, None, (adapter_name,)))
+        return dataclasses.replace(model, active_adapter=adapter_name)
+
+    def delete_adapter(self, adapter_name: str) -> "PeftModel":
+        """A model without `adapter_name`; if it was active, the first remaining adapter
+        becomes active (PEFT's rule)."""
+        self._known((adapter_name,))
+        remaining = tuple((n, c) for n, c in self.configs if n != adapter_name)
+        if not remaining:
+            raise ValueError(
+                f"{adapter_name!r} is the only adapter; a PeftModel keeps at least one. "
+                "Use `unload()` for the base model."
+            )
+        active = self.active_adapter if self.active_adapter != adapter_name else remaining[0][0]
+
+        def drop(s: AdapterSet) -> Any:
+            kept = {n: a for n, a in s.adapters.items() if n != adapter_name}
+            return AdapterSet(s.weight, kept, None, (active,)) if kept else s.weight
+
+        model = _map_sets(self, drop)
+        return dataclasses.replace(model, configs=remaining, active_adapter=active)
+
+    def add_weighted_adapter(
+        self,
+        adapters: Sequence[str],
+        weights: Sequence[float],
+        adapter_name: str,
+        combination_type: CombinationType | None = None,
+        svd_rank: int | None = None,
+    ) -> "PeftModel":
+        """A model with a new adapter combining `adapters` with `weights`, as HF PEFT does.
+
+        LoRA: `"linear"` (equal ranks; weighted sums of the factors, a rough approximation),
+        `"cat"` (factors stacked: exactly `Σ w_k ΔW_k`, rank `Σ r_k`), `"svd"` (the
+        default: the top `svd_rank` singular triplets of `Σ w_k ΔW_k`; default rank the
+        largest `r`). IA3: `"linear"` (the default), the weighted sum of the scales. The new
+        adapter is not activated.
+        """
+        self._check_new_name(adapter_name)
+        self._known(tuple(adapters))
+        if len(adapters) != len(weights) or not adapters:
+            raise ValueError(
+                f"add_weighted_adapter needs one weight per adapter, got {len(adapters)} "
+                f"adapters and {len(weights)} weights."
+            )
+        configs = [self.peft_config[a] for a in adapters]
+        if combination_type is None:
+            combination_type = "linear" if self.peft_type == "IA3" else "svd"
+        combination_type = "linear" if len(adapters) == 1 else combination_type
+        if self.peft_type == "IA3":
+            if combination_type != "linear":
+                raise ValueError(
+                    f"IA3 adapters combine linearly only; got combination_type "
+                    f"{combination_type!r}."
+                )
+            new_rank = None
+        else:
+            if any(c.use_dora for c in configs):
+                raise ValueError("add_weighted_adapter combines LoRA adapters, not DoRA ones.")
+            ranks = [max([c.r, *(c.rank_pattern or {}).values()]) for c in configs]
+            if combination_type == "linear" and len(set(ranks)) != 1:
+                raise ValueError(
+                    f"combination_type 'linear' needs adapters of one rank, got r={ranks} for "
+                    f"{list(adapters)}; use 'cat' or 'svd'."
+                )
+            new_rank = {"linear": ranks[0], "cat": sum(ranks), "svd": svd_rank or max(ranks)}[
+                combination_type
+            ]
+        config = _combined_config(configs, new_rank)
+
+        def combine(s: AdapterSet) -> AdapterSet:
+            present = [(s.adapter(a), w) for a, w in zip(adapters, weights) if a in s.adapters]
+            if not present:
+                return s
+            new = _combine(present, combination_type, new_rank, config)
+            return AdapterSet(s.weight, {**s.adapters, adapter_name: detach(new)}, s.gate, s.active)
+
+        model = _map_sets(self, combine)
+        return dataclasses.replace(model, configs=(*self.configs, (adapter_name, config)))
+
+    # -- leaving PEFT -------------------------------------------------------------------
+
+    def merge_and_unload(
+        self, adapter_names: Sequence[str] | None = None, *, safe_merge: bool = False
+    ) -> Any:
+        """The base model's own class with adapters merged into dense weights (default:
+        the active adapter; several names are merged together)."""
+        names = self._known(
+            (self.active_adapter,) if adapter_names is None else tuple(adapter_names)
         )
+
+        def merged(layer: Any) -> Any:
+            s = AdapterSet(layer.weight.weight, layer.weight.adapters, None, names)
+            layer = _scale_ia3_bias(eqx.tree_at(lambda m: m.weight, layer, s))
+            return eqx.tree_at(lambda m: m.weight, layer, merge(s, safe=safe_merge))
+
+        return _map_layers(self.base_model, merged)
 
     def unload(self) -> Any:
         """The base model without adapters (the original weights)."""
-        return jax.tree.map(
-            lambda x: x.weight if _is_adapter(x) else x, self.base_model, is_leaf=_is_adapter
-        )
+        return _map_sets(self.base_model, lambda s: s.weight)
 
     def disable_adapters(self) -> Any:
         """A model that runs without the adapters: `unload()`, kept for PEFT users."""
         return self.unload()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _known(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        for name in names:
+            if name not in self.adapter_names:
+                raise self._unknown(name)
+        return names
+
+    def _unknown(self, name: Any, *extra: str) -> UnknownAdapterError:
+        valid = (*self.adapter_names, *extra)
+        close = difflib.get_close_matches(str(name), valid, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        return UnknownAdapterError(
+            f"no adapter named {name!r}; this model has {', '.join(map(repr, valid))}.{hint}"
+        )
+
+    def _check_new_name(self, name: str) -> None:
+        if name in self.adapter_names:
+            raise ValueError(
+                f"an adapter named {name!r} exists already (adapters: "
+                f"{', '.join(map(repr, self.adapter_names))}); choose another name or "
+                "`delete_adapter` it first."
+            )
+        if name == BASE or not name:
+            raise ValueError(f"{name!r} cannot name an adapter; {BASE!r} means the base model.")
+
+    def _add(
+        self, adapter_name: str, config: Any, key: PRNGKeyArray, model_type: str | None
+    ) -> "PeftModel":
+        self._check_new_name(adapter_name)
+        if self.configs and config.peft_type != self.peft_type:
+            raise ValueError(
+                f"this model's adapters are {self.peft_type}; a {config.peft_type} adapter "
+                "cannot join them (as in PEFT). Start from the base model (`unload()`)."
+            )
+        if self.configs and tuple(config.modules_to_save or ()) not in ((), self.modules_to_save):
+            raise ValueError(
+                "modules_to_save is shared by all adapters of a PeftModel and set by the first "
+                f"one ({list(self.modules_to_save)}); got {list(config.modules_to_save)}."
+            )
+        config = with_defaults(config, self.base_model, model_type)
+        model = self.base_model
+        check_layers(config, model)
+        target = config.target_modules
+        wanted = [target] if isinstance(target, str) else list(target or ())
+        chosen = require_matches(
+            select(model).at(~of_type(jax.Array)),
+            target_predicate(config, model),
+            wanted=[w for w in wanted if isinstance(w, str)],
+        )
+        layers = _adaptable_layers(chosen, config)
+        keys = jax.random.split(key, len(layers))
+        active = self.active_adapter if self.configs else adapter_name
+        placed = []
+        for (path, layer), k in zip(layers, keys):
+            current = layer.weight
+            base = current.weight if _is_set(current) else current
+            adapter = detach(_adapter(config, path, layer, base, k))
+            if _is_set(current):
+                s = AdapterSet(base, {**current.adapters, adapter_name: adapter}, None, (active,))
+            else:
+                s = AdapterSet(base, {adapter_name: adapter}, None, (active,))
+            placed.append(eqx.tree_at(lambda m: m.weight, layer, s))
+        paths = [p for p, _ in layers]
+        where = chosen.at(Predicate(lambda p, n: p in paths, "targets")).where_fn()
+        return PeftModel(
+            eqx.tree_at(where, model, placed), (*self.configs, (adapter_name, config)), active
+        )
 
 
 def _count(tree: Any) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array)))
 
 
-def partition(model: PeftModel) -> tuple[Any, Any]:
-    """`(trainable, frozen)` halves of a `PeftModel`, for `eqx.combine` inside a loss."""
-    return eqx.partition(model, model.trainable_spec())
+def partition(model: PeftModel, adapters: Sequence[str] | None = None) -> tuple[Any, Any]:
+    """`(trainable, frozen)` halves of a `PeftModel`, for `eqx.combine` inside a loss.
 
-
-def _targets(config: Any, model: Any) -> Predicate:
-    target, exclude = config.target_modules, config.exclude_modules
-    if target is None:
-        raise ValueError(
-            "target_modules is None; PEFT's per-architecture defaults need a transformers "
-            "model type. Name the modules, e.g. target_modules=['q_proj', 'v_proj'], or "
-            "use 'all-linear'."
-        )
-    if isinstance(target, Predicate):
-        chosen = target
-    elif target == "all-linear":
-        head = _output_head(model)
-        chosen = of_type(eqx.nn.Linear) & Predicate(lambda p, n: p != head, f"not {head}")
-    else:
-        # PEFT's own rule applies a name-based `exclude_modules` itself.
-        chosen = peft_targets(
-            target,
-            exclude_modules=None if isinstance(exclude, Predicate) else exclude,
-            layers_to_transform=config.layers_to_transform,
-            layers_pattern=config.layers_pattern,
-        )
-        exclude = exclude if isinstance(exclude, Predicate) else None
-    if isinstance(exclude, Predicate):
-        return chosen & ~exclude
-    if exclude:
-        return chosen & ~peft_targets(exclude)
-    return chosen
-
-
-def _output_head(model: Any) -> str | None:
-    linears = select(model).at(of_type(eqx.nn.Linear)).paths()
-    return linears[-1] if linears else None
+    `adapters` names the adapters that train (default: the active one); name several to
+    train them together in mixed batches.
+    """
+    return eqx.partition(model, model.trainable_spec(adapters))
 
 
 def get_peft_model(
-    model: Any, config: Any, *, key: PRNGKeyArray, adapter_name: str = "default"
+    model: Any,
+    config: Any,
+    *,
+    key: PRNGKeyArray,
+    adapter_name: str = "default",
+    model_type: str | None = None,
 ) -> PeftModel:
-    """Place the adapters a PEFT config describes on an Equinox model.
+    """Place the adapter a PEFT config describes on an Equinox model.
 
     **Arguments:**
 
     - `model`: any Equinox model (targets are found by dotted path, e.g.
       `layers.3.self_attn.q_proj`, see `peftx.select`).
-    - `config`: a `LoraConfig` or `IA3Config`.
-    - `key`: PRNG key for the adapters' initialization.
-    - `adapter_name`: only `"default"` for now.
+    - `config`: a `LoraConfig` or `IA3Config`. With `target_modules=None`, PEFT's default
+      for the architecture applies (`model_type`, or `model.config.model_type`).
+    - `key`: PRNG key for the adapter's initialization.
+    - `adapter_name`: the adapter's name (more can be added with `add_adapter`).
+    - `model_type`: the transformers model type, for default targets.
 
     **Returns:**
 
     A `PeftModel`; train it with `partition(peft_model)` and optax.
     """
-    if adapter_name != "default":
-        raise NotImplementedError("only the 'default' adapter is supported so far.")
+    if isinstance(model, PeftModel):
+        raise TypeError(
+            "model is a PeftModel already; add another adapter with "
+            "`peft_model.add_adapter(name, config, key=...)`."
+        )
+    return PeftModel(model, (), adapter_name)._add(adapter_name, config, key, model_type)
+
+
+def _adaptable_layers(chosen: Any, config: Any) -> list[tuple[str, Any]]:
     peft_type = config.peft_type
-    target = config.target_modules
-    wanted = [target] if isinstance(target, str) else list(target or ())
-    chosen = require_matches(
-        select(model).at(~of_type(jax.Array)),
-        _targets(config, model),
-        wanted=[w for w in wanted if isinstance(w, str)],
-    )
-    modules = []
+    layers = []
     for path, node in zip(chosen.paths(), chosen.get()):
-        if not isinstance(node, eqx.nn.Linear | eqx.nn.Conv):
-            if len(select(node).at(of_type(eqx.nn.Linear, eqx.nn.Conv))):
+        if not isinstance(node, _ADAPTABLE):
+            if len(select(node).at(of_type(*_ADAPTABLE))):
                 continue  # a container whose name matched; its layers are matched on their own
             raise UnsupportedTargetError(
                 f"target {path!r} is a {type(node).__name__}; {peft_type} adapts "
-                "eqx.nn.Linear and eqx.nn.Conv layers."
+                "eqx.nn.Linear, eqx.nn.Conv and eqx.nn.Embedding layers."
             )
-        if peft_type == "IA3" and isinstance(node, eqx.nn.Conv):
-            raise UnsupportedTargetError(f"IA3 adapts Linear layers only; {path!r} is a Conv.")
-        modules.append((path, node))
-    if not modules:
+        kind = type(node).__name__
+        if peft_type == "IA3" and not isinstance(node, eqx.nn.Linear):
+            raise UnsupportedTargetError(
+                f"IA3 adapts Linear layers only; {path!r} is an eqx.nn.{kind}."
+            )
+        if getattr(config, "use_dora", False) and not isinstance(node, eqx.nn.Linear):
+            raise UnsupportedTargetError(
+                f"DoRA (use_dora=True) adapts Linear layers only; {path!r} is an eqx.nn.{kind}. "
+                "Exclude it (exclude_modules) or use plain LoRA."
+            )
+        layers.append((path, node))
+    if not layers:
         raise UnsupportedTargetError(
-            f"the targets {target} matched only containers, no Linear or Conv layer."
+            f"the targets {config.target_modules} matched only containers, no Linear, Conv "
+            "or Embedding layer."
         )
-    keys = jax.random.split(key, len(modules))
-    adapted = [
-        eqx.tree_at(lambda m: m.weight, node, _adapt(config, path, node, k))
-        for (path, node), k in zip(modules, keys)
-    ]
-    paths = [p for p, _ in modules]
-    where = chosen.at(Predicate(lambda p, n: p in paths, "targets")).where_fn()
-    return PeftModel(
-        eqx.tree_at(where, model, adapted),
-        peft_type,
-        tuple(config.modules_to_save or ()),
-        getattr(config, "bias", "none"),
-    )
+    return layers
 
 
-def _adapt(config: Any, path: str, layer: Any, key: PRNGKeyArray) -> Any:
+def _adapter(config: Any, path: str, layer: Any, base: Any, key: PRNGKeyArray) -> Any:
     if config.peft_type == "IA3":
         ff = config.feedforward_modules or []
         is_ff = bool(peft_targets(ff)(path, layer)) if ff else False
-        return ia3(layer.weight, feedforward=is_ff)
+        return ia3(base, feedforward=is_ff)
     r = _pattern(config.rank_pattern, path, config.r)
     alpha = _pattern(config.alpha_pattern, path, config.lora_alpha)
     init = {True: "default", False: "random"}.get(
         config.init_lora_weights, config.init_lora_weights
     )
-    if config.use_dora and isinstance(layer, eqx.nn.Conv):
-        raise UnsupportedTargetError(f"DoRA adapts Linear layers only; {path!r} is a Conv.")
+    if isinstance(layer, eqx.nn.Embedding):
+        return lora_embedding(
+            base, r=r, lora_alpha=alpha, init=init, use_rslora=config.use_rslora, key=key
+        )
     adapter = lora(
-        layer.weight,
+        base,
         r=r,
         lora_alpha=alpha,
         init=init,
@@ -250,3 +505,112 @@ def _pattern(patterns: dict | None, path: str, default: Any) -> Any:
         if re.match(rf"(.*\.)?({pattern})$", path):
             return value
     return default
+
+
+def _scale_ia3_bias(layer: Any) -> Any:
+    """`layer` with its bias scaled by its active output-side IA3 scales (PEFT scales the
+    whole output of the layer, bias included)."""
+    s = layer.weight
+    if getattr(layer, "bias", None) is None:
+        return layer
+    scaled = [
+        (k, s.adapters[n].ia3_l[..., 0])
+        for k, n in s.used()
+        if isinstance(s.adapters[n], IA3Array) and not s.adapters[n].is_feedforward
+    ]
+    if not scaled:
+        return layer
+    if s.gate is not None and s.gate.ndim > 1:
+        raise ValueError(
+            "IA3 on a layer with a bias cannot route a batch-wide gate: the bias is added "
+            "per example. Call the model under your own `jax.vmap` with one adapter id per "
+            "example (`adapter_ids`)."
+        )
+    bias = layer.bias
+    scale = jnp.ones(bias.shape, bias.dtype)
+    for k, l_vec in scaled:
+        g = 1.0 if s.gate is None else s.gate[k].astype(bias.dtype)
+        scale = scale + g * (l_vec.astype(bias.dtype) - 1)
+    return eqx.tree_at(lambda m: m.bias, layer, bias * scale)
+
+
+def _combined_config(configs: list[Any], new_rank: int | None) -> Any:
+    """PEFT's config for a weighted adapter: the first config, targets united, and for
+    LoRA `r = lora_alpha = new_rank` without patterns."""
+    targets = [c.target_modules for c in configs]
+    if all(isinstance(t, str) for t in targets):
+        target: Any = "|".join(f"({t})" for t in targets)
+    elif all(isinstance(t, tuple) for t in targets):
+        target = tuple(sorted(set().union(*targets)))
+    elif all(isinstance(t, Predicate) for t in targets):
+        target = targets[0]
+        for t in targets[1:]:
+            target = target | t
+    else:
+        raise ValueError(
+            "the adapters' target_modules mix forms (names, a regex, a predicate); PEFT cannot "
+            "combine those either."
+        )
+    if new_rank is None:
+        ff = [c.feedforward_modules for c in configs]
+        ff_union = (
+            tuple(sorted(set().union(*ff))) if all(isinstance(f, tuple) for f in ff) else ff[0]
+        )
+        return dataclasses.replace(configs[0], target_modules=target, feedforward_modules=ff_union)
+    return dataclasses.replace(
+        configs[0],
+        r=new_rank,
+        lora_alpha=new_rank,
+        target_modules=target,
+        rank_pattern={},
+        alpha_pattern={},
+    )
+
+
+def _combine(
+    present: list[tuple[Any, float]], combination_type: str, new_rank: int | None, config: Any
+) -> Any:
+    first = present[0][0]
+    if isinstance(first, IA3Array):
+        ia3_l = sum(w * a.ia3_l for a, w in present)
+        return IA3Array(first.weight, ia3_l.astype(first.ia3_l.dtype))
+    factors = [(_factors(a), a.scaling, w) for a, w in present]
+    dtype = factors[0][0][0].dtype
+    if combination_type == "linear":
+        a_new = sum(math.copysign(math.sqrt(abs(w * s)), w * s) * a for (a, _), s, w in factors)
+        b_new = sum(math.sqrt(abs(w * s)) * b for (_, b), s, w in factors)
+    elif combination_type == "cat":
+        a_new = jnp.concatenate([w * s * a for (a, _), s, w in factors], axis=0)
+        b_new = jnp.concatenate([b for (_, b), _, _ in factors], axis=1)
+        pad = new_rank - a_new.shape[0]  # adapters missing here leave zero rows, as in PEFT
+        a_new = jnp.pad(a_new, [(0, pad)] + [(0, 0)] * (a_new.ndim - 1))
+        b_new = jnp.pad(b_new, [(0, 0), (0, pad)] + [(0, 0)] * (b_new.ndim - 2))
+    else:
+        a_shape, b_shape = factors[0][0][0].shape[1:], factors[0][0][1].shape
+        delta = sum(
+            w * s * b.reshape(b.shape[0], -1) @ a.reshape(a.shape[0], -1)
+            for (a, b), s, w in factors
+        )
+        u, sv, vh = jnp.linalg.svd(delta.astype(jnp.float32), full_matrices=False)
+        a_new = vh[:new_rank].reshape(new_rank, *a_shape)
+        b_new = (u[:, :new_rank] * sv[None, :new_rank]).reshape(b_shape[0], new_rank, *b_shape[2:])
+    a_new, b_new = a_new.astype(dtype), b_new.astype(dtype)
+    if isinstance(first, LoraEmbeddingArray):
+        return LoraEmbeddingArray(
+            first.weight, a_new, b_new, lora_alpha=new_rank, use_rslora=config.use_rslora
+        )
+    return LoraArray(
+        first.weight,
+        a_new,
+        b_new,
+        lora_alpha=new_rank,
+        use_rslora=config.use_rslora,
+        lora_dropout=config.lora_dropout,
+    )
+
+
+def _factors(adapter: Any) -> tuple[Array, Array]:
+    """`(A, B)` in PEFT's roles: `ΔW = s·B·A` (for embeddings, `ΔWᵀ`)."""
+    if isinstance(adapter, LoraEmbeddingArray):
+        return adapter.lora_embedding_A, adapter.lora_embedding_B
+    return adapter.lora_A, adapter.lora_B

@@ -11,13 +11,17 @@ from test_select import CausalLM
 
 import peftx
 from peftx import IA3Config, LoraConfig, get_peft_model, partition
-from peftx.adapters import DoraArray, IA3Array, LoraArray
+from peftx.adapters import AdapterSet, DoraArray, IA3Array, LoraArray
 from peftx.implicit import strict
 
 
-def _adapted_paths(peft_model, cls=LoraArray):
+def _adapted_paths(peft_model, cls=LoraArray, name="default"):
     sel = peftx.select(peft_model.base_model).at(peftx.of_type(eqx.nn.Linear))
-    return [p for p, n in zip(sel.paths(), sel.get()) if isinstance(n.weight, cls)]
+    return [
+        p
+        for p, n in zip(sel.paths(), sel.get())
+        if isinstance(n.weight, AdapterSet) and isinstance(n.weight.adapters.get(name), cls)
+    ]
 
 
 def _run(model, x):
@@ -36,7 +40,7 @@ def _run(model, x):
         return jax.vmap(m.lm_head)(h)
 
     if isinstance(model, peftx.PeftModel):
-        return peftx.use_implicit_args(body)(model.base_model, x)
+        return peftx.use_implicit_args(body)(model.prepared(), x)
     return body(model, x)
 
 
@@ -74,7 +78,8 @@ def test_target_forms_place_adapters_where_peft_would():
         key=key,
     )
     ia3_layers = peftx.select(ia3.base_model).at(peftx.named("down_proj")).get()
-    assert all(isinstance(n.weight, IA3Array) and n.weight.is_feedforward for n in ia3_layers)
+    assert all(n.weight.adapters["default"].is_feedforward for n in ia3_layers)
+    assert len(_adapted_paths(ia3, IA3Array)) == 8
 
 
 def test_default_init_keeps_the_base_output():
@@ -183,6 +188,169 @@ def test_errors():
         get_peft_model(lm, LoraConfig(target_modules=["q_prj"]), key=jax.random.key(0))
     with pytest.raises(
         peftx.UnsupportedTargetError,
-        match=r"'model.embed_tokens' is a Embedding; LORA adapts eqx.nn.Linear",
+        match=r"DoRA \(use_dora=True\) adapts Linear .*'model.embed_tokens' is an eqx.nn.Embedding",
     ):
-        get_peft_model(lm, LoraConfig(target_modules=["embed_tokens"]), key=jax.random.key(0))
+        get_peft_model(
+            lm,
+            LoraConfig(target_modules=["embed_tokens"], r=2, use_dora=True),
+            key=jax.random.key(0),
+        )
+    with pytest.raises(
+        peftx.UnsupportedTargetError, match=r"IA3 adapts Linear layers only; 'model.embed_tokens'"
+    ):
+        get_peft_model(lm, IA3Config(target_modules=["embed_tokens"]), key=jax.random.key(0))
+
+
+def test_adapter_name_errors():
+    lm = CausalLM()
+    config = LoraConfig(target_modules=["q_proj"], r=2)
+    model = get_peft_model(lm, config, key=jax.random.key(0))
+    for call in (
+        lambda: model.set_adapter("defualt"),
+        lambda: model.delete_adapter("defualt"),
+        lambda: model.add_weighted_adapter(["defualt"], [1.0], "mix", "linear"),
+        lambda: model.adapter_ids(["default", "defualt"]),
+        lambda: model.merge_and_unload(["defualt"]),
+        lambda: partition(model, ["defualt"]),
+    ):
+        with pytest.raises(
+            peftx.UnknownAdapterError, match=r"no adapter named 'defualt'.*Did you mean 'default'"
+        ):
+            call()
+    with pytest.raises(ValueError, match=r"an adapter named 'default' exists already"):
+        model.add_adapter("default", config, key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"'__base__' cannot name an adapter"):
+        model.add_adapter(peftx.BASE, config, key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"adapters are LORA; a IA3 adapter cannot join"):
+        model.add_adapter("ia3", IA3Config(target_modules=["k_proj"]), key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"'default' is the only adapter.*unload"):
+        model.delete_adapter("default")
+    with pytest.raises(TypeError, match=r"already; add another adapter with"):
+        get_peft_model(model, config, key=jax.random.key(1))
+    two = model.add_adapter("b", LoraConfig(target_modules=["q_proj"], r=3), key=jax.random.key(1))
+    with pytest.raises(ValueError, match=r"'linear' needs adapters of one rank, got r=\[2, 3\]"):
+        two.add_weighted_adapter(["default", "b"], [1.0, 1.0], "mix", "linear")
+    with pytest.raises(ValueError, match=r"one weight per adapter, got 2 adapters and 1 weights"):
+        two.add_weighted_adapter(["default", "b"], [1.0], "mix", "cat")
+    with pytest.raises(ValueError, match=r"modules_to_save is shared by all adapters"):
+        two.add_adapter(
+            "c", LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]), key=key0()
+        )
+
+
+def key0():
+    return jax.random.key(0)
+
+
+def test_layers_to_transform_out_of_range():
+    with pytest.raises(ValueError, match=r"names layer\(s\) \[4, 7\] .* are 0\.\.3"):
+        get_peft_model(
+            CausalLM(),
+            LoraConfig(target_modules=["q_proj"], layers_to_transform=[1, 4, 7]),
+            key=key0(),
+        )
+    with pytest.raises(ValueError, match=r"names layer\(s\) \[0\] .* after 'blocks' are none"):
+        get_peft_model(
+            CausalLM(),
+            LoraConfig(target_modules=["q_proj"], layers_to_transform=0, layers_pattern="blocks"),
+            key=key0(),
+        )
+
+
+class _Config(eqx.Module):
+    model_type: str = eqx.field(static=True)
+
+
+class HFStyleLM(eqx.Module):
+    """A transformers-like model carrying `config.model_type`."""
+
+    lm: CausalLM
+    config: _Config
+
+
+def test_default_target_modules_follow_peft():
+    from peft.utils import constants
+
+    from peftx import _targets
+
+    for ours, theirs in (
+        (
+            _targets.LORA_TARGET_MODULES,
+            constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
+        ),
+        (_targets.IA3_TARGET_MODULES, constants.TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING),
+        (
+            _targets.IA3_FEEDFORWARD_MODULES,
+            constants.TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING,
+        ),
+    ):
+        assert {k: list(v) for k, v in ours.items()} == {k: theirs[k] for k in ours}
+    model = HFStyleLM(CausalLM(), _Config("llama"))
+    lora_model = get_peft_model(model, LoraConfig(r=2), key=key0())
+    sel = peftx.select(lora_model.base_model).at(peftx.of_type(eqx.nn.Linear))
+    adapted = [p for p, n in zip(sel.paths(), sel.get()) if isinstance(n.weight, AdapterSet)]
+    assert adapted == [
+        f"lm.model.layers.{i}.self_attn.{m}" for i in range(4) for m in ("q_proj", "v_proj")
+    ]
+    assert lora_model.peft_config["default"].target_modules == ("q_proj", "v_proj")
+    ia3_model = get_peft_model(CausalLM(), IA3Config(), key=key0(), model_type="llama")
+    down = ia3_model.base_model.model.layers[0].mlp["down_proj"].weight.adapters["default"]
+    assert down.is_feedforward
+    with pytest.raises(ValueError, match=r"no LORA default for model type 'mamba'.*bert"):
+        get_peft_model(CausalLM(), LoraConfig(), key=key0(), model_type="mamba")
+    with pytest.raises(ValueError, match=r"model type None"):
+        get_peft_model(CausalLM(), LoraConfig(), key=key0())
+
+
+class Classifier(eqx.Module):
+    encoder: eqx.nn.MLP
+    classifier: eqx.nn.Linear
+    pooler: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.encoder = eqx.nn.MLP(4, 4, 8, 2, key=k1)
+        self.classifier = eqx.nn.Linear(4, 2, key=k2)
+        self.pooler = eqx.nn.Linear(4, 4, key=k3)
+
+
+class Plain(eqx.Module):
+    encoder: eqx.nn.MLP
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.encoder = eqx.nn.MLP(4, 4, 8, 2, key=k1)
+        self.out = eqx.nn.Linear(4, 2, key=k2)
+
+
+def test_all_linear_skips_the_output_head():
+    def adapted(model):
+        peft_model = get_peft_model(model, LoraConfig(target_modules="all-linear", r=2), key=key0())
+        sel = peftx.select(peft_model.base_model).at(peftx.of_type(eqx.nn.Linear))
+        return [p for p, n in zip(sel.paths(), sel.get()) if isinstance(n.weight, AdapterSet)]
+
+    encoder = [f"encoder.layers.{i}" for i in range(3)]
+    # a head found by its name, even when it is not the last Linear
+    assert adapted(Classifier(key0())) == [*encoder, "pooler"]
+    # no head name: the last Linear directly on the model
+    assert adapted(Plain(key0())) == encoder
+    # no head at all: an MLP's last layer is a hidden layer like the others
+    assert adapted(eqx.nn.MLP(4, 4, 8, 2, key=key0())) == [f"layers.{i}" for i in range(3)]
+
+
+def test_embedding_lora_through_get_peft_model():
+    lm = CausalLM()
+    config = LoraConfig(target_modules=["embed_tokens", "q_proj"], r=2, init_lora_weights=False)
+    peft_model = get_peft_model(lm, config, key=key0())
+    embed = peft_model.base_model.model.embed_tokens.weight
+    assert isinstance(embed.adapters["default"], peftx.adapters.LoraEmbeddingArray)
+    x = jnp.array([1, 5, 3, 10])
+    with strict():
+        out = _run(peft_model, x)
+    merged = peft_model.merge_and_unload()
+    np.testing.assert_allclose(out, _run(merged, x), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(out, _run(lm, x), atol=1e-3)
+    trainable, _ = partition(peft_model)
+    factors = trainable.base_model.model.embed_tokens.weight.adapters["default"]
+    assert factors.lora_embedding_A.shape == (2, 11) and factors.lora_embedding_B.shape == (4, 2)

@@ -1,5 +1,9 @@
 """Adapters and structured weights, each an implicit array with its handlers."""
 
+from ._embedding import (
+    LoraEmbeddingArray as LoraEmbeddingArray,
+    lora_embedding as lora_embedding,
+)
 from ._ia3 import IA3Array as IA3Array, ia3 as ia3
 from ._lora import (
     DoraArray as DoraArray,
@@ -17,5 +21,10 @@ from ._quantized import (
     NF4Array as NF4Array,
     quantize_int8 as quantize_int8,
     quantize_nf4 as quantize_nf4,
+)
+from ._set import (
+    AdapterSet as AdapterSet,
+    adapter_set as adapter_set,
+    detach as detach,
 )
 from ._zeros import Zeros as Zeros

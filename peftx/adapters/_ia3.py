@@ -75,7 +75,19 @@ def _ia3_dot(w: IA3Array, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> A
     return y * p.along(l_vec.astype(y.dtype), (*stack, scaled), p.out)
 
 
-weight_dot_handlers(IA3Array, _ia3_dot)
+def _ia3_update(w: IA3Array, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array) -> Any:
+    # (W ⊙ l)·x - W·x, as a rescale of x (then one more product) or of the base product
+    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    n = len(w.shape) - 2
+    stack, scaled = p.w[:n], p.w[n + 1] if w.is_feedforward else p.w[n]
+    l_minus_1 = w.ia3_l.reshape(*w.ia3_l.shape[:-2], -1) - 1
+    if scaled in p.x:
+        x = x * p.along(l_minus_1.astype(x.dtype), (*stack, scaled), p.x)
+        return p.arrange(*p.contract(x, p.x, w.weight, p.w))
+    return base * p.along(l_minus_1.astype(base.dtype), (*stack, scaled), p.out)
+
+
+weight_dot_handlers(IA3Array, _ia3_dot, _ia3_update)
 
 
 @primitive_handler("transpose")

@@ -90,9 +90,19 @@ class WeightProduct:
         return jnp.transpose(vec, order).reshape(shape)
 
 
-def weight_dot_handlers(cls: type, product: Callable[[Any, Array, bool, dict], Any]) -> None:
+Product = Callable[[Any, Array, bool, dict], Any]
+Update = Callable[[Any, Array, bool, dict, Array], Any]
+_PRODUCTS: dict[type, tuple[Product, Update | None]] = {}
+
+
+def weight_dot_handlers(cls: type, product: Product, update: Update | None = None) -> None:
     """Register `product(w, x, w_is_lhs, params)` as the `dot_general` handler for a `cls`
-    weight on either side of a dense `x`."""
+    weight on either side of a dense `x`.
+
+    `update(w, x, w_is_lhs, params, base)`, given the base weight's own product `base`,
+    returns what the adapter adds to it (`product == base + update`); an `AdapterSet`
+    uses it to apply several adapters, each weighted per example, over one base product.
+    """
 
     def lhs(primitive: Any, w: cls, x: jax.Array, **params: Any) -> Any:  # type: ignore[valid-type]
         return product(w, x, True, params)
@@ -104,3 +114,9 @@ def weight_dot_handlers(cls: type, product: Callable[[Any, Array, bool, dict], A
         fn.__qualname__ = f"{product.__qualname__}[{cls.__name__} {side}]"
         fn.__module__ = product.__module__
         primitive_handler("dot_general")(fn)
+    _PRODUCTS[cls] = (product, update)
+
+
+def weight_product(cls: type) -> tuple[Product, Update | None] | None:
+    """The `(product, update)` registered for `cls` by `weight_dot_handlers`, if any."""
+    return _PRODUCTS.get(cls)

@@ -132,12 +132,10 @@ def _check_factors(weight: Any, lora_A: Any, lora_B: Any, lora_dropout: float) -
 
 
 def _check_rank(r: int, shape: tuple[int, ...]) -> None:
-    limit = min(shape[0], math.prod(shape[1:]))
-    if not 1 <= r <= limit:
-        raise ValueError(
-            f"LoRA rank r={r} is out of range for a weight of shape {shape}: r must be at "
-            f"least 1 and at most min(out, in) = {limit}."
-        )
+    # A rank above min(out, in) is wasteful but valid (PEFT allows it; "cat" combinations
+    # of adapters reach it).
+    if r < 1:
+        raise ValueError(f"LoRA rank r={r} for a weight of shape {shape} must be at least 1.")
 
 
 def _product(b: Array, a: Array, stack_ndim: int) -> Array:
@@ -162,11 +160,16 @@ def _dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
 
 
 def _lora_terms(
-    w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]
+    w: _AbstractLowRank,
+    x: Array,
+    w_is_lhs: bool,
+    params: dict[str, Any],
+    base: Array | None = None,
 ) -> tuple[Array, Array, Array] | None:
     """`(W·x, W·x_dropped, scaling·(B·A)·x_dropped)`, each in the original product's output
     order and dtype, computed token-major (`x` on the left) and without forming `B·A`. None
-    when the layout is not one a low-rank product can follow."""
+    when the layout is not one a low-rank product can follow. `base` is `W·x` when the
+    caller has it already."""
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
     s = w.stack_ndim
     stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
@@ -177,7 +180,8 @@ def _lora_terms(
         first, second = (w.lora_B, b_labels), (w.lora_A, a_labels)
     else:  # neither axis of W is contracted or batched: an outer product
         return None
-    base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
+    if base is None:
+        base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
     x_d = _dropout(x, w.lora_dropout, w.dropout_key)
     base_d = base if x_d is x else p.arrange(*p.contract(x_d, p.x, w.weight, p.w))
     # The adapters keep their own dtype (PEFT computes them in float32 for half bases).
@@ -254,7 +258,16 @@ def _lora_dot(w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, A
     return base + delta
 
 
-weight_dot_handlers(LoraArray, _lora_dot)
+def _lora_update(
+    w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
+) -> Any:
+    if w.kernel_ndim:
+        return NotImplemented
+    terms = _lora_terms(w, x, w_is_lhs, params, base)
+    return NotImplemented if terms is None else terms[2]
+
+
+weight_dot_handlers(LoraArray, _lora_dot, _lora_update)
 
 
 @primitive_handler("conv_general_dilated")
@@ -384,6 +397,11 @@ def _pissa(
         )
     if not jnp.issubdtype(weight.dtype, jnp.floating):
         raise TypeError(f"PiSSA needs a floating-point weight, got dtype {weight.dtype}.")
+    if r > min(weight.shape):
+        raise ValueError(
+            f"PiSSA takes r={r} singular vectors of a weight of shape {tuple(weight.shape)}, "
+            f"which has only {min(weight.shape)}; use r <= {min(weight.shape)}."
+        )
     scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
     u, s, vh = jnp.linalg.svd(weight.astype(jnp.float32), full_matrices=False)
     root = jnp.sqrt(s[:r] / scaling)
@@ -511,17 +529,28 @@ def dora(lora_array: LoraArray) -> DoraArray:
 def _dora_dot(w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
     stack, out_l = p.w[: w.stack_ndim], p.w[w.stack_ndim]
-    scale = w.lora_magnitude_vector / _dora_norm(w)
     if out_l in p.x:  # W's rows meet x: (diag(m/‖·‖)·V)·x == V·(m/‖·‖ ⊙ x)
+        scale = w.lora_magnitude_vector / _dora_norm(w)
         x = x * p.along(scale.astype(x.dtype), (*stack, out_l), p.x)
         return _lora_dot(w, x, w_is_lhs, params)
-    terms = _lora_terms(w, x, w_is_lhs, params)
-    if terms is None:
+    base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
+    update = _dora_update(w, x, w_is_lhs, params, base)
+    return update if update is NotImplemented else base + update
+
+
+def _dora_update(
+    w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
+) -> Any:
+    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    stack, out_l = p.w[: w.stack_ndim], p.w[w.stack_ndim]
+    terms = _lora_terms(w, x, w_is_lhs, params, base)
+    if out_l in p.x or terms is None:
         return NotImplemented
-    base, base_d, delta = terms
+    _, base_d, delta = terms
+    scale = w.lora_magnitude_vector / _dora_norm(w)
     scale = p.along(scale.astype(base.dtype), (*stack, out_l), p.out)
     # PEFT's form: base(x) + (m/‖·‖ - 1)·base(dropout(x)) + m/‖·‖ · s·B·A·dropout(x)
-    return base + (scale - 1) * base_d + scale * delta
+    return (scale - 1) * base_d + scale * delta
 
 
-weight_dot_handlers(DoraArray, _dora_dot)
+weight_dot_handlers(DoraArray, _dora_dot, _dora_update)

@@ -7,9 +7,11 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ..implicit import ImplicitArray, materialize
+from ._embedding import LoraEmbeddingArray
 from ._ia3 import IA3Array
 from ._lora import _AbstractLowRank
 from ._quantized import Int8Array, NF4Array, quantize_int8, quantize_nf4
+from ._set import AdapterSet
 
 
 def merge(
@@ -19,8 +21,8 @@ def merge(
 
     **Arguments:**
 
-    - `array`: a `LoraArray`, `DoraArray`, `IA3Array` (over a dense or quantized base), or
-      any implicit array.
+    - `array`: a `LoraArray`, `DoraArray`, `IA3Array`, `AdapterSet` (its active adapters;
+      over a dense or quantized base), or any implicit array.
     - `dtype`: the merged weight's dtype (default: the represented dtype).
     - `requantize`: for an adapter over an `NF4Array`/`Int8Array` base, quantize the merged
       weight again in the same format (this rounds, as in HF PEFT, with a warning).
@@ -41,7 +43,8 @@ def merge(
         )
     if not requantize:
         return dense
-    base = array.weight if isinstance(array, _AbstractLowRank | IA3Array) else None
+    adapters = _AbstractLowRank | IA3Array | LoraEmbeddingArray | AdapterSet
+    base = array.weight if isinstance(array, adapters) else None
     if isinstance(base, NF4Array):
         requantized = quantize_nf4(dense, blocksize=base.blocksize, double_quant=base.double_quant)
     elif isinstance(base, Int8Array):

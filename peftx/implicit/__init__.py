@@ -10,8 +10,10 @@ from .._errors import (
 from ._core import (
     ImplicitArray as ImplicitArray,
     MaterializationPolicy as MaterializationPolicy,
+    Slot as Slot,
     default_handler as default_handler,
     is_implicit as is_implicit,
+    is_template as is_template,
     materialization_policy as materialization_policy,
     materialize as materialize,
     materialize_all as materialize_all,

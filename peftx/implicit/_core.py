@@ -128,6 +128,13 @@ class _ImplicitFunction(eqx.Module):
         for x in jtu.tree_leaves((args, kwargs), is_leaf=is_implicit):
             if is_implicit(x):
                 _check_complete(x)
+                if is_template(x):
+                    raise TypeError(
+                        f"use_implicit_args got a {type(x).__name__} whose base is a Slot: a "
+                        "template that only its enclosing implicit array (e.g. an AdapterSet) "
+                        "can use. Pass the enclosing array, or fill the slot first "
+                        "(`AdapterSet.adapter(name)`)."
+                    )
         return self.fn(*args, **kwargs)
 
 
@@ -435,6 +442,41 @@ def _report_materialization(
     warnings.warn(f"{msg}, so it is materialized.", MaterializationWarning, stacklevel=2)
 
 
+class Slot(eqx.Module):
+    """The place of an operand that an enclosing implicit array supplies.
+
+    An implicit array holding a `Slot` is a template, not an array: e.g. the adapters of
+    an `AdapterSet` keep a `Slot` where their base weight goes, since the set holds the
+    one base they share. Handlers of the enclosing array receive templates as they are
+    (never as traced values) and fill the slot before using them.
+    """
+
+    shape: tuple[int, ...] = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+
+
+def _is_slot(x: Any) -> bool:
+    return isinstance(x, Slot)
+
+
+def is_template(x: Any) -> bool:
+    """Whether `x` is an implicit array with a `Slot` among its own fields (not those of
+    implicit arrays inside it)."""
+    if not isinstance(x, ImplicitArray):
+        return False
+    inner = jtu.tree_leaves(x, is_leaf=lambda n: n is not x and isinstance(n, Slot | ImplicitArray))
+    return any(map(_is_slot, inner))
+
+
+class _Opaque:
+    """Carries a template through `quax.quaxify` untouched (it is no pytree)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
 def _materialize_nested(x: ImplicitArray) -> Array:
     return _call_nested(type(x).materialize, x)
 
@@ -452,6 +494,7 @@ def _call_nested(fn: Callable[..., Any], *args: Any) -> Any:
             leaves, treedef = jtu.tree_flatten(
                 a, is_leaf=lambda x, a=a: x is not a and isinstance(x, quax.Value)
             )
+            leaves = [_Opaque(leaf) if is_template(leaf) else leaf for leaf in leaves]
             nested = nested or any(isinstance(leaf, quax.Value) for leaf in leaves)
             groups.append(leaves)
             treedefs.append(treedef)
@@ -461,8 +504,16 @@ def _call_nested(fn: Callable[..., Any], *args: Any) -> Any:
     if not nested:
         return fn(*args)
 
+    def _unbox(leaf: Any) -> Any:
+        return leaf.value if isinstance(leaf, _Opaque) else leaf
+
     def rebuilt(*gs: Any) -> Any:
-        return fn(*(g if t is None else jtu.tree_unflatten(t, g) for g, t in zip(gs, treedefs)))
+        return fn(
+            *(
+                g if t is None else jtu.tree_unflatten(t, [_unbox(leaf) for leaf in g])
+                for g, t in zip(gs, treedefs)
+            )
+        )
 
     return quax.quaxify(rebuilt)(*groups)
 

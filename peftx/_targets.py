@@ -1,0 +1,142 @@
+"""Which modules a config adapts: PEFT's target rules, its per-architecture defaults, the
+output head that `"all-linear"` leaves alone, and the checks on layer indices."""
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+
+from ._select import Predicate, layer_index, of_type, peft_targets, select
+
+# PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
+# architectures peftx users load; tests compare them with PEFT's own tables.
+LORA_TARGET_MODULES: dict[str, tuple[str, ...]] = {
+    "bart": ("q_proj", "v_proj"),
+    "bert": ("query", "value"),
+    "bloom": ("query_key_value",),
+    "electra": ("query", "value"),
+    "falcon": ("query_key_value",),
+    "gemma": ("q_proj", "v_proj"),
+    "gemma2": ("q_proj", "v_proj"),
+    "gpt2": ("c_attn",),
+    "gpt_neox": ("query_key_value",),
+    "gptj": ("q_proj", "v_proj"),
+    "llama": ("q_proj", "v_proj"),
+    "mistral": ("q_proj", "v_proj"),
+    "mixtral": ("q_proj", "v_proj"),
+    "opt": ("q_proj", "v_proj"),
+    "phi": ("q_proj", "v_proj", "fc1", "fc2"),
+    "qwen2": ("q_proj", "v_proj"),
+    "qwen3": ("q_proj", "v_proj"),
+    "roberta": ("query", "value"),
+    "t5": ("q", "v"),
+    "xlm-roberta": ("query", "value"),
+}
+IA3_TARGET_MODULES: dict[str, tuple[str, ...]] = {
+    "bert": ("key", "value", "output.dense"),
+    "gpt2": ("c_attn", "mlp.c_proj"),
+    "gpt_neox": ("query_key_value", "dense_4h_to_h"),
+    "llama": ("k_proj", "v_proj", "down_proj"),
+    "mistral": ("k_proj", "v_proj", "down_proj"),
+    "opt": ("q_proj", "k_proj", "fc2"),
+    "qwen2": ("q_proj", "v_proj", "down_proj"),
+    "roberta": ("key", "value", "output.dense"),
+    "t5": ("k", "v", "wo"),
+}
+IA3_FEEDFORWARD_MODULES: dict[str, tuple[str, ...]] = {
+    "bert": ("output.dense",),
+    "gpt2": ("mlp.c_proj",),
+    "gpt_neox": ("dense_4h_to_h",),
+    "llama": ("down_proj",),
+    "mistral": ("down_proj",),
+    "opt": ("fc2",),
+    "qwen2": ("down_proj",),
+    "roberta": ("output.dense",),
+    "t5": ("wo",),
+}
+
+# Output heads by the names transformers gives them (PEFT skips a model's output embedding
+# and, for sequence classification, `score`/`classifier`).
+HEAD_NAMES = ("lm_head", "embed_out", "score", "classifier", "qa_outputs")
+
+
+def model_type_of(model: Any) -> str | None:
+    """`model.config.model_type` (attribute or key), as transformers models carry it."""
+    config = getattr(model, "config", None)
+    if isinstance(config, dict):
+        return config.get("model_type")
+    return getattr(config, "model_type", None)
+
+
+def with_defaults(config: Any, model: Any, model_type: str | None) -> Any:
+    """`config` with PEFT's per-architecture `target_modules` when it has none."""
+    if config.target_modules is not None:
+        return config
+    model_type = model_type or model_type_of(model)
+    table = LORA_TARGET_MODULES if config.peft_type == "LORA" else IA3_TARGET_MODULES
+    if model_type not in table:
+        known = ", ".join(sorted(table))
+        raise ValueError(
+            f"target_modules is None and there is no {config.peft_type} default for model type "
+            f"{model_type!r} (read from `model.config.model_type` or the `model_type` argument). "
+            f"Defaults exist for: {known}. Otherwise name the modules, e.g. "
+            "target_modules=['q_proj', 'v_proj'], or use 'all-linear'."
+        )
+    changes: dict[str, Any] = {"target_modules": table[model_type]}
+    if config.peft_type == "IA3" and config.feedforward_modules is None:
+        changes["feedforward_modules"] = IA3_FEEDFORWARD_MODULES[model_type]
+    return dataclasses.replace(config, **changes)
+
+
+def output_head(model: Any) -> str | None:
+    """The path of the model's output head: a `Linear` named like one (`lm_head`,
+    `classifier`, ...), else the last `Linear` if it sits directly on the model, else None."""
+    paths = select(model).at(of_type(eqx.nn.Linear)).paths()
+    named = [p for p in paths if p.rsplit(".", 1)[-1] in HEAD_NAMES]
+    if named:
+        return named[-1]
+    if paths and "." not in paths[-1]:
+        return paths[-1]
+    return None
+
+
+def target_predicate(config: Any, model: Any) -> Predicate:
+    """The modules `config` adapts, as a predicate (PEFT's rules for every target form)."""
+    target, exclude = config.target_modules, config.exclude_modules
+    if isinstance(target, Predicate):
+        chosen = target
+    elif target == "all-linear":
+        head = output_head(model)
+        chosen = of_type(eqx.nn.Linear) & Predicate(lambda p, n: p != head, f"not {head}")
+    else:
+        # PEFT's own rule applies a name-based `exclude_modules` itself.
+        chosen = peft_targets(
+            target,
+            exclude_modules=None if isinstance(exclude, Predicate) else exclude,
+            layers_to_transform=config.layers_to_transform,
+            layers_pattern=config.layers_pattern,
+        )
+        exclude = exclude if isinstance(exclude, Predicate) else None
+    if isinstance(exclude, Predicate):
+        return chosen & ~exclude
+    if exclude:
+        return chosen & ~peft_targets(exclude)
+    return chosen
+
+
+def check_layers(config: Any, model: Any) -> None:
+    """Raise if `layers_to_transform` names a layer index the model does not have."""
+    wanted = config.layers_to_transform
+    if wanted is None:
+        return
+    wanted = {wanted} if isinstance(wanted, int) else set(wanted)
+    paths = select(model).paths()
+    present = {i for p in paths if (i := layer_index(p, config.layers_pattern)) is not None}
+    missing = sorted(wanted - present)
+    if missing:
+        where = f" after {config.layers_pattern!r}" if config.layers_pattern else ""
+        have = f"0..{max(present)}" if present else "none"
+        raise ValueError(
+            f"layers_to_transform {sorted(wanted)} names layer(s) {missing} that the model does "
+            f"not have: its numbered layers{where} are {have}."
+        )
