@@ -25,8 +25,15 @@ The peftx variants:
 
 IA3 and QLoRA run with all vmaps inside `use_implicit_args`, like the second LoRA row.
 
+- `get_peft_model LoRA`: the same LoRA placed by `peftx.get_peft_model` (weights become
+  `AdapterSet`s holding one adapter), all vmaps inside.
+- `get_peft_model, 2 adapters, mixed batch`: two LoRA adapters on the same layers, each
+  sequence of the batch routed to one of them (`adapter_names` as ids, under the batch
+  `vmap`); both adapters train in the same step.
+
 Before timing: the peftx LoRA loss and gradients are checked against the hand-written
-layer on the same weights; the QLoRA loss and gradients against a dense-base LoRA on the
+layer on the same weights; the mixed-batch loss against each adapter alone on its own
+sequences; the QLoRA loss and gradients against a dense-base LoRA on the
 dequantized weights; the IA3 loss (ones-initialized, so the base model's) and `ia3_l`
 gradients against full fine-tuning's loss and weight gradients. Every step is first
 traced under `peftx.implicit.strict()`, so no weight is ever materialized.
@@ -244,6 +251,37 @@ def peftx_loss_all_inside(model: GPT, batch: Int[Array, "batch seq"]) -> Array:
     return next_token_loss(logits, batch)
 
 
+def peft_model_loss(model: peftx.PeftModel, batch: Int[Array, "batch seq"]) -> Array:
+    logits = use_implicit_args(lambda m, b: jax.vmap(m)(b))(model.prepared(), batch)
+    return next_token_loss(logits, batch)
+
+
+def mixed_loss(ids: Int[Array, " batch"]) -> Callable[[peftx.PeftModel, Array], Array]:
+    """Each sequence of the batch through its own adapter (`ids` from `adapter_ids`)."""
+
+    def loss(model: peftx.PeftModel, batch: Int[Array, "batch seq"]) -> Array:
+        def one(tokens: Array, i: Array) -> Array:
+            return use_implicit_args(lambda m, t: m(t))(model.prepared(i), tokens)
+
+        return next_token_loss(jax.vmap(one)(batch, ids), batch)
+
+    return loss
+
+
+def check_mixed(two: peftx.PeftModel, ids: Array, batch: Array, tol: float = 1e-5) -> str:
+    """The mixed-batch loss against each adapter alone on its own sequences."""
+    with strict():
+        got = eqx.filter_jit(mixed_loss(ids))(two, batch)
+        halves = [
+            eqx.filter_jit(peft_model_loss)(two.set_adapter(name), batch[ids == i])
+            for i, name in enumerate(two.adapter_names)
+        ]
+    want = sum(halves) / len(halves)
+    if abs(float(got) - float(want)) > tol:
+        raise SystemExit(f"mixed batch: loss {float(got)} differs from {float(want)}")
+    return f"mixed batch vs each adapter alone: loss {float(got):.6f} vs {float(want):.6f}"
+
+
 def make_step(loss: Callable[[GPT, Array], Array], optim: optax.GradientTransformation):
     def loss_fn(trainable: GPT, frozen: GPT, batch: Array) -> Array:
         return loss(eqx.combine(trainable, frozen), batch)
@@ -434,6 +472,13 @@ def main() -> None:
     print(check_against_hand_written(hand, lora, batch))
     print(check_qlora(qlora, batch))
     print(check_ia3(base, ia3, batch))
+    config = peftx.LoraConfig(
+        target_modules=list(TARGETS), r=RANK, lora_alpha=ALPHA, init_lora_weights=False
+    )
+    one = peftx.get_peft_model(base, config, key=lora_key)
+    two = one.add_adapter("b", config, key=data_key)
+    ids = jnp.arange(BATCH) % 2
+    print(check_mixed(two, ids, batch))
 
     optim = optax.adamw(1e-4)
     variants = [
@@ -446,6 +491,10 @@ def main() -> None:
         Variant("peftx IA3 (k, v, proj)", ia3, ia3_filter(ia3), peftx_loss_all_inside, optim),
         Variant("peftx QLoRA (NF4 + double quant)", qlora, lora_filter(qlora),
                 peftx_loss_all_inside, optim),
+        Variant("get_peft_model LoRA (all vmaps inside)", one, one.trainable_spec(),
+                peft_model_loss, optim),
+        Variant("get_peft_model, 2 adapters, mixed batch (batch vmap outside)", two,
+                two.trainable_spec(two.adapter_names), mixed_loss(ids), optim),
     ]  # fmt: skip
 
     compile_s = {}
