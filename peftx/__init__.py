@@ -20,6 +20,10 @@ from ._peft_model import (
     get_peft_model as get_peft_model,
     partition as partition,
 )
+from ._quantize import (
+    QuantizationConfig as QuantizationConfig,
+    quantize_model as quantize_model,
+)
 from ._select import (
     Predicate as Predicate,
     Selection as Selection,

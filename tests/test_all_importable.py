@@ -38,6 +38,8 @@ PUBLIC = {
         "PeftModel",
         "partition",
         "BASE",
+        "QuantizationConfig",
+        "quantize_model",
     ],
     peftx.implicit: [
         "ImplicitArray",

@@ -348,3 +348,34 @@ def test_mixed_batch_with_embedding_adapters(lm):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"batch-wide adapter gate \(shape \(3, 2\)\).*`gather`"):
         _run(two, xs[0], two.adapter_ids(names))
+
+
+@pytest.mark.parametrize(
+    "config_a,config_b",
+    [
+        (  # IA3: output scales (with biases) and input scales
+            IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
+            IA3Config(target_modules=["k_proj", "v_proj"]),
+        ),
+        (  # DoRA next to plain LoRA on the same layer: the per-adapter path
+            LoraConfig(target_modules=["q_proj", "v_proj"], r=2, use_dora=True),
+            CONFIG_B,
+        ),
+    ],
+    ids=["ia3", "dora"],
+)
+def test_mixed_batch_of_other_adapter_types(lm, config_a, config_b):
+    two = get_peft_model(lm, config_a, key=KEY_A).add_adapter("b", config_b, key=KEY_B)
+    # move every adapter away from its identity init, so each example's output differs
+    leaves, treedef = jax.tree.flatten(partition(two, ["default", "b"])[0])
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    moved = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    two = eqx.combine(jax.tree.unflatten(treedef, moved), partition(two, ["default", "b"])[1])
+    xs = jnp.array([[1, 2, 3, 4], [4, 3, 2, 1], [5, 6, 7, 8]])
+    names = ["b", "default", peftx.BASE]
+    alone = {"default": two, "b": two.set_adapter("b"), peftx.BASE: lm}
+    want = jnp.stack([_run(alone[n], x) for n, x in zip(names, xs)])
+    assert not np.allclose(want[0], _run(two, xs[0]), atol=1e-3)
+    with strict():
+        got = jax.vmap(lambda x, i: _run(two, x, i))(xs, two.adapter_ids(names))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

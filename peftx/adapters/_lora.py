@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 from jaxtyping import Array, PRNGKeyArray
 
 from ..implicit import ImplicitArray, materialize, primitive_handler
@@ -171,38 +172,95 @@ def _lora_terms(
     when the layout is not one a low-rank product can follow. `base` is `W·x` when the
     caller has it already."""
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
-    s = w.stack_ndim
-    stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
-    a_labels, b_labels = (*stack, "r", in_l), (*stack, out_l, "r")
-    if in_l in p.x:
-        first, second = (w.lora_A, a_labels), (w.lora_B, b_labels)
-    elif out_l in p.x:
-        first, second = (w.lora_B, b_labels), (w.lora_A, a_labels)
-    else:  # neither axis of W is contracted or batched: an outer product
+    order = _factor_order(w, p)
+    if order is None:
         return None
     if base is None:
         base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
     x_d = _dropout(x, w.lora_dropout, w.dropout_key)
     base_d = base if x_d is x else p.arrange(*p.contract(x_d, p.x, w.weight, p.w))
-    # The adapters keep their own dtype (PEFT computes them in float32 for half bases).
-    adapter = dataclasses.replace(p, preferred_element_type=None)
-    delta = _low_rank(adapter, first[1], second[1], w.scaling, base.dtype)(
-        x_d.astype(w.lora_A.dtype), first[0], second[0]
+    first, second = order(w.lora_A, w.lora_B)
+    scale = jnp.asarray(w.scaling, w.lora_A.dtype)
+    delta = _low_rank(p, *order(*_factor_labels(w, p)), (), base.dtype)(
+        x_d.astype(w.lora_A.dtype), first, second, scale
     )
     return base, base_d, delta
 
 
-def _low_rank(
-    p: WeightProduct, first_labels: Labels, second_labels: Labels, scaling: float, dtype: Any
+def _factor_labels(w: _AbstractLowRank, p: WeightProduct) -> tuple[Labels, Labels]:
+    s = w.stack_ndim
+    stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
+    return (*stack, "r", in_l), (*stack, out_l, "r")
+
+
+def _factor_order(w: _AbstractLowRank, p: WeightProduct) -> Any:
+    """Orders `(A, B)`-like pairs as `(first, second)`: the factor that meets `x` first.
+    None when neither axis of W meets `x` (an outer product)."""
+    s = w.stack_ndim
+    out_l, in_l = p.w[s], p.w[s + 1]
+    if in_l in p.x:
+        return lambda a, b: (a, b)
+    if out_l in p.x:
+        return lambda a, b: (b, a)
+    return None
+
+
+def _mixed_lora_update(
+    ws: list[Any],
+    gate: Array,
+    x: Array,
+    w_is_lhs: bool,
+    params: dict[str, Any],
+    base: Array,
 ) -> Any:
-    """`f(x, first, second) = scaling · second·(first·x)`, in `p.out` order and `dtype`,
-    with its backward written out.
+    """`Σ_k gate_k · scaling_k · B_k·A_k·x` as one low-rank product of rank `Σ r_k`: the
+    factors concatenated along `r`, the gate and scalings applied to the small `(tokens,
+    Σ r)` intermediate. `gate` is `(n,)` (one row) or `(batch, n)` (rows along `x`'s leading
+    axis). Plain LoRA without active dropout only; otherwise `NotImplemented`."""
+    if (
+        any(
+            type(w) is not LoraArray
+            or w.kernel_ndim
+            or (w.lora_dropout and w.dropout_key is not None)
+            for w in ws
+        )
+        or len({(w.stack_ndim, w.lora_A.dtype) for w in ws}) != 1
+    ):
+        return NotImplemented
+    w0 = ws[0]
+    p = WeightProduct.parse(len(w0.shape), x.ndim, w_is_lhs, params)
+    order = _factor_order(w0, p)
+    if order is None:
+        return NotImplemented
+    s, dtype = w0.stack_ndim, w0.lora_A.dtype
+    a = jnp.concatenate([w.lora_A for w in ws], axis=s)
+    b = jnp.concatenate([w.lora_B for w in ws], axis=s + 1)
+    # one column of the gate per adapter, repeated over its rank, times its scaling
+    repeat = jnp.asarray([k for k, w in enumerate(ws) for _ in range(w.r)])
+    scalings = jnp.asarray([w.scaling for w in ws for _ in range(w.r)], dtype)
+    scale = jnp.take(gate.astype(dtype), repeat, axis=-1) * scalings.reshape(
+        (1,) * (gate.ndim - 1) + (-1,)
+    )
+    scale_labels = ("r",) if gate.ndim == 1 else (p.x[0], "r")
+    first, second = order(a, b)
+    return _low_rank(p, *order(*_factor_labels(w0, p)), scale_labels, base.dtype)(
+        x.astype(dtype), first, second, scale
+    )
+
+
+def _low_rank(
+    p: WeightProduct, first_labels: Labels, second_labels: Labels, scale_labels: Labels, dtype: Any
+) -> Any:
+    """`f(x, first, second, scale) = second·(scale ⊙ first·x)`, in `p.out` order and
+    `dtype`, with its backward written out. `scale` (labelled `scale_labels`, a subset of
+    the intermediate's labels: `()` for LoRA's scaling, `("r",)` or `(batch, "r")` for
+    gated mixtures) multiplies the small `(tokens, r)` intermediate and is a constant.
 
     Autodiff would contract the output's cotangent over the token axes with the cotangent
     on the left, which XLA on CPU serves by a transposed copy of that (activation-sized)
     cotangent; the copy absorbs the elementwise ops that produce the cotangent, and it is
     made again for every consumer. The products below keep the small `(tokens, r)` arrays
-    on the left and the cotangent and `x` in their token-major layout, and put `scaling` on
+    on the left and the cotangent and `x` in their token-major layout, and put `scale` on
     the small arrays, so the cotangent reaching this product is used as it arrives (shared
     with `W`'s own backward). Reverse mode only: a `custom_vjp` has no forward mode.
     """
@@ -212,27 +270,33 @@ def _low_rank(
         q = dataclasses.replace(p, out=target)
         return q.arrange(*q.contract(a, la, b, lb))
 
-    def forward(x: Array, first: Array, second: Array) -> tuple[Array, Array]:
-        t = into(t_labels, x, p.x, first, first_labels)
+    def scaled(t: Array, scale: ArrayLike) -> Array:
+        # a constant scale may arrive as a NumPy literal (e.g. inside `lax.scan`)
+        return t * p.along(jnp.asarray(scale), scale_labels, t_labels)
+
+    def forward(x: Array, first: Array, second: Array, scale: ArrayLike) -> tuple[Array, Array]:
+        t = scaled(into(t_labels, x, p.x, first, first_labels), scale)
         delta = p.arrange(*p.contract(t, t_labels, second, second_labels))
-        return jnp.asarray(scaling, dtype) * delta.astype(dtype), t
+        return delta.astype(dtype), t
 
     @jax.custom_vjp
-    def low_rank(x: Array, first: Array, second: Array) -> Array:
-        return forward(x, first, second)[0]
+    def low_rank(x: Array, first: Array, second: Array, scale: ArrayLike) -> Array:
+        return forward(x, first, second, scale)[0]
 
-    def low_rank_fwd(x: Array, first: Array, second: Array) -> tuple[Array, tuple]:
-        out, t = forward(x, first, second)
-        return out, (x, first, second, t)
+    def low_rank_fwd(
+        x: Array, first: Array, second: Array, scale: ArrayLike
+    ) -> tuple[Array, tuple]:
+        out, t = forward(x, first, second, scale)
+        return out, (x, first, second, scale, t)
 
-    def low_rank_bwd(res: tuple, ct: Array) -> tuple[Array, Array, Array]:
-        x, first, second, t = res
+    def low_rank_bwd(res: tuple, ct: Array) -> tuple[Array, Array, Array, Array]:
+        x, first, second, scale, t = res
         ct = ct.astype(x.dtype)
-        ct_t = scaling * into(t_labels, ct, p.out, second, second_labels)
-        d_second = into(second_labels, scaling * t, t_labels, ct, p.out)
+        ct_t = scaled(into(t_labels, ct, p.out, second, second_labels), scale)
+        d_second = into(second_labels, t, t_labels, ct, p.out)
         d_x = into(p.x, ct_t, t_labels, first, first_labels)
         d_first = into(first_labels, ct_t, t_labels, x, p.x)
-        return d_x, d_first, d_second
+        return d_x, d_first, d_second, jnp.zeros_like(scale)
 
     low_rank.defvjp(low_rank_fwd, low_rank_bwd)
     return low_rank

@@ -10,6 +10,7 @@ from jaxtyping import Array
 
 from ..implicit import ImplicitArray, Slot, materialize, primitive_handler, use_implicit_args
 from ._layout import WeightProduct, weight_dot_handlers, weight_product
+from ._lora import _mixed_lora_update
 
 
 def _is_slot(x: Any) -> bool:
@@ -111,10 +112,16 @@ def _set_dot(s: AdapterSet, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
     if single is not None:
         return _bind_dot(single, x, w_is_lhs, params)
     p = WeightProduct.parse(len(s.shape), x.ndim, w_is_lhs, params)
+    gate = _checked_gate(s, p, x)
     base = p.arrange(*p.contract(x, p.x, s.weight, p.w))
+    used = s.used()
+    adapters = [s.adapter(name) for _, name in used]
+    columns = jnp.take(gate, jnp.asarray([k for k, _ in used]), axis=-1)
+    mixed = _mixed_lora_update(adapters, columns, x, w_is_lhs, params, base)
+    if mixed is not NotImplemented:
+        return base + mixed
     out = base
-    for k, name in s.used():
-        adapter = s.adapter(name)
+    for (k, _), adapter in zip(used, adapters):
         registered = weight_product(type(adapter))
         update = None if registered is None else registered[1]
         if update is None:
@@ -122,14 +129,17 @@ def _set_dot(s: AdapterSet, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
         u = update(adapter, x, w_is_lhs, params, base)
         if u is NotImplemented:
             return NotImplemented
-        out = out + _gate_column(s, k, p, x).astype(u.dtype) * u
+        g = gate[k] if gate.ndim == 1 else p.along(gate[:, k], (p.x[0],), p.out)
+        out = out + g.astype(u.dtype) * u
     return out
 
 
-def _gate_column(s: AdapterSet, k: int, p: WeightProduct, x: Array) -> Array:
-    assert s.gate is not None  # `single()` handles the ungated case
+def _checked_gate(s: AdapterSet, p: WeightProduct, x: Array) -> Array:
+    """The gate (ones when there is none), checked to route along `x`'s leading axis."""
+    if s.gate is None:
+        return jnp.ones((len(s.active),), jnp.float32)
     if s.gate.ndim == 1:
-        return s.gate[k]
+        return s.gate
     if s.gate.ndim != 2 or p.x[0] not in p.out or x.shape[0] != s.gate.shape[0]:
         raise ValueError(
             f"a per-example adapter gate of shape {tuple(s.gate.shape)} routes along the "
@@ -138,7 +148,7 @@ def _gate_column(s: AdapterSet, k: int, p: WeightProduct, x: Array) -> Array:
             " If the model loops over examples itself (e.g. `jax.vmap` inside), call it "
             "under your own `jax.vmap` with one adapter id per example instead."
         )
-    return p.along(s.gate[:, k], (p.x[0],), p.out)
+    return s.gate
 
 
 def _bind_dot(w: Any, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:

@@ -1,0 +1,113 @@
+"""`QuantizationConfig` and `quantize_model`: the weights chosen, the formats, QLoRA on top."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_select import CausalLM
+
+import peftx
+from peftx import LoraConfig, QuantizationConfig, get_peft_model, partition, quantize_model
+from peftx.adapters import Int8Array, NF4Array, quantize_nf4
+from peftx.implicit import materialize, strict
+
+
+def _linear_weights(model):
+    sel = peftx.select(model).at(peftx.of_type(eqx.nn.Linear))
+    return dict(zip(sel.paths(), (n.weight for n in sel.get())))
+
+
+def _run(model, x):
+    def body(m, x):
+        h = jax.vmap(m.model.embed_tokens)(x)
+        for layer in m.model.layers:
+            attn = layer.self_attn
+            h = h + jax.vmap(lambda v: attn.o_proj(attn.v_proj(v) + attn.q_proj(v)))(h)
+            h = h + jax.vmap(
+                lambda v: layer.mlp["down_proj"](jax.nn.gelu(layer.mlp["up_proj"](v)))
+            )(h)
+        return jax.vmap(m.lm_head)(h)
+
+    if isinstance(model, peftx.PeftModel):
+        model = model.prepared()
+    return peftx.use_implicit_args(body)(model, x)
+
+
+def test_4bit_quantizes_every_linear_but_the_head():
+    lm = CausalLM(d=64)
+    q = quantize_model(lm, QuantizationConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True))
+    weights = _linear_weights(q)
+    assert not isinstance(weights.pop("lm_head"), NF4Array)
+    assert len(weights) == 24 and all(isinstance(w, NF4Array) for w in weights.values())
+    w = weights["model.layers.2.self_attn.v_proj"]
+    want = quantize_nf4(lm.model.layers[2].self_attn.v_proj.weight, double_quant=True)
+    np.testing.assert_array_equal(materialize(w), materialize(want))
+    # embeddings and biases stay dense
+    assert isinstance(q.model.embed_tokens.weight, jax.Array)
+    assert isinstance(q.model.layers[0].mlp["up_proj"].bias, jax.Array)
+
+
+def test_8bit_skip_modules_and_compute_dtype():
+    lm = CausalLM(d=64)
+    config = QuantizationConfig(load_in_8bit=True, llm_int8_skip_modules=["down_proj", "lm_head"])
+    weights = _linear_weights(quantize_model(lm, config))
+    assert {p for p, w in weights.items() if not isinstance(w, Int8Array)} == {
+        "lm_head",
+        *(f"model.layers.{i}.mlp.down_proj" for i in range(4)),
+    }
+    half = quantize_model(
+        lm, QuantizationConfig(load_in_4bit=True, bnb_4bit_compute_dtype="bfloat16")
+    )
+    assert _linear_weights(half)["model.layers.0.mlp.up_proj"].dtype == jnp.bfloat16
+
+
+def test_qlora_on_a_quantized_model_trains_only_the_adapters():
+    lm = CausalLM(d=64)
+    q = quantize_model(lm, QuantizationConfig(load_in_4bit=True))
+    peft_model = get_peft_model(
+        q,
+        LoraConfig(target_modules=["q_proj", "v_proj"], r=4, init_lora_weights=False),
+        key=jax.random.key(0),
+    )
+    x = jnp.array([1, 2, 3, 4])
+    with strict():
+        out = _run(peft_model, x)
+    # the same adapters over the dequantized weights give the same output
+    dense = jax.tree.map(
+        lambda w: materialize(w) if isinstance(w, NF4Array) else w,
+        peft_model,
+        is_leaf=lambda w: isinstance(w, NF4Array),
+    )
+    np.testing.assert_allclose(out, _run(dense, x), rtol=1e-5, atol=1e-5)
+    trainable, _ = partition(peft_model)
+    leaves = jax.tree.leaves(trainable)
+    assert len(leaves) == 2 * 2 * 4 and all(leaf.dtype == jnp.float32 for leaf in leaves)
+
+
+def test_config_round_trip_and_errors(tmp_path):
+    config = QuantizationConfig(
+        load_in_4bit=True, bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype="bfloat16"
+    )
+    d = config.to_dict()
+    assert d["quant_method"] == "bitsandbytes" and d["bnb_4bit_quant_type"] == "nf4"
+    assert QuantizationConfig.from_dict(d) == config
+    import transformers
+
+    theirs = transformers.BitsAndBytesConfig(**config.to_dict()).to_dict()
+    for key, value in d.items():
+        assert theirs[key] == value, key
+    with pytest.warns(UserWarning, match=r"\['llm_int8_threshold'\] have no effect"):
+        QuantizationConfig.from_dict({"load_in_8bit": True, "llm_int8_threshold": 4.0})
+    with pytest.raises(ValueError, match=r"exactly one of load_in_4bit and load_in_8bit"):
+        QuantizationConfig()
+    with pytest.raises((ValueError, TypeError), match=r"fp4"):
+        QuantizationConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4")
+    with pytest.raises(ValueError, match=r"bnb_4bit_compute_dtype must be one of"):
+        QuantizationConfig(load_in_4bit=True, bnb_4bit_compute_dtype="int4")
+    path = tmp_path / "qlora.toml"
+    path.write_text("[lora]\nr = 8\n\n[quantization]\nload_in_4bit = true\n")
+    assert QuantizationConfig.from_toml(path) == QuantizationConfig(load_in_4bit=True)
+    assert peftx.from_toml(path).r == 8
+    path.write_text("[lora]\nr = 8\n")
+    assert QuantizationConfig.from_toml(path) is None
