@@ -354,3 +354,50 @@ def test_embedding_lora_through_get_peft_model():
     trainable, _ = partition(peft_model)
     factors = trainable.base_model.model.embed_tokens.weight.adapters["default"]
     assert factors.lora_embedding_A.shape == (2, 11) and factors.lora_embedding_B.shape == (4, 2)
+
+
+def test_stacked_layers_under_scan():
+    """Layers made by `eqx.filter_vmap` and run with `lax.scan` get one adapter each."""
+    from test_select import Layer
+
+    stacked = eqx.filter_vmap(lambda k: Layer(4, k))(jax.random.split(key0(), 3))
+
+    def forward(layers, x):
+        def body(h, layer):
+            attn = layer.self_attn
+            return h + jax.vmap(lambda v: attn.o_proj(jnp.tanh(attn.q_proj(v))))(h), None
+
+        return jax.lax.scan(body, x, layers)[0]
+
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    for config in (
+        LoraConfig(target_modules=["q_proj", "o_proj"], r=2, init_lora_weights=False),
+        LoraConfig(target_modules=["q_proj"], r=2, init_lora_weights=False, use_dora=True),
+        IA3Config(target_modules=["q_proj"]),
+    ):
+        peft_model = get_peft_model({"layers": stacked}, config, key=key0())
+        q = peft_model.base_model["layers"].self_attn.q_proj.weight
+        assert q.adapters["default"].weight.shape == (3, 4, 4)
+        with strict():
+            got = peftx.use_implicit_args(forward)(peft_model.prepared()["layers"], x)
+            grads = jax.grad(
+                lambda t: peftx.use_implicit_args(lambda m: forward(m, x).sum())(
+                    eqx.combine(t, partition(peft_model)[1]).prepared()["layers"]
+                )
+            )(partition(peft_model)[0])
+        merged = peft_model.merge_and_unload()["layers"]
+        np.testing.assert_allclose(got, forward(merged, x), rtol=1e-5, atol=1e-5)
+        assert all(bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads))
+
+
+def test_a_target_that_cannot_be_adapted_names_path_and_type():
+    class WithNorm(eqx.Module):
+        norm: eqx.nn.LayerNorm
+        proj: eqx.nn.Linear
+
+    model = WithNorm(eqx.nn.LayerNorm(4), eqx.nn.Linear(4, 4, key=key0()))
+    with pytest.raises(
+        peftx.UnsupportedTargetError,
+        match=r"target 'norm' is a LayerNorm; LORA adapts eqx.nn.Linear, eqx.nn.Conv and",
+    ):
+        get_peft_model(model, LoraConfig(target_modules=["norm", "proj"]), key=key0())
