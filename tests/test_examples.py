@@ -24,8 +24,20 @@ def test_lora_mlp_demo(capsys, quantize):
     assert "OK" in capsys.readouterr().out
 
 
-def test_readme_quickstart_runs(capsys):
+def _readme_code(section):
     readme = (EXAMPLES.parent / "README.md").read_text()
-    code = readme.split("## Quickstart", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md", "exec"), {})
+    return readme.split(section, 1)[1].split("```python", 1)[1].split("```", 1)[0]
+
+
+def test_readme_quickstart_runs(capsys):
+    with jax.numpy_dtype_promotion("standard"):  # optax under the tests' strict promotion
+        exec(compile(_readme_code("## Quickstart"), "README.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("trainable params: 320 || all params: 872 ||")
+    name, loss = out[1].split()
+    assert name == "MLP" and float(loss) < 0.1
+
+
+def test_readme_implicit_example_runs(capsys):
+    exec(compile(_readme_code("## `peftx.implicit`"), "README.md", "exec"), {})
     assert capsys.readouterr().out.startswith("(8, 3) ")
