@@ -4,6 +4,7 @@ import dataclasses
 import difflib
 import math
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -379,6 +380,14 @@ class PeftModel(eqx.Module):
             wanted=[w for w in wanted if isinstance(w, str)],
         )
         layers = _adaptable_layers(chosen, config)
+        if config.fan_in_fan_out:
+            # PEFT's rule for torch.nn.Linear targets, whose weights are (out, in) like ours
+            warnings.warn(
+                "fan_in_fan_out=True, but eqx.nn.Linear, Conv and Embedding weights are stored "
+                "(out, in); it is ignored (as PEFT ignores it for torch.nn.Linear).",
+                UserWarning,
+                stacklevel=3,
+            )
         keys = jax.random.split(key, len(layers))
         active = self.active_adapter if self.configs else adapter_name
         placed = []

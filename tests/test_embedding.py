@@ -4,12 +4,12 @@ import math
 
 import equinox as eqx
 import jax
-import jax.extend.core as jexc
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from jaxprs import all_eqns
 
 from peftx.adapters import LoraArray, LoraEmbeddingArray, lora_embedding, merge
 from peftx.implicit import (
@@ -137,20 +137,9 @@ def test_lookups_never_form_the_table(getkey):
 
     with strict():
         jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(a, b, emb, ids)
-    shapes = [tuple(v.aval.shape) for eqn in _all_eqns(jaxpr.jaxpr) for v in eqn.outvars]
+    shapes = [tuple(v.aval.shape) for eqn in all_eqns(jaxpr.jaxpr) for v in eqn.outvars]
     assert any(s == (2, 5, dim) for s in shapes), "no lookup traced"
     assert (num, dim) not in shapes and (dim, num) not in shapes
-
-
-def _all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                if isinstance(sub, jexc.ClosedJaxpr):
-                    yield from _all_eqns(sub.jaxpr)
-                elif isinstance(sub, jexc.Jaxpr):
-                    yield from _all_eqns(sub)
 
 
 @settings(max_examples=12, deadline=None)

@@ -116,3 +116,21 @@ def test_matches_peft(feedforward):
         g = jax.grad(lambda lv: jnp.sum(jnp.sin(run(lv))))(w.ia3_l)
     _close(out, out_t.detach().numpy())
     _close(g, layer.ia3_l["default"].grad.numpy(), tol=1e-4)
+
+
+def test_astype_casts_the_base_and_keeps_the_scale(getkey):
+    w = ia3(jax.random.normal(getkey(), (5, 4)))
+    w = eqx.tree_at(lambda a: a.ia3_l, w, jax.random.normal(getkey(), (5, 1)))
+    x = jax.random.normal(getkey(), (3, 4)).astype(jnp.bfloat16)
+
+    def f(w, x):
+        half = w.astype(jnp.bfloat16)
+        return x @ half.T
+
+    with strict():
+        got = use_implicit_args(f)(w, x)
+    want = x @ w.materialize().astype(jnp.bfloat16).T
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        got.astype(jnp.float32), want.astype(jnp.float32), rtol=2e-2, atol=2e-2
+    )

@@ -4,12 +4,12 @@ import math
 
 import equinox as eqx
 import jax
-import jax.extend.core as jexc
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from jaxprs import all_eqns
 
 from peftx.adapters import (
     DoraArray,
@@ -165,23 +165,12 @@ def test_frozen_weight_gets_no_gradient_computation(getkey):
     jaxpr = jax.make_jaxpr(jax.grad(loss_fn))(params)
     shapes = [
         tuple(v.aval.shape)
-        for eqn in _all_eqns(jaxpr.jaxpr)
+        for eqn in all_eqns(jaxpr.jaxpr)
         if eqn.primitive.name == "dot_general"
         for v in eqn.outvars
     ]
     assert shapes, "no products traced"
     assert (64, 48) not in shapes and (48, 64) not in shapes
-
-
-def _all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                if isinstance(sub, jexc.ClosedJaxpr):
-                    yield from _all_eqns(sub.jaxpr)
-                elif isinstance(sub, jexc.Jaxpr):
-                    yield from _all_eqns(sub)
 
 
 # ---------------------------------------------------------------- initialization

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
 from test_select import CausalLM
 
 import peftx
@@ -152,30 +151,14 @@ def test_modules_to_save_and_bias_train():
 
 def test_print_trainable_parameters_matches_peft(capsys):
     from peft import LoraConfig as TorchLoraConfig, get_peft_model as torch_get_peft_model
-
-    class Torch(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj = torch.nn.Linear(16, 16)
-            self.v_proj = torch.nn.Linear(16, 16)
-            self.out = torch.nn.Linear(16, 4)
-
-    class Eqx(eqx.Module):
-        q_proj: eqx.nn.Linear
-        v_proj: eqx.nn.Linear
-        out: eqx.nn.Linear
-
-        def __init__(self, key):
-            k1, k2, k3 = jax.random.split(key, 3)
-            self.q_proj, self.v_proj = eqx.nn.Linear(16, 16, key=k1), eqx.nn.Linear(16, 16, key=k2)
-            self.out = eqx.nn.Linear(16, 4, key=k3)
+    from test_multi_adapter import BatchedNet, TorchNet
 
     torch_get_peft_model(
-        Torch(), TorchLoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+        TorchNet(), TorchLoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     ).print_trainable_parameters()
     want = capsys.readouterr().out.strip()
     get_peft_model(
-        Eqx(jax.random.key(0)),
+        BatchedNet(jax.random.key(0)),
         LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
         key=jax.random.key(0),
     ).print_trainable_parameters()
@@ -401,3 +384,12 @@ def test_a_target_that_cannot_be_adapted_names_path_and_type():
         match=r"target 'norm' is a LayerNorm; LORA adapts eqx.nn.Linear, eqx.nn.Conv and",
     ):
         get_peft_model(model, LoraConfig(target_modules=["norm", "proj"]), key=key0())
+
+
+def test_fan_in_fan_out_is_ignored_with_a_warning_as_in_peft():
+    config = LoraConfig(target_modules=["q_proj"], r=2, fan_in_fan_out=True)
+    with pytest.warns(UserWarning, match=r"fan_in_fan_out=True, but eqx.nn.Linear.*ignored"):
+        model = get_peft_model(CausalLM(), config, key=key0())
+    assert model.base_model.model.layers[0].self_attn.q_proj.weight.adapters[
+        "default"
+    ].lora_A.shape == (2, 4)

@@ -11,7 +11,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ..implicit import ImplicitArray, materialize, primitive_handler
 from ._layout import weight_dot_handlers
-from ._lora import LoraArray, LoraInit, _lora_dot, _lora_update
+from ._lora import LoraArray, LoraInit, _lora_dot, _lora_update, cast_base_on_astype
 
 
 class LoraEmbeddingArray(ImplicitArray):
@@ -181,11 +181,7 @@ def _embedding_update(
 weight_dot_handlers(LoraEmbeddingArray, _embedding_dot, _embedding_update)
 
 
-@primitive_handler("convert_element_type")
-def _embedding_astype(primitive: Any, w: LoraEmbeddingArray, **params: Any) -> Any:
-    if not jnp.issubdtype(params["new_dtype"], jnp.floating):
-        return NotImplemented
-    return eqx.tree_at(lambda m: m.weight, w, primitive.bind(w.weight, **params))
+cast_base_on_astype(LoraEmbeddingArray)
 
 
 # --------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from jaxtyping import Array
 
 from ..implicit import ImplicitArray, materialize, primitive_handler
 from ._layout import WeightProduct, weight_dot_handlers
+from ._lora import cast_base_on_astype
 
 
 class IA3Array(ImplicitArray):
@@ -96,3 +97,6 @@ def _ia3_transpose(primitive: Any, w: IA3Array, *, permutation: tuple[int, ...])
     if tuple(permutation) != (*range(n), n + 1, n):
         return NotImplemented
     return IA3Array(jax.lax.transpose(w.weight, permutation), jnp.swapaxes(w.ia3_l, -1, -2))
+
+
+cast_base_on_astype(IA3Array)

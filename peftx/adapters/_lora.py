@@ -375,11 +375,20 @@ def _lora_transpose(primitive: Any, w: LoraArray, *, permutation: tuple[int, ...
     )
 
 
-@primitive_handler("convert_element_type")
-def _lora_astype(primitive: Any, w: _AbstractLowRank, **params: Any) -> Any:
-    if not jnp.issubdtype(params["new_dtype"], jnp.floating):
-        return NotImplemented
-    return eqx.tree_at(lambda m: m.weight, w, primitive.bind(w.weight, **params))
+def cast_base_on_astype(cls: type) -> None:
+    """Register `astype` to a floating dtype for adapters of class `cls`: the base weight
+    is cast and the adapter's own parameters keep their dtype (PEFT keeps them float32)."""
+
+    def astype(primitive: Any, w: cls, **params: Any) -> Any:  # type: ignore[valid-type]
+        if not jnp.issubdtype(params["new_dtype"], jnp.floating):
+            return NotImplemented
+        return eqx.tree_at(lambda m: m.weight, w, primitive.bind(w.weight, **params))
+
+    astype.__qualname__ = f"astype[{cls.__name__}]"
+    primitive_handler("convert_element_type")(astype)
+
+
+cast_base_on_astype(_AbstractLowRank)
 
 
 # --------------------------------------------------------------------------------------
