@@ -1,0 +1,90 @@
+"""A `PeftModel` under JAX's SPMD: sharded base weights and batch, replicated adapters.
+
+Runs in a subprocess, since the number of (fake CPU) devices is fixed when JAX starts."""
+
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import os
+
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import equinox as eqx
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    import peftx
+    from peftx.implicit import strict
+
+
+    class MLP(eqx.Module):
+        up_proj: eqx.nn.Linear
+        down_proj: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.up_proj = eqx.nn.Linear(16, 64, key=k1)
+            self.down_proj = eqx.nn.Linear(64, 16, key=k2)
+
+        def __call__(self, x):
+            return self.down_proj(jax.nn.gelu(self.up_proj(x)))
+
+
+    config = peftx.LoraConfig(r=4, target_modules=["up_proj", "down_proj"], init_lora_weights=False)
+    model = peftx.get_peft_model(MLP(jax.random.key(0)), config, key=jax.random.key(1))
+    model = model.add_adapter("b", config, key=jax.random.key(2))
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    # the 64-wide side of every weight and factor is split over "model"
+    specs = jax.tree.map(lambda x: P("model") if x.shape[0] == 64 else P(), arrays)
+    sharded = eqx.combine(
+        jax.device_put(arrays, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), static
+    )
+    data = NamedSharding(mesh, P("data"))
+    xs = jax.random.normal(jax.random.key(3), (8, 16))
+    ids = model.adapter_ids(["default", "b", "__base__", "b"] * 2)
+
+
+    @eqx.filter_jit
+    def forward(m, xs, ids):
+        return jax.vmap(lambda x, i: m(x, adapter_names=i))(xs, ids)
+
+
+    def loss(trainable, frozen, xs, ids):
+        return (forward(eqx.combine(trainable, frozen), xs, ids) ** 2).mean()
+
+
+    with strict():
+        got = forward(sharded, jax.device_put(xs, data), jax.device_put(ids, data))
+        want = forward(model, xs, ids)
+        grad = eqx.filter_jit(eqx.filter_grad(loss))
+        g_sharded = grad(*peftx.partition(sharded, ["default", "b"]), jax.device_put(xs, data),
+                         jax.device_put(ids, data))
+        g_plain = grad(*peftx.partition(model, ["default", "b"]), xs, ids)
+    assert got.sharding.spec == P("data"), got.sharding
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_sharded), jax.tree.leaves(g_plain), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    up = g_sharded.base_model.up_proj.weight.adapters["b"].lora_B
+    assert up.sharding.spec == P("model"), up.sharding
+    print("OK", len(jax.devices()))
+    """
+)
+
+
+def test_sharded_mixed_batch_forward_and_gradients(tmp_path):
+    script = tmp_path / "sharded.py"
+    script.write_text(SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=pathlib.Path(__file__).parent,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("OK 4")
