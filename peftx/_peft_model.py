@@ -11,6 +11,7 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._errors import UnknownAdapterError, UnsupportedTargetError
@@ -97,13 +98,16 @@ class PeftModel(eqx.Module):
         return getattr(self.configs[0][1], "bias", "none")
 
     def __call__(
-        self, *args: Any, adapter_names: Sequence[str] | Array | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        adapter_names: Sequence[str] | Array | np.ndarray | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Run the model; `adapter_names` (one per example, see `prepared`) mixes adapters
         within the batch."""
         return use_implicit_args(self.prepared(adapter_names))(*args, **kwargs)
 
-    def prepared(self, adapter_names: Sequence[str] | Array | None = None) -> Any:
+    def prepared(self, adapter_names: Sequence[str] | Array | np.ndarray | None = None) -> Any:
         """The wrapped model as a call runs it, for use under your own `use_implicit_args`.
 
         IA3's output scale is applied to biases (as PEFT scales the whole layer output).
@@ -132,7 +136,11 @@ class PeftModel(eqx.Module):
                 raise self._unknown(name, BASE)
         return jnp.asarray([index[name] for name in adapter_names], jnp.int32)
 
-    def _route(self, adapter_names: Sequence[str] | Array) -> tuple[tuple[str, ...], Array]:
+    def _route(
+        self, adapter_names: Sequence[str] | Array | np.ndarray
+    ) -> tuple[tuple[str, ...], Array]:
+        if isinstance(adapter_names, np.ndarray):
+            adapter_names = jnp.asarray(adapter_names)
         if isinstance(adapter_names, jax.Array):
             if not jnp.issubdtype(adapter_names.dtype, jnp.integer):
                 raise TypeError(

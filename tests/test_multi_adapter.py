@@ -379,3 +379,19 @@ def test_mixed_batch_of_other_adapter_types(lm, config_a, config_b):
     with strict():
         got = jax.vmap(lambda x, i: _run(two, x, i))(xs, two.adapter_ids(names))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_names_as_ids_and_bad_ids():
+    _, ours = _two_lora_torch()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 8)).astype(np.float32))
+    names = ["b", peftx.BASE, "default"]
+    ids = ours.adapter_ids(names)
+    with strict():
+        by_name = ours(x, adapter_names=names)
+        np.testing.assert_allclose(ours(x, adapter_names=ids), by_name, rtol=1e-6, atol=1e-6)
+        by_numpy = ours(x, adapter_names=np.asarray(ids))
+        np.testing.assert_allclose(by_numpy, by_name, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(by_name[2], ours(x)[2], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(by_name[0], ours(x)[0], atol=1e-4)
+    with pytest.raises(TypeError, match=r"integer ids from `adapter_ids`, got an array of dtype"):
+        ours.prepared(jnp.array([0.0, 1.0]))
