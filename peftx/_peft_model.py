@@ -86,6 +86,11 @@ class PeftModel(eqx.Module):
         return tuple(name for name, _ in self.configs)
 
     @property
+    def active_adapters(self) -> list[str]:
+        """PEFT's list form of `active_adapter`."""
+        return [self.active_adapter]
+
+    @property
     def peft_type(self) -> str:
         return self.configs[0][1].peft_type
 
@@ -210,14 +215,15 @@ class PeftModel(eqx.Module):
 
     def print_trainable_parameters(self) -> None:
         """Print PEFT's line: `trainable params: N || all params: M || trainable%: P`."""
-        trainable, total = self.count_parameters()
+        trainable, total = self.get_nb_trainable_parameters()
         print(
             f"trainable params: {trainable:,} || all params: {total:,} || "
             f"trainable%: {100 * trainable / total:.4f}"
         )
 
-    def count_parameters(self) -> tuple[int, int]:
-        """(trainable, all) floating-point parameters, every adapter included in all."""
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        """(trainable, all) floating-point parameters, every adapter included in all
+        (PEFT's method of this name)."""
         trainable, _ = partition(self)
         return _count(trainable), _count(self)
 

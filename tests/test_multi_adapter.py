@@ -56,6 +56,7 @@ def test_each_adapter_alone_equals_a_model_with_only_it(lm, two):
     only_b = get_peft_model(lm, CONFIG_B, key=KEY_B, adapter_name="b")
     x = jnp.array([1, 2, 3, 4, 5])
     assert two.adapter_names == ("default", "b") and two.active_adapter == "default"
+    assert two.set_adapter("b").active_adapters == ["b"]
     assert two.peft_config["b"] == CONFIG_B
     with strict():
         np.testing.assert_array_equal(_run(two, x), _run(only_a, x))
@@ -87,7 +88,7 @@ def test_partition_trains_the_active_adapter_or_the_named_ones(two):
     assert trained_names(partition(two)[0]) == {"default"}
     assert trained_names(partition(two.set_adapter("b"))[0]) == {"b"}
     assert trained_names(partition(two, ["default", "b"])[0]) == {"default", "b"}
-    trainable, total = two.count_parameters()
+    trainable, total = two.get_nb_trainable_parameters()
     a_params = 4 * 2 * (2 * 4 + 4 * 2)  # 4 layers, q and v, r=2 on 4x4
     b_params = 4 * (3 * 4 + 4 * 3) + 4 * (3 * 4 + 8 * 3)  # v_proj and up_proj (4 -> 8), r=3
     assert trainable == a_params
