@@ -1,4 +1,5 @@
-"""A `PeftModel` under JAX's SPMD: sharded base weights and batch, replicated adapters.
+"""A `PeftModel` under JAX's SPMD: sharded base weights and batch, on meshes whose axes are
+`Auto` (shardings propagated by XLA) or `Explicit` (shardings part of the types).
 
 Runs in a subprocess, since the number of (fake CPU) devices is fixed when JAX starts."""
 
@@ -7,9 +8,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
     """
     import os
+    import sys
 
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     import equinox as eqx
@@ -37,7 +41,8 @@ SCRIPT = textwrap.dedent(
     config = peftx.LoraConfig(r=4, target_modules=["up_proj", "down_proj"], init_lora_weights=False)
     model = peftx.get_peft_model(MLP(jax.random.key(0)), config, key=jax.random.key(1))
     model = model.add_adapter("b", config, key=jax.random.key(2))
-    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    axis_type = getattr(AxisType, sys.argv[1])
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(axis_type,) * 2)
     arrays, static = eqx.partition(model, eqx.is_array)
     # the 64-wide side of every weight and factor is split over "model"
     specs = jax.tree.map(lambda x: P("model") if x.shape[0] == 64 else P(), arrays)
@@ -65,22 +70,37 @@ SCRIPT = textwrap.dedent(
         g_sharded = grad(*peftx.partition(sharded, ["default", "b"]), jax.device_put(xs, data),
                          jax.device_put(ids, data))
         g_plain = grad(*peftx.partition(model, ["default", "b"]), xs, ids)
-    assert got.sharding.spec == P("data"), got.sharding
+    assert got.sharding.spec in (P("data"), P("data", None)), got.sharding
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(g_sharded), jax.tree.leaves(g_plain), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     up = g_sharded.base_model.up_proj.weight.adapters["b"].lora_B
-    assert up.sharding.spec == P("model"), up.sharding
+    assert up.sharding.spec in (P("model"), P("model", None)), up.sharding
+
+    # other adapters, one at a time, with the same shardings
+    for other in (
+        peftx.LoraConfig(r=4, target_modules=["up_proj"], use_dora=True, init_lora_weights=False),
+        peftx.IA3Config(target_modules=["up_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    ):
+        plain = peftx.get_peft_model(MLP(jax.random.key(0)), other, key=jax.random.key(1))
+        arrays, static = eqx.partition(plain, eqx.is_array)
+        specs = jax.tree.map(lambda x: P("model") if x.shape[0] == 64 else P(), arrays)
+        placed = jax.device_put(arrays, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+        with strict():
+            got = eqx.filter_jit(jax.vmap(eqx.combine(placed, static)))(jax.device_put(xs, data))
+            want = eqx.filter_jit(jax.vmap(plain))(xs)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     print("OK", len(jax.devices()))
     """
 )
 
 
-def test_sharded_mixed_batch_forward_and_gradients(tmp_path):
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_sharded_mixed_batch_forward_and_gradients(tmp_path, axis_type):
     script = tmp_path / "sharded.py"
     script.write_text(SCRIPT)
     result = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(script), axis_type],
         capture_output=True,
         text=True,
         timeout=600,

@@ -342,6 +342,35 @@ def _dispatch(primitive: Any, args: tuple[Any, ...], params: dict[str, Any]) -> 
     # Constants (NumPy arrays, Python scalars) become JAX arrays, so a handler's
     # `jax.Array` annotation covers every dense operand.
     args = tuple(a if isinstance(a, quax.Value | jax.Array) else jnp.asarray(a) for a in args)
+    out_sharding = _explicit_out_sharding(primitive, args, params)
+    if out_sharding is not None:
+        return jax.sharding.auto_axes(
+            lambda *a: _run_handlers(primitive, a, params), out_sharding=out_sharding
+        )(*args)
+    return _run_handlers(primitive, args, params)
+
+
+def _explicit_out_sharding(primitive: Any, args: tuple[Any, ...], params: dict[str, Any]) -> Any:
+    """On a mesh with `Explicit` axes, the sharding of the primitive's result on the dense
+    arrays (None otherwise). Handlers then run with the axes made `Auto`: their internal
+    products need no `out_sharding`, and the result is resharded to this."""
+    for leaf in jtu.tree_leaves(args):
+        mesh = jax.typeof(leaf).sharding.mesh
+        if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types:
+            break
+    else:
+        return None
+
+    def dense(a: Any) -> Any:
+        if isinstance(a, ImplicitArray):
+            return jax.eval_shape(_materialize_nested, a)
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.typeof(a).sharding)
+
+    expected = jax.eval_shape(lambda *xs: primitive.bind(*xs, **params), *[dense(a) for a in args])
+    return jtu.tree_map(lambda s: s.sharding, expected)
+
+
+def _run_handlers(primitive: Any, args: tuple[Any, ...], params: dict[str, Any]) -> Any:
     declined = []
     for handler, call_args in _candidates(primitive, args):
         out = _call_nested(lambda *a, fn=handler.fn: fn(primitive, *a, **params), *call_args)
