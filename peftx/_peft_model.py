@@ -323,15 +323,23 @@ class PeftModel(eqx.Module):
         self, adapter_names: Sequence[str] | None = None, *, safe_merge: bool = False
     ) -> Any:
         """The base model's own class with adapters merged into dense weights (default:
-        the active adapter; several names are merged together)."""
+        the active adapter). Several names are merged one after the other, each onto the
+        weight the previous ones left, as PEFT does (so IA3 scales multiply and a DoRA
+        norm is taken of the weight it is merged into)."""
         names = self._known(
             (self.active_adapter,) if adapter_names is None else tuple(adapter_names)
         )
 
         def merged(layer: Any) -> Any:
-            s = AdapterSet(layer.weight.weight, layer.weight.adapters, None, names)
-            layer = _scale_ia3_bias(eqx.tree_at(lambda m: m.weight, layer, s))
-            return eqx.tree_at(lambda m: m.weight, layer, merge(s, safe=safe_merge))
+            s = layer.weight
+            layer = eqx.tree_at(lambda m: m.weight, layer, s.weight)
+            for name in names:
+                if name not in s.adapters:
+                    continue
+                one = AdapterSet(layer.weight, {name: s.adapters[name]}, None, (name,))
+                layer = _scale_ia3_bias(eqx.tree_at(lambda m: m.weight, layer, one))
+                layer = eqx.tree_at(lambda m: m.weight, layer, merge(one, safe=safe_merge))
+            return layer
 
         return _map_layers(self.base_model, merged)
 

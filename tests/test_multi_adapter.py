@@ -396,3 +396,31 @@ def test_adapter_names_as_ids_and_bad_ids():
     assert not np.allclose(by_name[0], ours(x)[0], atol=1e-4)
     with pytest.raises(TypeError, match=r"integer ids from `adapter_ids`, got an array of dtype"):
         ours.prepared(jnp.array([0.0, 1.0]))
+
+
+def _two_ia3_torch():
+    from peft import IA3Config as TorchIA3Config, get_peft_model as torch_get_peft_model
+
+    torch.manual_seed(2)
+    first = dict(target_modules=["q_proj", "out"], feedforward_modules=["out"])
+    second = dict(target_modules=["v_proj", "q_proj"], feedforward_modules=[])
+    torch_model = torch_get_peft_model(TorchNet(), TorchIA3Config(**first))
+    torch_model.add_adapter("b", TorchIA3Config(**second))
+    with torch.no_grad():
+        for name in ("q_proj", "v_proj", "out"):
+            for ia3_l in getattr(torch_model.base_model.model, name).ia3_l.values():
+                ia3_l.copy_(1 + 0.5 * torch.randn_like(ia3_l))
+    ours = get_peft_model(BatchedNet(jax.random.key(0)), IA3Config(**first), key=KEY_A)
+    ours = _load_torch(ours.add_adapter("b", IA3Config(**second), key=KEY_B), torch_model)
+    return torch_model.eval(), ours
+
+
+@pytest.mark.parametrize("kind", ["lora", "ia3"])
+def test_merging_several_adapters_matches_peft(kind):
+    torch_model, ours = _two_lora_torch() if kind == "lora" else _two_ia3_torch()
+    x = np.random.default_rng(4).normal(size=(4, 8)).astype(np.float32)
+    merged = ours.merge_and_unload(["default", "b"])
+    assert type(merged) is BatchedNet
+    with torch.no_grad():
+        want = torch_model.merge_and_unload(adapter_names=["default", "b"])(torch.from_numpy(x))
+    np.testing.assert_allclose(merged(jnp.asarray(x)), want.numpy(), rtol=1e-5, atol=1e-5)
