@@ -41,6 +41,7 @@ from ._select import (
     with_ndim as with_ndim,
     with_shape as with_shape,
 )
+from ._targets import targets as targets
 from .implicit import (
     ImplicitArray as ImplicitArray,
     use_implicit_args as use_implicit_args,

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
-from ._errors import UnknownAdapterError, UnsupportedTargetError
-from ._select import Predicate, of_type, peft_targets, require_matches, select
-from ._targets import check_layers, target_predicate, with_defaults
+from ._errors import UnknownAdapterError
+from ._select import Predicate, of_type, peft_targets, select
+from ._targets import ADAPTABLE, targets, with_defaults
 from .adapters import (
     AdapterSet,
     DoraArray,
@@ -41,7 +41,6 @@ _TRAINED_FIELDS = {
     IA3Array: ("ia3_l",),
     LoraEmbeddingArray: ("lora_embedding_A", "lora_embedding_B"),
 }
-_ADAPTABLE = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
 CombinationType = Literal["svd", "linear", "cat"]
 
 
@@ -50,7 +49,7 @@ def _is_set(x: Any) -> bool:
 
 
 def _is_adapted_layer(x: Any) -> bool:
-    return isinstance(x, _ADAPTABLE) and isinstance(x.weight, AdapterSet)
+    return isinstance(x, ADAPTABLE) and isinstance(x.weight, AdapterSet)
 
 
 def _map_sets(tree: Any, fn: Callable[[AdapterSet], Any]) -> Any:
@@ -393,15 +392,8 @@ class PeftModel(eqx.Module):
             )
         config = with_defaults(config, self.base_model, model_type)
         model = self.base_model
-        check_layers(config, model)
-        target = config.target_modules
-        wanted = [target] if isinstance(target, str) else list(target or ())
-        chosen = require_matches(
-            select(model).at(~of_type(jax.Array)),
-            target_predicate(config, model),
-            wanted=[w for w in wanted if isinstance(w, str)],
-        )
-        layers = _adaptable_layers(chosen, config)
+        selection = targets(model, config)
+        layers = list(zip(selection.paths(), selection.get()))
         if config.fan_in_fan_out:
             # PEFT's rule for torch.nn.Linear targets, whose weights are (out, in) like ours
             warnings.warn(
@@ -422,8 +414,7 @@ class PeftModel(eqx.Module):
             else:
                 s = AdapterSet(base, {adapter_name: adapter}, None, (active,))
             placed.append(eqx.tree_at(lambda m: m.weight, layer, s))
-        paths = [p for p, _ in layers]
-        where = chosen.at(Predicate(lambda p, n: p in paths, "targets")).where_fn()
+        where = selection.where_fn()
         return PeftModel(
             eqx.tree_at(where, model, placed), (*self.configs, (adapter_name, config)), active
         )
@@ -472,36 +463,6 @@ def get_peft_model(
             "`peft_model.add_adapter(name, config, key=...)`."
         )
     return PeftModel(model, (), adapter_name)._add(adapter_name, config, key, model_type)
-
-
-def _adaptable_layers(chosen: Any, config: Any) -> list[tuple[str, Any]]:
-    peft_type = config.peft_type
-    layers = []
-    for path, node in zip(chosen.paths(), chosen.get()):
-        if not isinstance(node, _ADAPTABLE):
-            if len(select(node).at(of_type(*_ADAPTABLE))):
-                continue  # a container whose name matched; its layers are matched on their own
-            raise UnsupportedTargetError(
-                f"target {path!r} is a {type(node).__name__}; {peft_type} adapts "
-                "eqx.nn.Linear, eqx.nn.Conv and eqx.nn.Embedding layers."
-            )
-        kind = type(node).__name__
-        if peft_type == "IA3" and not isinstance(node, eqx.nn.Linear):
-            raise UnsupportedTargetError(
-                f"IA3 adapts Linear layers only; {path!r} is an eqx.nn.{kind}."
-            )
-        if getattr(config, "use_dora", False) and not isinstance(node, eqx.nn.Linear):
-            raise UnsupportedTargetError(
-                f"DoRA (use_dora=True) adapts Linear layers only; {path!r} is an eqx.nn.{kind}. "
-                "Exclude it (exclude_modules) or use plain LoRA."
-            )
-        layers.append((path, node))
-    if not layers:
-        raise UnsupportedTargetError(
-            f"the targets {config.target_modules} matched only containers, no Linear, Conv "
-            "or Embedding layer."
-        )
-    return layers
 
 
 def _stacked(

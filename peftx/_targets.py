@@ -5,8 +5,18 @@ import dataclasses
 from typing import Any
 
 import equinox as eqx
+import jax
 
-from ._select import Predicate, layer_index, of_type, peft_targets, select
+from ._errors import UnsupportedTargetError
+from ._select import (
+    Predicate,
+    Selection,
+    layer_index,
+    of_type,
+    peft_targets,
+    require_matches,
+    select,
+)
 
 # PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
 # architectures peftx users load; tests compare them with PEFT's own tables.
@@ -54,6 +64,9 @@ IA3_FEEDFORWARD_MODULES: dict[str, tuple[str, ...]] = {
     "roberta": ("output.dense",),
     "t5": ("wo",),
 }
+
+ADAPTABLE = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
+"""The layer types adapters are placed on."""
 
 # Output heads by the names transformers gives them (PEFT skips a model's output embedding
 # and, for sequence classification, `score`/`classifier`).
@@ -122,6 +135,57 @@ def target_predicate(config: Any, model: Any) -> Predicate:
     if exclude:
         return chosen & ~peft_targets(exclude)
     return chosen
+
+
+def targets(model: Any, config: Any, *, model_type: str | None = None) -> Selection:
+    """The layers `get_peft_model(model, config)` would adapt, as a `Selection`: print
+    `targets(model, config).table()` for a dry run.
+
+    Raises as `get_peft_model` would: `TargetNotFoundError` when nothing matches (with the
+    closest module names), `UnsupportedTargetError` for a module the adapter cannot wrap,
+    `ValueError` for layer indices the model does not have.
+    """
+    config = with_defaults(config, model, model_type)
+    check_layers(config, model)
+    target = config.target_modules
+    wanted = [target] if isinstance(target, str) else list(target or ())
+    chosen = require_matches(
+        select(model).at(~of_type(jax.Array)),
+        target_predicate(config, model),
+        wanted=[w for w in wanted if isinstance(w, str)],
+    )
+    paths = set(_adaptable(chosen, config))
+    return chosen.at(Predicate(lambda p, n: p in paths, "adaptable targets"))
+
+
+def _adaptable(chosen: Selection, config: Any) -> list[str]:
+    peft_type = config.peft_type
+    layers = []
+    for path, node in zip(chosen.paths(), chosen.get()):
+        if not isinstance(node, ADAPTABLE):
+            if len(select(node).at(of_type(*ADAPTABLE))):
+                continue  # a container whose name matched; its layers are matched on their own
+            raise UnsupportedTargetError(
+                f"target {path!r} is a {type(node).__name__}; {peft_type} adapts "
+                "eqx.nn.Linear, eqx.nn.Conv and eqx.nn.Embedding layers."
+            )
+        kind = type(node).__name__
+        if peft_type == "IA3" and not isinstance(node, eqx.nn.Linear):
+            raise UnsupportedTargetError(
+                f"IA3 adapts Linear layers only; {path!r} is an eqx.nn.{kind}."
+            )
+        if getattr(config, "use_dora", False) and not isinstance(node, eqx.nn.Linear):
+            raise UnsupportedTargetError(
+                f"DoRA (use_dora=True) adapts Linear layers only; {path!r} is an eqx.nn.{kind}. "
+                "Exclude it (exclude_modules) or use plain LoRA."
+            )
+        layers.append(path)
+    if not layers:
+        raise UnsupportedTargetError(
+            f"the targets {config.target_modules} matched only containers, no Linear, Conv "
+            "or Embedding layer."
+        )
+    return layers
 
 
 def check_layers(config: Any, model: Any) -> None:

@@ -40,6 +40,7 @@ PUBLIC = {
         "BASE",
         "QuantizationConfig",
         "quantize_model",
+        "targets",
     ],
     peftx.implicit: [
         "ImplicitArray",

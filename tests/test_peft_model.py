@@ -393,3 +393,25 @@ def test_fan_in_fan_out_is_ignored_with_a_warning_as_in_peft():
     assert model.base_model.model.layers[0].self_attn.q_proj.weight.adapters[
         "default"
     ].lora_A.shape == (2, 4)
+
+
+def test_targets_is_the_dry_run_of_get_peft_model():
+    lm = CausalLM()
+    config = LoraConfig(target_modules=["q_proj", "mlp"], layers_to_transform=[1, 2], r=2)
+    selection = peftx.targets(lm, config)
+    # "mlp" names a container (a dict of layers); PEFT adapts the layers matched themselves
+    assert selection.paths() == [
+        "model.layers.1.self_attn.q_proj",
+        "model.layers.2.self_attn.q_proj",
+    ]
+    table = selection.table()
+    assert "model.layers.2.self_attn.q_proj" in table and "Linear" in table
+    sel = peftx.select(get_peft_model(lm, config, key=key0()).base_model)
+    adapted = [p for p, n in zip(sel.paths(), sel.get()) if isinstance(n, AdapterSet)]
+    assert [p.removesuffix(".weight") for p in adapted] == selection.paths()
+    assert peftx.targets(HFStyleLM(lm, _Config("llama")), LoraConfig()).paths()[:2] == [
+        "lm.model.layers.0.self_attn.q_proj",
+        "lm.model.layers.0.self_attn.v_proj",
+    ]
+    with pytest.raises(peftx.TargetNotFoundError, match=r"Closest module names"):
+        peftx.targets(lm, LoraConfig(target_modules=["q_prj"]))
