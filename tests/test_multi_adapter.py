@@ -309,12 +309,13 @@ def test_ia3_scales_the_bias_like_peft():
     assert not np.allclose(unscaled, want, atol=1e-3)
 
 
-def test_ia3_weighted_adapter_matches_peft():
+def _two_ia3_torch(second):
+    """PEFT's IA3 on `TorchNet` with two adapters (random scales), and ours on the same
+    weights; the first adapter scales q_proj's outputs and out's inputs."""
     from peft import IA3Config as TorchIA3Config, get_peft_model as torch_get_peft_model
 
     torch.manual_seed(2)
     first = dict(target_modules=["q_proj", "out"], feedforward_modules=["out"])
-    second = dict(target_modules=["v_proj", "out"], feedforward_modules=["out"])
     torch_model = torch_get_peft_model(TorchNet(), TorchIA3Config(**first))
     torch_model.add_adapter("b", TorchIA3Config(**second))
     with torch.no_grad():
@@ -323,6 +324,13 @@ def test_ia3_weighted_adapter_matches_peft():
                 ia3_l.copy_(1 + 0.5 * torch.randn_like(ia3_l))
     ours = get_peft_model(BatchedNet(jax.random.key(0)), IA3Config(**first), key=KEY_A)
     ours = _load_torch(ours.add_adapter("b", IA3Config(**second), key=KEY_B), torch_model)
+    return torch_model.eval(), ours
+
+
+def test_ia3_weighted_adapter_matches_peft():
+    torch_model, ours = _two_ia3_torch(
+        dict(target_modules=["v_proj", "out"], feedforward_modules=["out"])
+    )
     torch_model.add_weighted_adapter(["default", "b"], [0.3, 0.9], "mix")
     torch_model.set_adapter("mix")
     combined = ours.add_weighted_adapter(["default", "b"], [0.3, 0.9], "mix").set_adapter("mix")
@@ -398,26 +406,13 @@ def test_adapter_names_as_ids_and_bad_ids():
         ours.prepared(jnp.array([0.0, 1.0]))
 
 
-def _two_ia3_torch():
-    from peft import IA3Config as TorchIA3Config, get_peft_model as torch_get_peft_model
-
-    torch.manual_seed(2)
-    first = dict(target_modules=["q_proj", "out"], feedforward_modules=["out"])
-    second = dict(target_modules=["v_proj", "q_proj"], feedforward_modules=[])
-    torch_model = torch_get_peft_model(TorchNet(), TorchIA3Config(**first))
-    torch_model.add_adapter("b", TorchIA3Config(**second))
-    with torch.no_grad():
-        for name in ("q_proj", "v_proj", "out"):
-            for ia3_l in getattr(torch_model.base_model.model, name).ia3_l.values():
-                ia3_l.copy_(1 + 0.5 * torch.randn_like(ia3_l))
-    ours = get_peft_model(BatchedNet(jax.random.key(0)), IA3Config(**first), key=KEY_A)
-    ours = _load_torch(ours.add_adapter("b", IA3Config(**second), key=KEY_B), torch_model)
-    return torch_model.eval(), ours
-
-
 @pytest.mark.parametrize("kind", ["lora", "ia3"])
 def test_merging_several_adapters_matches_peft(kind):
-    torch_model, ours = _two_lora_torch() if kind == "lora" else _two_ia3_torch()
+    if kind == "lora":
+        torch_model, ours = _two_lora_torch()
+    else:
+        both = dict(target_modules=["v_proj", "q_proj"], feedforward_modules=[])
+        torch_model, ours = _two_ia3_torch(both)
     x = np.random.default_rng(4).normal(size=(4, 8)).astype(np.float32)
     merged = ours.merge_and_unload(["default", "b"])
     assert type(merged) is BatchedNet
