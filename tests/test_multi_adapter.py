@@ -8,12 +8,14 @@ import numpy as np
 import optax
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
+from test_lora import _random_lora, weight_product
 from test_select import CausalLM
 
 import peftx
 from peftx import IA3Config, LoraConfig, get_peft_model, partition
-from peftx.adapters import AdapterSet
-from peftx.implicit import materialize, strict
+from peftx.adapters import AdapterSet, adapter_set
+from peftx.implicit import materialize, strict, use_implicit_args
 
 
 def _body(m, x):
@@ -419,3 +421,35 @@ def test_merging_several_adapters_matches_peft(kind):
     with torch.no_grad():
         want = torch_model.merge_and_unload(adapter_names=["default", "b"])(torch.from_numpy(x))
     np.testing.assert_allclose(merged(jnp.asarray(x)), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=weight_product(), seed=st.integers(0, 2**16))
+def test_gated_set_any_layout(case, seed):
+    """Two LoRAs of different ranks on one base, weighted by a gate row, in any
+    `dot_general` layout: values and factor gradients equal those of the dense
+    `W + g_0·ΔW_0 + g_1·ΔW_1`."""
+    w_shape, x_shape, dims, w_first = case
+    ka, kb, kx, kg = jax.random.split(jax.random.key(seed), 4)
+    a = _random_lora(ka, w_shape, r=1)
+    b = eqx.tree_at(lambda m: m.weight, _random_lora(kb, w_shape, r=2), a.weight)
+    gate = jax.random.normal(kg, (2,))
+    s = AdapterSet(a.weight, adapter_set(a.weight, {"a": a, "b": b}).adapters, gate, ("a", "b"))
+    x = jax.random.normal(kx, x_shape)
+
+    def fn(w, x):
+        return jax.lax.dot_general(w, x, dims) if w_first else jax.lax.dot_general(x, w, dims)
+
+    factors = lambda s: [f for m in s.adapters.values() for f in (m.lora_A, m.lora_B)]  # noqa: E731
+
+    def loss(fs, run):
+        t = eqx.tree_at(factors, s, fs)
+        return jnp.sum(jnp.sin(run(t, x)))
+
+    with strict():
+        got = jax.jit(use_implicit_args(fn))(s, x)
+        grads = jax.grad(loss)(factors(s), use_implicit_args(fn))
+    np.testing.assert_allclose(got, fn(materialize(s), x), rtol=1e-4, atol=1e-4)
+    want = jax.grad(loss)(factors(s), lambda t, x: fn(materialize(t), x))
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
