@@ -72,7 +72,8 @@ def main(config: pathlib.Path = CONFIG, **overrides: Any) -> int:
     ok &= fell >= 2
 
     before, after = (
-        jax.tree.leaves(eqx.filter(m.unload(), eqx.is_array)) for m in (peft_model, trained)
+        jax.tree.leaves(eqx.filter(m.disable_adapters(), eqx.is_array))
+        for m in (peft_model, trained)
     )
     frozen_ok = all(jnp.array_equal(a, b) for a, b in zip(before, after, strict=True))
     print(f"frozen base weights and biases bit-identical: {frozen_ok}")

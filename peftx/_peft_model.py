@@ -15,7 +15,7 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._errors import UnknownAdapterError
-from ._select import Predicate, of_type, peft_targets, select
+from ._select import Predicate, of_type, peft_targets, require_matches, select
 from ._targets import ADAPTABLE, targets, with_defaults
 from .adapters import (
     AdapterSet,
@@ -68,9 +68,14 @@ class PeftModel(eqx.Module):
     Calling it runs the wrapped model under `use_implicit_args` with the active adapter,
     with the base model's signature plus `adapter_names` for mixed batches. Methods
     return new models; nothing is changed in place.
+
+    `saved_modules[adapter][path]` is that adapter's own trainable copy of a module in
+    its config's `modules_to_save` (PEFT's `ModulesToSaveWrapper`); the module in
+    `base_model` stays the frozen original.
     """
 
     base_model: Any
+    saved_modules: dict[str, dict[str, Any]]
     configs: tuple[tuple[str, Any], ...] = eqx.field(static=True)
     active_adapter: str = eqx.field(static=True)
 
@@ -92,10 +97,6 @@ class PeftModel(eqx.Module):
     @property
     def peft_type(self) -> str:
         return self.configs[0][1].peft_type
-
-    @property
-    def modules_to_save(self) -> tuple[str, ...]:
-        return tuple(self.configs[0][1].modules_to_save or ())
 
     @property
     def bias(self) -> str:
@@ -124,11 +125,42 @@ class PeftModel(eqx.Module):
 
         Gradients flow to every adapter used, so several adapters train in one batch.
         """
-        model = self
-        if adapter_names is not None:
+        if adapter_names is None:
+            active, gate, model = (self.active_adapter,), None, self
+        else:
             active, gate = self._route(adapter_names)
             model = _map_sets(self, lambda s: AdapterSet(s.weight, s.adapters, gate, active))
-        return _map_layers(model.base_model, _scale_ia3_bias)
+        return _map_layers(self._with_saved(model.base_model, active, gate), _scale_ia3_bias)
+
+    def _with_saved(self, model: Any, active: tuple[str, ...], gate: Array | None) -> Any:
+        """`model` with the `modules_to_save` copies of the `active` adapters in place:
+        the copy itself without a gate; with a gate row, the gate-weighted mixture of the
+        copies and the original (exactly one of them for a one-hot row)."""
+        paths = sorted({p for name in active for p in self.saved_modules.get(name, {})})
+        if not paths:
+            return model
+        if gate is not None and gate.ndim > 1:
+            raise ValueError(
+                f"modules_to_save {paths} cannot follow a batch-wide adapter gate: a module "
+                "is applied to the whole batch. Call the model under your own `jax.vmap` with "
+                "one adapter id per example (`adapter_ids`)."
+            )
+        selection = select(model).at(Predicate(lambda p, n: p in paths, "modules_to_save"))
+
+        def chosen(path: str, original: Any) -> Any:
+            copies = [(k, self.saved_modules.get(n, {}).get(path)) for k, n in enumerate(active)]
+            copies = [(k, c) for k, c in copies if c is not None]
+            if gate is None:
+                return copies[0][1]
+            arrays, static = eqx.partition(original, eqx.is_inexact_array)
+            rest = 1.0 - sum(gate[k] for k, _ in copies)
+            mixed = jax.tree.map(lambda a: rest.astype(a.dtype) * a, arrays)
+            for k, copy in copies:
+                part = eqx.filter(copy, eqx.is_inexact_array)
+                mixed = jax.tree.map(lambda m, a, k=k: m + gate[k].astype(a.dtype) * a, mixed, part)
+            return eqx.combine(mixed, static)
+
+        return selection.set([chosen(p, n) for p, n in zip(selection.paths(), selection.get())])
 
     def adapter_ids(self, adapter_names: Sequence[str]) -> Int[Array, " batch"]:
         """Integer ids of adapter names (`"__base__"` is `len(adapter_names)`), for
@@ -180,36 +212,38 @@ class PeftModel(eqx.Module):
             return flags
 
         spec = jax.tree.map(lambda x: set_spec(x) if _is_set(x) else False, self, is_leaf=_is_set)
-        sel = select(self.base_model)
-        saved = (
-            set(sel.at(peft_targets(list(self.modules_to_save))).paths())
-            if self.modules_to_save
-            else set()
+        spec = eqx.tree_at(
+            lambda m: m.saved_modules,
+            spec,
+            {
+                name: jax.tree.map(eqx.is_inexact_array if name in names else lambda _: False, c)
+                for name, c in self.saved_modules.items()
+            },
         )
-        layers = sel.at(of_type(eqx.nn.Linear, eqx.nn.Conv))
-        biased = {
-            p
-            for p, n in zip(layers.paths(), layers.get())
-            if n.bias is not None
-            and (
-                self.bias == "all"
-                or (
-                    self.bias == "lora_only"
-                    and _is_set(n.weight)
-                    and any(name in n.weight.adapters for name in names)
-                )
+        layers = select(self.base_model).at(of_type(eqx.nn.Linear, eqx.nn.Conv))
+        biased = layers.at(
+            Predicate(
+                lambda p, n: (
+                    n.bias is not None
+                    and (
+                        self.bias == "all"
+                        or (
+                            self.bias == "lora_only"
+                            and _is_set(n.weight)
+                            and any(name in n.weight.adapters for name in names)
+                        )
+                    )
+                ),
+                f"bias={self.bias!r}",
             )
-        }
-        extra = sel.at(Predicate(lambda p, n: p in saved or p in biased, "trained modules"))
-        if not len(extra):
+        )
+        if not len(biased):
             return spec
         flags = [
-            jax.tree.map(eqx.is_inexact_array, n)
-            if p in saved
-            else eqx.tree_at(lambda m: m.bias, jax.tree.map(lambda _: False, n), True)
-            for p, n in zip(extra.paths(), extra.get())
+            eqx.tree_at(lambda m: m.bias, jax.tree.map(lambda _: False, n), True)
+            for n in biased.get()
         ]
-        where = extra.where_fn()
+        where = biased.where_fn()
         return eqx.tree_at(lambda s: where(s.base_model), spec, flags)
 
     def print_trainable_parameters(self) -> None:
@@ -256,7 +290,10 @@ class PeftModel(eqx.Module):
             return AdapterSet(s.weight, kept, None, (active,)) if kept else s.weight
 
         model = _map_sets(self, drop)
-        return dataclasses.replace(model, configs=remaining, active_adapter=active)
+        saved = {n: c for n, c in self.saved_modules.items() if n != adapter_name}
+        return dataclasses.replace(
+            model, saved_modules=saved, configs=remaining, active_adapter=active
+        )
 
     def add_weighted_adapter(
         self,
@@ -282,6 +319,16 @@ class PeftModel(eqx.Module):
                 f"adapters and {len(weights)} weights."
             )
         configs = [self.peft_config[a] for a in adapters]
+        shared = [
+            p
+            for p in {p for a in adapters for p in self.saved_modules.get(a, {})}
+            if sum(p in self.saved_modules.get(a, {}) for a in set(adapters)) > 1
+        ]
+        if shared:
+            raise ValueError(
+                f"the adapters {list(adapters)} each have their own copy of {sorted(shared)} "
+                "(modules_to_save), which cannot be combined (PEFT's rule)."
+            )
         if combination_type is None:
             combination_type = "linear" if self.peft_type == "IA3" else "svd"
         combination_type = "linear" if len(adapters) == 1 else combination_type
@@ -314,7 +361,12 @@ class PeftModel(eqx.Module):
             return AdapterSet(s.weight, {**s.adapters, adapter_name: detach(new)}, s.gate, s.active)
 
         model = _map_sets(self, combine)
-        return dataclasses.replace(model, configs=(*self.configs, (adapter_name, config)))
+        # like PEFT, the new adapter's modules_to_save start again from the originals
+        originals = self.disable_adapters()
+        saved = {**self.saved_modules, **_saved_copies(originals, config, adapter_name)}
+        return dataclasses.replace(
+            model, saved_modules=saved, configs=(*self.configs, (adapter_name, config))
+        )
 
     # -- leaving PEFT -------------------------------------------------------------------
 
@@ -324,7 +376,8 @@ class PeftModel(eqx.Module):
         """The base model's own class with adapters merged into dense weights (default:
         the active adapter). Several names are merged one after the other, each onto the
         weight the previous ones left, as PEFT does (so IA3 scales multiply and a DoRA
-        norm is taken of the weight it is merged into)."""
+        norm is taken of the weight it is merged into). The active adapter's
+        `modules_to_save` copies take the place of the originals, as in PEFT."""
         names = self._known(
             (self.active_adapter,) if adapter_names is None else tuple(adapter_names)
         )
@@ -340,15 +393,18 @@ class PeftModel(eqx.Module):
                 layer = eqx.tree_at(lambda m: m.weight, layer, merge(one, safe=safe_merge))
             return layer
 
-        return _map_layers(self.base_model, merged)
+        merged_model = _map_layers(self.base_model, merged)
+        return self._with_saved(merged_model, (self.active_adapter,), None)
 
     def unload(self) -> Any:
-        """The base model without adapters (the original weights)."""
-        return _map_sets(self.base_model, lambda s: s.weight)
+        """The base model without adapter layers, unmerged: the original weights, and the
+        active adapter's `modules_to_save` copies in place (PEFT's `unload`)."""
+        return self._with_saved(self.disable_adapters(), (self.active_adapter,), None)
 
     def disable_adapters(self) -> Any:
-        """A model that runs without the adapters: `unload()`, kept for PEFT users."""
-        return self.unload()
+        """The base model as it was before any adapter: original weights and modules
+        (what PEFT's `disable_adapter()` block runs)."""
+        return _map_sets(self.base_model, lambda s: s.weight)
 
     # -- internals ----------------------------------------------------------------------
 
@@ -385,11 +441,6 @@ class PeftModel(eqx.Module):
                 f"this model's adapters are {self.peft_type}; a {config.peft_type} adapter "
                 "cannot join them (as in PEFT). Start from the base model (`unload()`)."
             )
-        if self.configs and tuple(config.modules_to_save or ()) not in ((), self.modules_to_save):
-            raise ValueError(
-                "modules_to_save is shared by all adapters of a PeftModel and set by the first "
-                f"one ({list(self.modules_to_save)}); got {list(config.modules_to_save)}."
-            )
         config = with_defaults(config, self.base_model, model_type)
         model = self.base_model
         selection = targets(model, config)
@@ -416,8 +467,23 @@ class PeftModel(eqx.Module):
             placed.append(eqx.tree_at(lambda m: m.weight, layer, s))
         where = selection.where_fn()
         return PeftModel(
-            eqx.tree_at(where, model, placed), (*self.configs, (adapter_name, config)), active
+            eqx.tree_at(where, model, placed),
+            {**self.saved_modules, **_saved_copies(model, config, adapter_name)},
+            (*self.configs, (adapter_name, config)),
+            active,
         )
+
+
+def _saved_copies(model: Any, config: Any, adapter_name: str) -> dict[str, dict[str, Any]]:
+    """`{adapter_name: {path: module}}` for the modules of `config.modules_to_save`: the
+    adapter's own copies, starting as the original modules (PEFT's `ModulesToSaveWrapper`)."""
+    if not config.modules_to_save:
+        return {}
+    names = list(config.modules_to_save)
+    chosen = require_matches(
+        select(model).at(~of_type(jax.Array)), peft_targets(names), wanted=names
+    )
+    return {adapter_name: dict(zip(chosen.paths(), chosen.get()))}
 
 
 def _count(tree: Any) -> int:
@@ -462,7 +528,7 @@ def get_peft_model(
             "model is a PeftModel already; add another adapter with "
             "`peft_model.add_adapter(name, config, key=...)`."
         )
-    return PeftModel(model, (), adapter_name)._add(adapter_name, config, key, model_type)
+    return PeftModel(model, {}, (), adapter_name)._add(adapter_name, config, key, model_type)
 
 
 def _stacked(

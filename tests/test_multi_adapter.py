@@ -453,3 +453,63 @@ def test_gated_set_any_layout(case, seed):
     want = jax.grad(loss)(factors(s), lambda t, x: fn(materialize(t), x))
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
+
+
+def test_each_adapter_has_its_own_modules_to_save(lm):
+    """Two adapters, each with its own copy of the output head (PEFT's per-adapter
+    `modules_to_save`): calls, mixed batches, training and unloading use the right copy."""
+    config = LoraConfig(target_modules=["q_proj"], r=2, modules_to_save=["lm_head"])
+    two = get_peft_model(lm, config, key=KEY_A).add_adapter("b", config, key=KEY_B)
+    assert set(two.saved_modules) == {"default", "b"}
+    # give each adapter's head copy its own values, as if each had been trained
+    heads = {
+        n: lm.lm_head.weight + 0.5 * jax.random.normal(jax.random.key(i), lm.lm_head.weight.shape)
+        for i, n in enumerate(("default", "b"))
+    }
+    two = eqx.tree_at(
+        lambda m: [m.saved_modules[n]["lm_head"].weight for n in ("default", "b")],
+        two,
+        [heads["default"], heads["b"]],
+    )
+    x = jnp.array([1, 2, 3, 4])
+    with_head = {n: eqx.tree_at(lambda m: m.lm_head.weight, lm, heads[n]) for n in heads}
+    # LoRA factors start with B = 0, so each adapter alone is the base model with its head
+    for name in ("default", "b"):
+        with strict():
+            np.testing.assert_allclose(
+                _run(two.set_adapter(name), x), _run(with_head[name], x), rtol=1e-6, atol=1e-6
+            )
+    np.testing.assert_array_equal(_run(two.disable_adapters(), x), _run(lm, x))
+    np.testing.assert_array_equal(two.unload().lm_head.weight, heads["default"])
+    np.testing.assert_array_equal(
+        two.set_adapter("b").merge_and_unload().lm_head.weight, heads["b"]
+    )
+    xs = jnp.stack([x, x[::-1], x + 1])
+    names = ["b", peftx.BASE, "default"]
+    want = jnp.stack([_run({**with_head, peftx.BASE: lm}[n], xi) for n, xi in zip(names, xs)])
+    with strict():
+        got = jax.vmap(lambda xi, i: _run(two, xi, i))(xs, two.adapter_ids(names))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # training "b" moves only b's head copy
+    trainable, frozen = partition(two.set_adapter("b"))
+    grads = eqx.filter_grad(lambda t: _run(eqx.combine(t, frozen), x).sum())(trainable)
+    assert grads.saved_modules["default"]["lm_head"].weight is None
+    assert float(jnp.abs(grads.saved_modules["b"]["lm_head"].weight).max()) > 0
+    assert grads.base_model.lm_head.weight is None
+
+
+def test_modules_to_save_parameter_counts_match_peft(capsys):
+    from peft import LoraConfig as TorchLoraConfig, get_peft_model as torch_get_peft_model
+
+    # (PEFT matches modules_to_save by a plain suffix, so "out" would also hit "lora_dropout")
+    kwargs = dict(r=4, target_modules=["q_proj"], modules_to_save=["v_proj"])
+    torch_model = torch_get_peft_model(TorchNet(), TorchLoraConfig(**kwargs))
+    torch_model.add_adapter("b", TorchLoraConfig(**kwargs))
+    torch_model.print_trainable_parameters()
+    want = capsys.readouterr().out.strip()
+    ours = get_peft_model(BatchedNet(jax.random.key(0)), LoraConfig(**kwargs), key=KEY_A)
+    ours = ours.add_adapter("b", LoraConfig(**kwargs), key=KEY_B)
+    ours.print_trainable_parameters()
+    assert capsys.readouterr().out.strip() == want
+    with pytest.raises(ValueError, match=r"\['v_proj'\] cannot follow a batch-wide adapter gate"):
+        ours(jnp.ones((2, 8)), adapter_names=["b", "default"])

@@ -123,7 +123,7 @@ def test_training_moves_only_the_adapters_and_lowers_the_loss():
             losses.append(float(loss))
     assert losses[-1] < 0.5 * losses[0]
     trained = eqx.combine(trainable, frozen)
-    base = jax.tree.leaves(eqx.filter(trained.unload(), eqx.is_array))
+    base = jax.tree.leaves(eqx.filter(trained.disable_adapters(), eqx.is_array))
     original = jax.tree.leaves(eqx.filter(lm, eqx.is_array))
     assert all(jnp.array_equal(a, b) for a, b in zip(base, original, strict=True))
     grads = eqx.filter_grad(loss_fn)(trainable)
@@ -144,7 +144,8 @@ def test_modules_to_save_and_bias_train():
         key=jax.random.key(0),
     )
     trainable, _ = partition(peft_model)
-    assert trainable.base_model.lm_head.weight.shape == (11, 4)
+    assert trainable.saved_modules["default"]["lm_head"].weight.shape == (11, 4)
+    assert trainable.base_model.lm_head.weight is None  # the original stays frozen
     assert trainable.base_model.model.layers[0].mlp["up_proj"].bias.shape == (8,)
     assert trainable.base_model.model.layers[0].mlp["down_proj"].bias is None
 
@@ -215,9 +216,16 @@ def test_adapter_name_errors():
         two.add_weighted_adapter(["default", "b"], [1.0, 1.0], "mix", "linear")
     with pytest.raises(ValueError, match=r"one weight per adapter, got 2 adapters and 1 weights"):
         two.add_weighted_adapter(["default", "b"], [1.0], "mix", "cat")
-    with pytest.raises(ValueError, match=r"modules_to_save is shared by all adapters"):
+    heads = two.add_adapter(
+        "c", LoraConfig(target_modules=["q_proj"], r=2, modules_to_save=["lm_head"]), key=key0()
+    ).add_adapter(
+        "d", LoraConfig(target_modules=["q_proj"], r=2, modules_to_save=["lm_head"]), key=key0()
+    )
+    with pytest.raises(ValueError, match=r"each have their own copy of \['lm_head'\]"):
+        heads.add_weighted_adapter(["c", "d"], [1.0, 1.0], "mix", "cat")
+    with pytest.raises(peftx.TargetNotFoundError, match=r"Closest module names"):
         two.add_adapter(
-            "c", LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]), key=key0()
+            "e", LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_haed"]), key=key0()
         )
 
 
