@@ -459,7 +459,7 @@ class PeftModel(eqx.Module):
         for (path, layer), k in zip(layers, keys):
             current = layer.weight
             base = current.weight if _is_set(current) else current
-            adapter = detach(_stacked(_adapter, config, path, layer, base, k))
+            adapter = detach(_stacked(config, path, layer, base, k))
             if _is_set(current):
                 s = AdapterSet(base, {**current.adapters, adapter_name: adapter}, None, (active,))
             else:
@@ -531,16 +531,14 @@ def get_peft_model(
     return PeftModel(model, {}, (), adapter_name)._add(adapter_name, config, key, model_type)
 
 
-def _stacked(
-    make: Callable, config: Any, path: str, layer: Any, base: Any, key: PRNGKeyArray
-) -> Any:
-    """`make(config, path, layer, base, key)` for each layer of a stack: layers made with
+def _stacked(config: Any, path: str, layer: Any, base: Any, key: PRNGKeyArray) -> Any:
+    """`_adapter(config, path, layer, base, key)` for each layer of a stack: layers made with
     `eqx.filter_vmap` carry leading axes on their weights, each gets its own adapter."""
     kernel_ndim = layer.num_spatial_dims if isinstance(layer, eqx.nn.Conv) else 0
     if len(base.shape) == 2 + kernel_ndim:
-        return make(config, path, layer, base, key)
+        return _adapter(config, path, layer, base, key)
     keys = jax.random.split(key, base.shape[0])
-    return eqx.filter_vmap(lambda b, k: _stacked(make, config, path, layer, b, k))(base, keys)
+    return eqx.filter_vmap(lambda b, k: _stacked(config, path, layer, b, k))(base, keys)
 
 
 def _adapter(config: Any, path: str, layer: Any, base: Any, key: PRNGKeyArray) -> Any:

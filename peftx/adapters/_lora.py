@@ -132,11 +132,11 @@ def _check_factors(weight: Any, lora_A: Any, lora_B: Any, lora_dropout: float) -
         raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout}.")
 
 
-def _check_rank(r: int, shape: tuple[int, ...]) -> None:
+def _check_rank(r: int, shape: tuple[int, ...], what: str = "a weight") -> None:
     # A rank above min(out, in) is wasteful but valid (PEFT allows it; "cat" combinations
     # of adapters reach it).
     if r < 1:
-        raise ValueError(f"LoRA rank r={r} for a weight of shape {shape} must be at least 1.")
+        raise ValueError(f"LoRA rank r={r} for {what} of shape {shape} must be at least 1.")
 
 
 def _product(b: Array, a: Array, stack_ndim: int) -> Array:
