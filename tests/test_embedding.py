@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import all_eqns, close
 from hypothesis import given, settings, strategies as st
-from jaxprs import all_eqns
 
 from peftx.adapters import LoraArray, LoraEmbeddingArray, lora_embedding, merge
 from peftx.implicit import (
@@ -20,11 +20,6 @@ from peftx.implicit import (
 )
 
 N, D, R = 11, 7, 3
-
-
-def _close(a, b, tol=1e-5):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
 def _embedding(key, num=N, dim=D, r=R, **kwargs):
@@ -60,8 +55,8 @@ def _check_against_dense(fn, emb, inputs, tol=1e-5):
         got = jax.jit(use_implicit_args(fn))(emb, inputs)
         grads = jax.jit(jax.grad(implicit_loss, argnums=(0, 1)))(a, b, emb, inputs)
     want = fn(_dense(emb), inputs)
-    _close(got, want, tol)
-    _close(grads, jax.grad(dense_loss, argnums=(0, 1))(a, b, emb, inputs), 10 * tol)
+    close(got, want, tol)
+    close(grads, jax.grad(dense_loss, argnums=(0, 1))(a, b, emb, inputs), 10 * tol)
     # the adapter really contributes, so a handler that dropped it would fail above
     assert not np.allclose(
         want, fn(eqx.tree_at(lambda e: e.weight, emb, emb.weight.weight), inputs)
@@ -108,7 +103,7 @@ def test_token_lookup_vmapped_outside_use_implicit_args(getkey):
     ids = jax.random.randint(getkey(), (6,), 0, N)
     with strict():
         got = jax.jit(jax.vmap(use_implicit_args(lambda e, i: e(i)), in_axes=(None, 0)))(emb, ids)
-    _close(got, emb.weight.materialize()[ids])
+    close(got, emb.weight.materialize()[ids])
 
 
 def test_out_of_range_ids_are_filled_as_on_the_table(getkey):
@@ -121,7 +116,7 @@ def test_out_of_range_ids_are_filled_as_on_the_table(getkey):
     with strict():
         got = jax.jit(use_implicit_args(fn))(emb, ids)
     want = fn(_dense(emb), ids)
-    _close(got, want)
+    close(got, want)
     np.testing.assert_array_equal(got[1], jnp.full((D,), 2.5))
 
 
@@ -167,11 +162,11 @@ def test_gather_any_shape(num, dim, n_ids, via_embedding, data):
             lambda a, b: jnp.sum(use_implicit_args(fn)(_with_factors(emb, a, b), ids) ** 2),
             argnums=(0, 1),
         )(a, b)
-    _close(got, fn(_dense(emb), ids), tol=1e-4)
+    close(got, fn(_dense(emb), ids), tol=1e-4)
     want = jax.grad(
         lambda a, b: jnp.sum(fn(_dense(_with_factors(emb, a, b)), ids) ** 2), argnums=(0, 1)
     )(a, b)
-    _close(grads, want, tol=1e-3)
+    close(grads, want, tol=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -186,7 +181,7 @@ def test_partial_slices_fall_back_to_the_dense_table(getkey, fn):
     ids = jnp.array([0, 2])
     with materialization_policy("warn"), pytest.warns(MaterializationWarning, match="LoraEmb"):
         got = use_implicit_args(fn)(w, ids)
-    _close(got, fn(w.materialize(), ids))
+    close(got, fn(w.materialize(), ids))
 
 
 def test_astype_casts_the_table_only(getkey):
@@ -199,16 +194,16 @@ def test_astype_casts_the_table_only(getkey):
     with strict():
         got = use_implicit_args(lambda t, i: t[i])(h, ids)
     assert got.dtype == jnp.bfloat16
-    _close(got.astype(jnp.float32), w.materialize()[ids], tol=5e-2)
+    close(got.astype(jnp.float32), w.materialize()[ids], tol=5e-2)
 
 
 def test_as_lora_and_merge_give_the_same_table(getkey):
     w = _embedding(getkey(), use_rslora=True).weight
     as_lora = w.as_lora()
     assert isinstance(as_lora, LoraArray) and as_lora.scaling == w.scaling == 5.0 / math.sqrt(R)
-    _close(as_lora.materialize(), w.materialize())
-    _close(merge(w), w.materialize())
-    _close(w.materialize(), w.weight + w.scaling * (w.lora_embedding_B @ w.lora_embedding_A).T)
+    close(as_lora.materialize(), w.materialize())
+    close(merge(w), w.materialize())
+    close(w.materialize(), w.weight + w.scaling * (w.lora_embedding_B @ w.lora_embedding_A).T)
 
 
 # ---------------------------------------------------------------- initialization
@@ -323,9 +318,9 @@ def test_embedding_matches_peft(use_rslora):
     with strict():
         out = jax.jit(use_implicit_args(fn))(emb, ids)
         grads = jax.grad(lambda e: jnp.sum(jnp.sin(use_implicit_args(fn)(e, ids))))(emb)
-    _close(out, _torch(out_t))
-    _close(grads.weight.lora_embedding_A, _torch(layer.lora_embedding_A["default"].grad), 1e-4)
-    _close(grads.weight.lora_embedding_B, _torch(layer.lora_embedding_B["default"].grad), 1e-4)
+    close(out, _torch(out_t))
+    close(grads.weight.lora_embedding_A, _torch(layer.lora_embedding_A["default"].grad), 1e-4)
+    close(grads.weight.lora_embedding_B, _torch(layer.lora_embedding_B["default"].grad), 1e-4)
 
 
 @pytest.mark.parametrize("peft_init,init", [(True, "default"), ("gaussian", "gaussian")])

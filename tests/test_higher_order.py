@@ -6,16 +6,11 @@ Every implicit run is in strict mode: a silent materialization fails the test.
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from helpers import close
 from implicit_types import Scaled, dense_like, random_scaled
 
 from peftx.implicit import strict, use_implicit_args
-
-
-def _close(a, b, tol=1e-5):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
 
 
 def _check(fn, w, x):
@@ -37,11 +32,11 @@ def _check(fn, w, x):
             jax.grad(use_implicit_args(jax.jit(loss)), argnums=(0, 1))(w, x),
         ]
         batched = jax.vmap(use_implicit_args(fn), in_axes=(None, 0))(w, jnp.stack([x, 2 * x]))
-    _close(got, fn(dense_like(w), x))
+    close(got, fn(dense_like(w), x))
     want = jax.grad(dense_loss, argnums=(0, 1))(w, x)
     for g in grads:
-        _close(g, want)
-    _close(batched, jax.vmap(fn, in_axes=(None, 0))(dense_like(w), jnp.stack([x, 2 * x])))
+        close(g, want)
+    close(batched, jax.vmap(fn, in_axes=(None, 0))(dense_like(w), jnp.stack([x, 2 * x])))
 
 
 @pytest.fixture
@@ -79,7 +74,7 @@ def test_custom_jvp_rule_sees_the_tangent_of_the_represented_array(getkey):
     with strict():
         g = jax.grad(use_implicit_args(total))(w)
     want = jax.grad(lambda w: jnp.sum(w.materialize()))(w)
-    _close(g, want)
+    close(g, want)
 
 
 def _matvec_with_custom_vjp(grad_scale):
@@ -114,7 +109,7 @@ def test_custom_vjp_rule_is_used_not_bypassed(wx):
             use_implicit_args(lambda w, x: jnp.sum(jnp.sin(matvec(w, x)))), argnums=(0, 1)
         )(w, x)
     want = jax.grad(lambda w, x: 0.5 * jnp.sum(jnp.sin(dense_like(w) @ x)), argnums=(0, 1))(w, x)
-    _close(g, want)
+    close(g, want)
 
 
 def test_checkpoint(wx):
@@ -151,9 +146,9 @@ def test_while_with_implicit_constant(wx):
         # reverse mode through while_loop is unsupported by JAX itself; forward mode works
         tangent = jax.jvp(lambda x: use_implicit_args(fn)(w, x), (x,), (jnp.ones(3),))[1]
     dense = w.materialize()
-    _close(got, fn(dense, x))
-    _close(batched, jax.vmap(fn, in_axes=(None, 0))(dense, xs))
-    _close(tangent, jax.jvp(lambda x: fn(dense, x), (x,), (jnp.ones(3),))[1])
+    close(got, fn(dense, x))
+    close(batched, jax.vmap(fn, in_axes=(None, 0))(dense, xs))
+    close(tangent, jax.jvp(lambda x: fn(dense, x), (x,), (jnp.ones(3),))[1])
 
 
 def test_while_with_implicit_carry(getkey):
@@ -169,7 +164,7 @@ def test_while_with_implicit_carry(getkey):
 
     with strict():
         got = jax.jit(use_implicit_args(fn))(w, x)
-    _close(got, fn(w.materialize(), x))
+    close(got, fn(w.materialize(), x))
 
 
 def test_scan_with_implicit_constant(wx):
@@ -198,9 +193,9 @@ def test_scan_over_stacked_implicit_arrays(getkey):
             0
         ]
 
-    _close(got, ref(ws.value, ws.scale, x))
+    close(got, ref(ws.value, ws.scale, x))
     want = jax.grad(lambda v, s, x: jnp.sum(ref(v, s, x)), argnums=(0, 1, 2))(ws.value, ws.scale, x)
-    _close((grads[0].value, grads[0].scale, grads[1]), want)
+    close((grads[0].value, grads[0].scale, grads[1]), want)
 
 
 def test_vmap_over_implicit_arrays(getkey):
@@ -212,15 +207,15 @@ def test_vmap_over_implicit_arrays(getkey):
             ws, x
         )
     want = jnp.einsum("bij,j->bi", ws.value * ws.scale[:, None, None], x)
-    _close(got, want)
-    _close(got_filter, want)
+    close(got, want)
+    close(got_filter, want)
 
 
 def test_grad_inside_use_implicit_args(wx):
     w, x = wx
     with strict():
         got = use_implicit_args(jax.grad(lambda x, w: jnp.sum(jnp.tanh(w @ x))))(x, w)
-    _close(got, jax.grad(lambda x: jnp.sum(jnp.tanh(w.materialize() @ x)))(x))
+    close(got, jax.grad(lambda x: jnp.sum(jnp.tanh(w.materialize() @ x)))(x))
 
 
 class _Layer(eqx.Module):
@@ -255,11 +250,11 @@ def test_stacked_mlp_scanned_in_strict_mode(getkey):
     merged = eqx.tree_at(
         lambda m: m.weight, dense_layers, dense_layers.weight * scales[:, None, None]
     )
-    _close(out, forward(merged, x))
+    close(out, forward(merged, x))
 
     def ref(value, scale):
         layer_stack = eqx.tree_at(lambda m: m.weight, dense_layers, value * scale[:, None, None])
         return loss(layer_stack, x)
 
     gv, gs = jax.grad(ref, argnums=(0, 1))(dense_layers.weight, scales)
-    _close((grads.weight.value, grads.weight.scale), (gv, gs), tol=1e-4)
+    close((grads.weight.value, grads.weight.scale), (gv, gs), tol=1e-4)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import close
 
 from peftx.adapters import IA3Array, ia3
 from peftx.implicit import strict, use_implicit_args
@@ -17,11 +18,6 @@ LAYOUTS = {
     "x2 @ W (rows meet x)": lambda w, x: (x @ w.T) @ w,
     "einsum": lambda w, x: jnp.einsum("oi,tbi->tob", w, jnp.stack([x, -x])),
 }
-
-
-def _close(a, b, tol=1e-5):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("feedforward", [False, True])
@@ -42,9 +38,9 @@ def test_ia3_matches_materialized(getkey, feedforward, layout):
         got = jax.jit(use_implicit_args(fn))(w, x)
         grad = jax.jit(jax.grad(loss), static_argnums=1)(w.ia3_l, True)
         batched = jax.vmap(use_implicit_args(fn), in_axes=(None, 0))(w, jnp.stack([x, 2 * x]))
-    _close(got, fn(w.materialize(), x))
-    _close(grad, jax.grad(loss)(w.ia3_l, False), tol=1e-4)
-    _close(batched, jax.vmap(fn, in_axes=(None, 0))(w.materialize(), jnp.stack([x, 2 * x])))
+    close(got, fn(w.materialize(), x))
+    close(grad, jax.grad(loss)(w.ia3_l, False), tol=1e-4)
+    close(batched, jax.vmap(fn, in_axes=(None, 0))(w.materialize(), jnp.stack([x, 2 * x])))
 
 
 def test_ones_init_gives_exactly_the_base_output(getkey):
@@ -72,9 +68,9 @@ def test_scan_over_stacked_ia3_layers(getkey):
             lambda lv: jnp.sum(use_implicit_args(forward)(IA3Array(layers.weight, lv), x))
         )(layers.ia3_l)
     dense = eqx.filter_vmap(lambda a: a.materialize())(layers)
-    _close(got, forward(dense, x))
+    close(got, forward(dense, x))
     want = jax.grad(lambda lv: jnp.sum(forward(layers.weight * lv, x)))(layers.ia3_l)
-    _close(g, want, tol=1e-4)
+    close(g, want, tol=1e-4)
 
 
 def test_bad_ia3_input():
@@ -114,8 +110,8 @@ def test_matches_peft(feedforward):
     with strict():
         out = run(w.ia3_l)
         g = jax.grad(lambda lv: jnp.sum(jnp.sin(run(lv))))(w.ia3_l)
-    _close(out, out_t.detach().numpy())
-    _close(g, layer.ia3_l["default"].grad.numpy(), tol=1e-4)
+    close(out, out_t.detach().numpy())
+    close(g, layer.ia3_l["default"].grad.numpy(), tol=1e-4)
 
 
 def test_astype_casts_the_base_and_keeps_the_scale(getkey):

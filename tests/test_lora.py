@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import all_eqns, close
 from hypothesis import given, settings, strategies as st
-from jaxprs import all_eqns
 
 from peftx.adapters import (
     DoraArray,
@@ -21,11 +21,6 @@ from peftx.adapters import (
     without_dropout,
 )
 from peftx.implicit import strict, use_implicit_args
-
-
-def _close(a, b, tol=1e-5):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
 def _random_lora(key, shape=(6, 5), r=2, **kwargs):
@@ -76,8 +71,8 @@ def test_forward_and_gradients_match_materialized(getkey, adapter, layout):
     with strict():
         got = jax.jit(use_implicit_args(fn))(w, x)
         grads = jax.jit(jax.grad(implicit_loss, argnums=(0, 1)), static_argnums=2)(params, x, fn)
-    _close(got, fn(w.materialize(), x))
-    _close(grads, jax.grad(loss, argnums=(0, 1))(params, x, dense), tol=1e-4)
+    close(got, fn(w.materialize(), x))
+    close(grads, jax.grad(loss, argnums=(0, 1))(params, x, dense), tol=1e-4)
 
 
 @st.composite
@@ -125,14 +120,14 @@ def test_lora_dot_general_any_layout(case, seed):
             ),
             argnums=(0, 1),
         )(w.lora_A, w.lora_B)
-    _close(got, fn(w.materialize(), x), tol=1e-4)
+    close(got, fn(w.materialize(), x), tol=1e-4)
     want = jax.grad(
         lambda a, b: jnp.sum(
             fn(eqx.tree_at(lambda m: (m.lora_A, m.lora_B), w, (a, b)).materialize(), x) ** 2
         ),
         argnums=(0, 1),
     )(w.lora_A, w.lora_B)
-    _close((ga, gb), want, tol=1e-3)
+    close((ga, gb), want, tol=1e-3)
 
 
 def test_transpose_stays_a_lora(getkey):
@@ -140,7 +135,7 @@ def test_transpose_stays_a_lora(getkey):
     with strict():
         t = use_implicit_args(lambda w: w.T)(w)
     assert isinstance(t, LoraArray) and t.shape == (5, 6) and t.r == w.r
-    _close(t.materialize(), w.materialize().T)
+    close(t.materialize(), w.materialize().T)
 
 
 def test_astype_stays_a_lora(getkey):
@@ -197,12 +192,12 @@ def test_gaussian_init(getkey):
 def test_pissa_init_keeps_the_output_and_takes_the_top_singular_directions(getkey):
     weight = jax.random.normal(getkey(), (8, 6))
     w = lora(weight, r=2, lora_alpha=4.0, init="pissa", key=getkey())
-    _close(w.materialize(), weight)
+    close(w.materialize(), weight)
     s = jnp.linalg.svd(weight, compute_uv=False)
     top = jnp.linalg.svd(w.delta(), compute_uv=False)[:2]
-    _close(top, s[:2], tol=1e-4)
+    close(top, s[:2], tol=1e-4)
     residual_s = jnp.linalg.svd(w.weight, compute_uv=False)
-    _close(residual_s[:4], s[2:6], tol=1e-4)
+    close(residual_s[:4], s[2:6], tol=1e-4)
 
 
 def test_rslora_scaling(getkey):
@@ -261,8 +256,8 @@ def test_dropout_masks_the_adapter_input_only(getkey):
     keep = jax.random.bernoulli(trained.dropout_key, 0.5, x.shape)
     x_d = jnp.where(keep, x / 0.5, 0.0)
     want = x @ w.weight.T + w.scaling * (x_d @ w.lora_A.T) @ w.lora_B.T
-    _close(got, want)
-    _close(no_key, fn(w.materialize(), x))
+    close(got, want)
+    close(no_key, fn(w.materialize(), x))
     assert not np.allclose(got, no_key)
 
 
@@ -308,8 +303,8 @@ def test_scan_over_stacked_lora_layers(getkey, use_dora):
         model = eqx.combine(params, static)
         return jnp.sum(forward(eqx.filter_vmap(lambda w: w.materialize())(model), x) ** 2)
 
-    _close(got, forward(dense_layers, x))
-    _close(grads, jax.grad(dense_loss)(params), tol=1e-4)
+    close(got, forward(dense_layers, x))
+    close(grads, jax.grad(dense_loss)(params), tol=1e-4)
 
 
 def test_vmap_over_stacked_loras_inside_use_implicit_args(getkey):
@@ -319,7 +314,7 @@ def test_vmap_over_stacked_loras_inside_use_implicit_args(getkey):
     with strict():
         got = use_implicit_args(lambda w, x: jax.vmap(lambda w, v: w @ v)(w, x))(layers, x)
     dense = eqx.filter_vmap(lambda w: w.materialize())(layers)
-    _close(got, jnp.einsum("loi,li->lo", dense, x))
+    close(got, jnp.einsum("loi,li->lo", dense, x))
 
 
 @pytest.mark.parametrize("conv", ["Conv1d", "Conv2d"])
@@ -338,7 +333,7 @@ def test_conv_lora(getkey, conv):
                 use_implicit_args(eqx.tree_at(lambda m: m.weight.lora_A, adapted, a))(x) ** 2
             )
         )(w.lora_A)
-    _close(got, merged(x), tol=1e-4)
+    close(got, merged(x), tol=1e-4)
     want = jax.grad(
         lambda a: jnp.sum(
             eqx.tree_at(
@@ -347,7 +342,7 @@ def test_conv_lora(getkey, conv):
             ** 2
         )
     )(w.lora_A)
-    _close(g, want, tol=1e-3)
+    close(g, want, tol=1e-3)
 
 
 # ---------------------------------------------------------------- merge
@@ -356,11 +351,11 @@ def test_conv_lora(getkey, conv):
 def test_merge_and_unmerge(getkey):
     w = _random_lora(getkey())
     merged = w.materialize()
-    _close(merged, w.weight + w.scaling * w.lora_B @ w.lora_A)
-    _close(unmerge(merged, w).weight, w.weight)
+    close(merged, w.weight + w.scaling * w.lora_B @ w.lora_A)
+    close(unmerge(merged, w).weight, w.weight)
     d = dora(w)
     d = eqx.tree_at(lambda m: m.lora_magnitude_vector, d, d.lora_magnitude_vector * 2)
-    _close(unmerge(d.materialize(), d).weight, w.weight, tol=1e-4)
+    close(unmerge(d.materialize(), d).weight, w.weight, tol=1e-4)
 
 
 # ---------------------------------------------------------------- against HF PEFT
@@ -409,11 +404,11 @@ def test_linear_matches_peft(use_dora, use_rslora):
                 jnp.sin(jax.vmap(use_implicit_args(lambda w, v: w @ v), in_axes=(None, 0))(w, x_np))
             )
         )(w)
-    _close(out, _torch(out_t), tol=1e-5)
-    _close(grads.lora_A, _torch(layer.lora_A["default"].weight.grad), tol=1e-4)
-    _close(grads.lora_B, _torch(layer.lora_B["default"].weight.grad), tol=1e-4)
+    close(out, _torch(out_t), tol=1e-5)
+    close(grads.lora_A, _torch(layer.lora_A["default"].weight.grad), tol=1e-4)
+    close(grads.lora_B, _torch(layer.lora_B["default"].weight.grad), tol=1e-4)
     if use_dora:
-        _close(
+        close(
             grads.lora_magnitude_vector,
             _torch(layer.lora_magnitude_vector["default"].weight.grad),
             tol=1e-4,
@@ -443,7 +438,7 @@ def test_conv2d_matches_peft():
     x_np = np.random.default_rng(1).normal(size=(3, 7, 7)).astype(np.float32)
     with strict():
         out = use_implicit_args(conv)(x_np)
-    _close(out, _torch(layer(torch.tensor(x_np)[None]))[0], tol=1e-5)
+    close(out, _torch(layer(torch.tensor(x_np)[None]))[0], tol=1e-5)
 
 
 def test_forward_mode_through_a_lora_product_is_refused(getkey):
@@ -456,4 +451,4 @@ def test_forward_mode_through_a_lora_product_is_refused(getkey):
         jax.jvp(lambda x: f(w, x), (x,), (jnp.ones(5),))
     hess = jax.hessian(lambda x: jnp.sum(f(w, x)))(x)
     want = jax.hessian(lambda x: jnp.sum(jnp.tanh(w.materialize() @ x)))(x)
-    _close(hess, want, tol=1e-4)
+    close(hess, want, tol=1e-4)

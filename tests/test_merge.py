@@ -3,8 +3,8 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+from helpers import close
 
 from peftx.adapters import (
     IA3Array,
@@ -18,11 +18,6 @@ from peftx.adapters import (
     quantize_nf4,
 )
 from peftx.implicit import strict, use_implicit_args
-
-
-def _close(a, b, tol=1e-5):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
 def _qlora(key, shape=(16, 128), double_quant=True):
@@ -48,8 +43,8 @@ def test_qlora_forward_and_gradients_equal_dense_lora_on_the_dequantized_weight(
     want_value, want_grads = jax.value_and_grad(loss, argnums=(0, 1))(
         w.lora_A, w.lora_B, dense_base
     )
-    _close(value, want_value, tol=1e-4)
-    _close(grads, want_grads, tol=1e-4)
+    close(value, want_value, tol=1e-4)
+    close(grads, want_grads, tol=1e-4)
 
 
 def test_qlora_trains_only_the_adapters(getkey):
@@ -85,14 +80,14 @@ def test_merged_forward_equals_unmerged(getkey, kind):
         unmerged = use_implicit_args(lambda m: x @ m.T)(adapted)
     merged = merge(adapted)
     assert isinstance(merged, jax.Array) and merged.shape == weight.shape
-    _close(x @ merged.T, unmerged, tol=1e-4)
+    close(x @ merged.T, unmerged, tol=1e-4)
 
 
 def test_merge_into_a_quantized_base(getkey):
     w = _qlora(getkey())
     dense = merge(w, dtype=jnp.bfloat16)
     assert dense.dtype == jnp.bfloat16
-    _close(dense.astype(jnp.float32), w.materialize(), tol=5e-2)
+    close(dense.astype(jnp.float32), w.materialize(), tol=5e-2)
     with pytest.warns(UserWarning, match="re-quantized to NF4Array"):
         again = merge(w, requantize=True)
     assert isinstance(again, NF4Array) and again.double_quant and again.blocksize == 64

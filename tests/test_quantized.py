@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from helpers import close
 from hypothesis import given, settings, strategies as st
 
 import peftx.adapters._quantized as quantized_module
@@ -45,11 +46,6 @@ DTYPES = {
 }
 
 
-def _close(a, b, tol=1e-5):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
-
-
 materialize = jax.jit(lambda a: a.materialize())  # one compilation per shape, not per op
 
 
@@ -62,15 +58,21 @@ def _codes(packed):
 # ---------------------------------------------------------------- a PyTorch reference
 
 
-def torch_quantize_nf4(w, blocksize):
-    """bitsandbytes' `quantize_4bit(quant_type="nf4")` as its CUDA kernel computes it."""
-    flat = w.reshape(-1).float()
+def torch_blocks(flat, blocksize):
+    """`flat` zero-padded into rows of `blocksize`, and each row's absmax."""
     n = flat.numel()
     blocks = -(-n // blocksize)
     padded = torch.zeros(blocks * blocksize)
     padded[:n] = flat
     x = padded.view(blocks, blocksize)
-    absmax = x.abs().amax(dim=1)
+    return x, x.abs().amax(dim=1)
+
+
+def torch_quantize_nf4(w, blocksize):
+    """bitsandbytes' `quantize_4bit(quant_type="nf4")` as its CUDA kernel computes it."""
+    flat = w.reshape(-1).float()
+    n = flat.numel()
+    x, absmax = torch_blocks(flat, blocksize)
     scaled = x * (1.0 / absmax)[:, None]
     codes = (scaled[..., None] > torch.tensor(CUDA_NF4_THRESHOLDS)).sum(-1).to(torch.uint8)
     codes = codes.reshape(-1)[: 2 * ((n + 1) // 2)]
@@ -104,11 +106,7 @@ def torch_quantize_blockwise(a, code, blocksize):
     """bitsandbytes' `quantize_blockwise` as its PyTorch backend computes it: the nearest
     code by `argmin`."""
     n = a.numel()
-    blocks = -(-n // blocksize)
-    padded = torch.zeros(blocks * blocksize)
-    padded[:n] = a
-    x = padded.view(blocks, blocksize)
-    absmax = x.abs().amax(dim=1)
+    x, absmax = torch_blocks(a, blocksize)
     scaled = torch.clamp(x * (1.0 / absmax)[:, None], -1, 1).reshape(-1)[:n]
     codes = torch.argmin((scaled[:, None] - code).abs(), dim=-1).to(torch.uint8)
     return codes.numpy(), absmax.numpy()
@@ -391,8 +389,8 @@ def test_dot_general_matches_materialized(getkey, kind, layout, chunking):
 
     with strict():
         (got, grad), (want, want_grad) = run(a, x)
-    _close(got, want)
-    _close(grad, want_grad, tol=1e-4)
+    close(got, want)
+    close(grad, want_grad, tol=1e-4)
 
 
 STORAGE_CASES = [
@@ -425,7 +423,7 @@ def test_vmap_and_scan_over_stacked_quantized_weights(getkey, kind, chunking):
 
     with strict():
         got, want = run(stack, dense, x)
-    _close(got, want)
+    close(got, want)
     np.testing.assert_array_equal(materialize(jax.tree.map(lambda leaf: leaf[2], stack)), dense[2])
 
 
@@ -445,7 +443,7 @@ def test_backward_keeps_no_dense_weight(getkey, kind, chunking):
         is_float = jnp.issubdtype(leaf.dtype, jnp.floating)
         assert not (is_float and leaf.size >= math.prod(a.shape)), leaf.shape
     dense = materialize(a)
-    _close(dx, jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(x @ dense.T))))(x), tol=1e-4)
+    close(dx, jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(x @ dense.T))))(x), tol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["nf4", "nf4-double-quant", "int8"])
@@ -459,7 +457,7 @@ def test_no_gradient_reaches_codes_or_scales(getkey, kind):
     assert float_leaves  # the float32 scales/absmaxes are differentiable leaves ...
     for leaf in float_leaves:
         np.testing.assert_array_equal(leaf, 0.0)  # ... and get exactly nothing
-    _close(grad_x, jnp.sum(a.materialize(), axis=0))
+    close(grad_x, jnp.sum(a.materialize(), axis=0))
 
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
@@ -502,7 +500,7 @@ def test_qlora_lora_over_an_nf4_weight(getkey):
 
     with strict():
         got, want = run(params, x)
-    _close(got, want)
+    close(got, want)
 
 
 # ---------------------------------------------------------------- int8

@@ -1,6 +1,14 @@
-"""Walking traced programs, for tests that check what a handler never builds."""
+"""Helpers shared by the tests: comparing pytrees, walking traced programs."""
 
+import jax
 import jax.extend.core as jexc
+import numpy as np
+
+
+def close(a, b, tol=1e-5):
+    """Assert two pytrees have the same leaves, each equal within `tol`."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
 
 
 def all_eqns(jaxpr):
