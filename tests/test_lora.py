@@ -1,4 +1,4 @@
-"""LoRA and DoRA against materialized weights and against HF PEFT in PyTorch."""
+"""LoRA and DoRA against dense formulas written out here and against HF PEFT in PyTorch."""
 
 import math
 
@@ -22,10 +22,39 @@ from peftx.adapters import (
 )
 from peftx.implicit import strict, use_implicit_args
 
+ALPHA = 4.0
+
 
 def _random_lora(key, shape=(6, 5), r=2, **kwargs):
     kw, kl = jax.random.split(key)
-    return lora(jax.random.normal(kw, shape), r=r, lora_alpha=4.0, init="random", key=kl, **kwargs)
+    return lora(
+        jax.random.normal(kw, shape), r=r, lora_alpha=ALPHA, init="random", key=kl, **kwargs
+    )
+
+
+# The references below are written out here, not taken from `materialize()`, `delta()` or
+# `scaling`, so that the library's arithmetic cannot agree with itself by sharing a bug.
+
+
+def _dense_lora(weight, a, b, alpha=ALPHA, use_rslora=False):
+    """`W + s·B·A`, `s = alpha/r` (`alpha/sqrt(r)` with rsLoRA); leading axes stack layers."""
+    r = a.shape[-2]
+    s = alpha / math.sqrt(r) if use_rslora else alpha / r
+    return weight + s * jnp.matmul(b, a)
+
+
+def _dense_dora(weight, a, b, m, alpha=ALPHA, use_rslora=False):
+    """`m ⊙ V / ‖V‖` per output row, `V = W + s·B·A`; the norm is a constant for
+    gradients, as in PEFT."""
+    v = _dense_lora(weight, a, b, alpha, use_rslora)
+    norm = jax.lax.stop_gradient(jnp.sqrt(jnp.sum(v * v, axis=-1)))
+    return v * (m / norm)[..., None]
+
+
+def _dense_conv_lora(weight, a, b, alpha=ALPHA):
+    """`W + (alpha/r)·B·A` for conv kernels: `B` `(out, r, 1, ...)` is a 1x1 conv after `A`."""
+    r = a.shape[0]
+    return weight + (alpha / r) * jnp.tensordot(b.reshape(b.shape[0], r), a, axes=1)
 
 
 # ---------------------------------------------------------------- layouts
@@ -43,36 +72,39 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("adapter", ["lora", "dora"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_forward_and_gradients_match_materialized(getkey, adapter, layout):
+def test_forward_and_gradients_match_dense_formula(getkey, adapter, layout):
+    """Values and gradients (factors, magnitude, input) against `W + (alpha/r)·B·A`
+    (DoRA: its row-normalized form) written out, for a rank-2 adapter on a (6, 5) weight."""
     fn = LAYOUTS[layout]
     w = _random_lora(getkey())
+    names = ["lora_A", "lora_B"]
     if adapter == "dora":
         w = dora(w)
-        w = eqx.tree_at(lambda d: d.lora_magnitude_vector, w, w.lora_magnitude_vector * 1.5)
+        m = w.lora_magnitude_vector * jax.random.uniform(getkey(), (6,), minval=0.5, maxval=1.5)
+        w = eqx.tree_at(lambda d: d.lora_magnitude_vector, w, m)
+        names.append("lora_magnitude_vector")
+    leaves = tuple(getattr(w, n) for n in names)
     x = jax.random.normal(getkey(), (3, 5))
-    params, static = eqx.partition(w, lambda leaf: leaf is not w.weight and eqx.is_array(leaf))
 
-    def loss(params, x, f):
-        return jnp.sum(jnp.sin(f(eqx.combine(params, static), x)))
+    def rebuilt(leaves):
+        return eqx.tree_at(lambda m: tuple(getattr(m, n) for n in names), w, leaves)
 
-    def implicit_loss(params, x, f):
-        return jnp.sum(jnp.sin(use_implicit_args(f)(eqx.combine(params, static), x)))
+    def dense(leaves):
+        return (_dense_dora if adapter == "dora" else _dense_lora)(w.weight, *leaves)
 
-    def dense(w, x):
-        return fn(w.materialize(), x)
+    def implicit_loss(leaves, x):
+        return jnp.sum(jnp.sin(use_implicit_args(fn)(rebuilt(leaves), x)))
 
-    if adapter == "dora":  # PEFT detaches the norm: compare with that dense formula
-
-        def dense(w, x):  # noqa: F811
-            v = w.weight + w.delta()
-            norm = jax.lax.stop_gradient(jnp.linalg.norm(v, axis=1))
-            return fn(v * (w.lora_magnitude_vector / norm)[:, None], x)
+    def dense_loss(leaves, x):
+        return jnp.sum(jnp.sin(fn(dense(leaves), x)))
 
     with strict():
         got = jax.jit(use_implicit_args(fn))(w, x)
-        grads = jax.jit(jax.grad(implicit_loss, argnums=(0, 1)), static_argnums=2)(params, x, fn)
-    close(got, fn(w.materialize(), x))
-    close(grads, jax.grad(loss, argnums=(0, 1))(params, x, dense), tol=1e-4)
+        grads = jax.jit(jax.grad(implicit_loss, argnums=(0, 1)))(leaves, x)
+    want = fn(dense(leaves), x)
+    close(got, want)
+    assert not np.allclose(want, fn(w.weight, x), atol=1e-2)  # the adapter contributes
+    close(grads, jax.grad(dense_loss, argnums=(0, 1))(leaves, x), tol=1e-4)
 
 
 @st.composite
@@ -101,41 +133,47 @@ def weight_product(draw):
 
 
 @settings(max_examples=25, deadline=None)
-@given(case=weight_product(), seed=st.integers(0, 2**16))
-def test_lora_dot_general_any_layout(case, seed):
+@given(
+    case=weight_product(), r=st.integers(2, 4), use_rslora=st.booleans(), seed=st.integers(0, 2**16)
+)
+def test_lora_dot_general_any_layout(case, r, use_rslora, seed):
+    """Any layout, values and gradients (factors and input) against the formula. r >= 2:
+    at r=1 a factor read with its axes swapped has the right values."""
     w_shape, x_shape, dims, w_first = case
     k1, k2 = jax.random.split(jax.random.key(seed))
-    w = _random_lora(k1, w_shape, r=1)
+    w = _random_lora(k1, w_shape, r=r, use_rslora=use_rslora)
     x = jax.random.normal(k2, x_shape)
 
     def fn(w, x):
         return jax.lax.dot_general(w, x, dims) if w_first else jax.lax.dot_general(x, w, dims)
 
+    def implicit_loss(a, b, x):
+        adapted = eqx.tree_at(lambda m: (m.lora_A, m.lora_B), w, (a, b))
+        return jnp.sum(use_implicit_args(fn)(adapted, x) ** 2)
+
+    def dense_loss(a, b, x):
+        return jnp.sum(fn(_dense_lora(w.weight, a, b, use_rslora=use_rslora), x) ** 2)
+
     with strict():
         got = jax.jit(use_implicit_args(fn))(w, x)
-        ga, gb = jax.grad(
-            lambda a, b: jnp.sum(
-                use_implicit_args(fn)(eqx.tree_at(lambda m: (m.lora_A, m.lora_B), w, (a, b)), x)
-                ** 2
-            ),
-            argnums=(0, 1),
-        )(w.lora_A, w.lora_B)
-    close(got, fn(w.materialize(), x), tol=1e-4)
-    want = jax.grad(
-        lambda a, b: jnp.sum(
-            fn(eqx.tree_at(lambda m: (m.lora_A, m.lora_B), w, (a, b)).materialize(), x) ** 2
-        ),
-        argnums=(0, 1),
-    )(w.lora_A, w.lora_B)
-    close((ga, gb), want, tol=1e-3)
+        grads = jax.grad(implicit_loss, argnums=(0, 1, 2))(w.lora_A, w.lora_B, x)
+    close(got, fn(_dense_lora(w.weight, w.lora_A, w.lora_B, use_rslora=use_rslora), x), tol=1e-4)
+    close(grads, jax.grad(dense_loss, argnums=(0, 1, 2))(w.lora_A, w.lora_B, x), tol=1e-3)
 
 
 def test_transpose_stays_a_lora(getkey):
-    w = _random_lora(getkey())
+    w = _random_lora(getkey(), r=3)
+    x = jax.random.normal(getkey(), (4, 6))
     with strict():
         t = use_implicit_args(lambda w: w.T)(w)
+        got = use_implicit_args(lambda w, x: w.T @ x.T)(w, x)  # a product of the transpose
     assert isinstance(t, LoraArray) and t.shape == (5, 6) and t.r == w.r
-    close(t.materialize(), w.materialize().T)
+    # (W + s·B·A)ᵀ = Wᵀ + s·Aᵀ·Bᵀ: the factors exchange roles, each transposed
+    np.testing.assert_array_equal(t.lora_A, w.lora_B.T)
+    np.testing.assert_array_equal(t.lora_B, w.lora_A.T)
+    dense_t = _dense_lora(w.weight, w.lora_A, w.lora_B).T
+    close(_dense_lora(t.weight, t.lora_A, t.lora_B), dense_t)
+    close(got, dense_t @ x.T)
 
 
 def test_astype_stays_a_lora(getkey):
@@ -192,9 +230,12 @@ def test_gaussian_init(getkey):
 def test_pissa_init_keeps_the_output_and_takes_the_top_singular_directions(getkey):
     weight = jax.random.normal(getkey(), (8, 6))
     w = lora(weight, r=2, lora_alpha=4.0, init="pissa", key=getkey())
-    close(w.materialize(), weight)
+    x = jax.random.normal(getkey(), (3, 6))
+    close(_dense_lora(w.weight, w.lora_A, w.lora_B, alpha=4.0), weight, tol=1e-4)
+    with strict():
+        close(use_implicit_args(lambda w, x: x @ w.T)(w, x), x @ weight.T, tol=1e-4)
     s = jnp.linalg.svd(weight, compute_uv=False)
-    top = jnp.linalg.svd(w.delta(), compute_uv=False)[:2]
+    top = jnp.linalg.svd((4.0 / 2) * w.lora_B @ w.lora_A, compute_uv=False)[:2]
     close(top, s[:2], tol=1e-4)
     residual_s = jnp.linalg.svd(w.weight, compute_uv=False)
     close(residual_s[:4], s[2:6], tol=1e-4)
@@ -255,9 +296,9 @@ def test_dropout_masks_the_adapter_input_only(getkey):
         no_key = use_implicit_args(fn)(without_dropout(trained), x)
     keep = jax.random.bernoulli(trained.dropout_key, 0.5, x.shape)
     x_d = jnp.where(keep, x / 0.5, 0.0)
-    want = x @ w.weight.T + w.scaling * (x_d @ w.lora_A.T) @ w.lora_B.T
+    want = x @ w.weight.T + (ALPHA / 2) * (x_d @ w.lora_A.T) @ w.lora_B.T
     close(got, want)
-    close(no_key, fn(w.materialize(), x))
+    close(no_key, fn(_dense_lora(w.weight, w.lora_A, w.lora_B), x))
     assert not np.allclose(got, no_key)
 
 
@@ -283,28 +324,33 @@ def _stacked_lora_layers(key, n=4, d=6, r=2, use_dora=False):
 @pytest.mark.parametrize("use_dora", [False, True])
 def test_scan_over_stacked_lora_layers(getkey, use_dora):
     layers = _stacked_lora_layers(getkey(), use_dora=use_dora)
+    names = ["lora_A", "lora_B"]
+    if use_dora:  # magnitudes away from the row norms, so DoRA differs from LoRA
+        m = layers.lora_magnitude_vector
+        m = m * jax.random.uniform(getkey(), m.shape, minval=0.5, maxval=1.5)
+        layers = eqx.tree_at(lambda w: w.lora_magnitude_vector, layers, m)
+        names.append("lora_magnitude_vector")
+    leaves = tuple(getattr(layers, n) for n in names)
     x = jax.random.normal(getkey(), (3, 6))
-    params, static = eqx.partition(layers, lambda a: a is not layers.weight and eqx.is_array(a))
 
     def forward(layers, x):
         return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w.T), None), x, layers)[0]
 
-    def loss(params, implicit):
-        model = eqx.combine(params, static)
-        out = use_implicit_args(forward)(model, x) if implicit else forward(model, x)
-        return jnp.sum(out**2)
+    def dense(leaves):  # every layer at once: the formulas broadcast over the stack axis
+        return (_dense_dora if use_dora else _dense_lora)(layers.weight, *leaves)
 
-    dense_layers = eqx.filter_vmap(lambda w: w.materialize())(layers)
+    def implicit_loss(leaves, x):
+        model = eqx.tree_at(lambda w: tuple(getattr(w, n) for n in names), layers, leaves)
+        return jnp.sum(use_implicit_args(forward)(model, x) ** 2)
+
+    def dense_loss(leaves, x):
+        return jnp.sum(forward(dense(leaves), x) ** 2)
+
     with strict():
         got = jax.jit(use_implicit_args(forward))(layers, x)
-        grads = jax.jit(jax.grad(loss), static_argnums=1)(params, True)
-
-    def dense_loss(params):
-        model = eqx.combine(params, static)
-        return jnp.sum(forward(eqx.filter_vmap(lambda w: w.materialize())(model), x) ** 2)
-
-    close(got, forward(dense_layers, x))
-    close(grads, jax.grad(dense_loss)(params), tol=1e-4)
+        grads = jax.jit(jax.grad(implicit_loss, argnums=(0, 1)))(leaves, x)
+    close(got, forward(dense(leaves), x))
+    close(grads, jax.grad(dense_loss, argnums=(0, 1))(leaves, x), tol=1e-4)
 
 
 def test_vmap_over_stacked_loras_inside_use_implicit_args(getkey):
@@ -313,49 +359,126 @@ def test_vmap_over_stacked_loras_inside_use_implicit_args(getkey):
     x = jax.random.normal(getkey(), (4, 6))
     with strict():
         got = use_implicit_args(lambda w, x: jax.vmap(lambda w, v: w @ v)(w, x))(layers, x)
-    dense = eqx.filter_vmap(lambda w: w.materialize())(layers)
+    dense = _dense_lora(layers.weight, layers.lora_A, layers.lora_B)
     close(got, jnp.einsum("loi,li->lo", dense, x))
 
 
 @pytest.mark.parametrize("conv", ["Conv1d", "Conv2d"])
 def test_conv_lora(getkey, conv):
+    """A conv layer with a bias, values and gradients (factors and input) against the
+    formula; r=2 differs from in=3 and out=4."""
     dims = 1 if conv == "Conv1d" else 2
     layer = getattr(eqx.nn, conv)(3, 4, 3, stride=2, padding=1, key=getkey())
-    w = lora(layer.weight, r=2, lora_alpha=4.0, init="random", key=getkey())
+    assert layer.bias is not None
+    w = lora(layer.weight, r=2, lora_alpha=ALPHA, init="random", key=getkey())
     assert w.lora_A.shape == (2, 3, *(3,) * dims) and w.lora_B.shape == (4, 2, *(1,) * dims)
-    adapted = eqx.tree_at(lambda m: m.weight, layer, w)
     x = jax.random.normal(getkey(), (3, *(9,) * dims))
-    merged = eqx.tree_at(lambda m: m.weight, layer, w.materialize())
-    with strict():
-        got = eqx.filter_jit(use_implicit_args(adapted))(x)
-        g = jax.grad(
-            lambda a: jnp.sum(
-                use_implicit_args(eqx.tree_at(lambda m: m.weight.lora_A, adapted, a))(x) ** 2
-            )
-        )(w.lora_A)
-    close(got, merged(x), tol=1e-4)
-    want = jax.grad(
-        lambda a: jnp.sum(
-            eqx.tree_at(
-                lambda m: m.weight, layer, eqx.tree_at(lambda m: m.lora_A, w, a).materialize()
-            )(x)
-            ** 2
+
+    def implicit_loss(a, b, x):
+        adapted = eqx.tree_at(
+            lambda m: m.weight, layer, LoraArray(w.weight, a, b, lora_alpha=ALPHA)
         )
-    )(w.lora_A)
-    close(g, want, tol=1e-3)
+        return jnp.sum(use_implicit_args(adapted)(x) ** 2)
+
+    def dense_loss(a, b, x):
+        return jnp.sum(
+            eqx.tree_at(lambda m: m.weight, layer, _dense_conv_lora(w.weight, a, b))(x) ** 2
+        )
+
+    with strict():
+        got = eqx.filter_jit(use_implicit_args(eqx.tree_at(lambda m: m.weight, layer, w)))(x)
+        grads = jax.grad(implicit_loss, argnums=(0, 1, 2))(w.lora_A, w.lora_B, x)
+    merged = eqx.tree_at(lambda m: m.weight, layer, _dense_conv_lora(w.weight, w.lora_A, w.lora_B))
+    close(got, merged(x), tol=1e-4)
+    close(grads, jax.grad(dense_loss, argnums=(0, 1, 2))(w.lora_A, w.lora_B, x), tol=1e-3)
+
+
+# ---------------------------------------------------------------- bfloat16
+
+
+def _bf16_close(got, want):
+    """`got` (bfloat16) within bfloat16 rounding of `want` (float32), leaf by leaf."""
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.dtype == jnp.bfloat16
+        w = np.asarray(w, np.float32)
+        # a K-term sum of size-m terms is ~sqrt(K)·m (its rms), up to 4x that, rounded ~4
+        # times (A·x, s·B·(A·x), W·x, their sum) at u = 2**-8: atol = 16·u·sqrt(K)·m
+        atol = 16 * 2.0**-8 * np.sqrt(np.mean(w**2))
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "adapter",
+    [
+        "lora",
+        "rslora",
+        pytest.param(
+            "dora",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=jax.dtypes.TypePromotionError,
+                reason="DoRA divides its bfloat16 magnitude by the float32 row norm "
+                "(`lora_magnitude_vector / _dora_norm(w)`), which strict promotion refuses",
+            ),
+        ),
+    ],
+)
+def test_bf16_linear_matches_dense_formula(getkey, adapter):
+    """A bfloat16 `eqx.nn.Linear` (with a bias) carrying bfloat16 factors, against the
+    formula in float32 on the same values: outputs and vector-Jacobian products (factors,
+    magnitude, input), each within bfloat16 rounding."""
+    out, in_, r, alpha, tokens = 48, 64, 4, 6.0, 8
+    use_rslora = adapter == "rslora"
+
+    def f32(tree):
+        return jax.tree.map(lambda t: t.astype(jnp.float32), tree)
+
+    def normal(shape, std):  # unit-size outputs: W·x, A·x and B·(A·x) are all ~N(0, 1)
+        return (std * jax.random.normal(getkey(), shape)).astype(jnp.bfloat16)
+
+    weight, bias = normal((out, in_), in_**-0.5), normal((out,), 1.0)
+    leaves = [normal((r, in_), in_**-0.5), normal((out, r), r**-0.5)]
+    x, cotangent = normal((tokens, in_), 1.0), normal((tokens, out), 1.0)
+    if adapter == "dora":
+        v = _dense_lora(f32(weight), *f32(leaves), alpha)
+        m = jnp.sqrt(jnp.sum(v * v, -1)) * jax.random.uniform(getkey(), (out,), minval=0.5)
+        leaves.append(m.astype(jnp.bfloat16))
+    template = eqx.nn.Linear(in_, out, key=getkey(), dtype=jnp.bfloat16)
+
+    def implicit(leaves, x):
+        cls = DoraArray if adapter == "dora" else LoraArray
+        w = cls(weight, *leaves, lora_alpha=alpha, use_rslora=use_rslora)
+        linear = eqx.tree_at(lambda m: (m.weight, m.bias), template, (w, bias))
+        return use_implicit_args(lambda m, x: jax.vmap(m)(x))(linear, x)
+
+    def dense(leaves, x):
+        formula = _dense_dora if adapter == "dora" else _dense_lora
+        return x @ formula(f32(weight), *leaves, alpha, use_rslora).T + f32(bias)[None, :]
+
+    with strict():
+        got, vjp = jax.vjp(implicit, leaves, x)
+        grads = vjp(cotangent)
+    want, dense_vjp = jax.vjp(dense, f32(leaves), f32(x))
+    _bf16_close(got, want)
+    _bf16_close(grads, dense_vjp(f32(cotangent)))
+    base = f32(x) @ f32(weight).T + f32(bias)[None, :]
+    assert np.sqrt(np.mean((want - base) ** 2)) > 0.5  # the adapter is far above rounding
 
 
 # ---------------------------------------------------------------- merge
 
 
 def test_merge_and_unmerge(getkey):
-    w = _random_lora(getkey())
+    w = _random_lora(getkey(), r=3)
     merged = w.materialize()
-    close(merged, w.weight + w.scaling * w.lora_B @ w.lora_A)
+    close(merged, _dense_lora(w.weight, w.lora_A, w.lora_B))
     close(unmerge(merged, w).weight, w.weight)
     d = dora(w)
-    d = eqx.tree_at(lambda m: m.lora_magnitude_vector, d, d.lora_magnitude_vector * 2)
-    close(unmerge(d.materialize(), d).weight, w.weight, tol=1e-4)
+    m = d.lora_magnitude_vector * jax.random.uniform(getkey(), (6,), minval=0.5, maxval=1.5)
+    d = eqx.tree_at(lambda d: d.lora_magnitude_vector, d, m)
+    merged = d.materialize()
+    close(merged, _dense_dora(w.weight, w.lora_A, w.lora_B, m), tol=1e-5)
+    close(unmerge(merged, d).weight, w.weight, tol=1e-4)
 
 
 # ---------------------------------------------------------------- against HF PEFT
@@ -364,8 +487,8 @@ def test_merge_and_unmerge(getkey):
 class _TorchModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.proj = torch.nn.Linear(5, 6, bias=False)
-        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.proj = torch.nn.Linear(5, 6)
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
 
 
 def _torch(x):
@@ -374,71 +497,81 @@ def _torch(x):
 
 @pytest.mark.parametrize("use_dora", [False, True])
 @pytest.mark.parametrize("use_rslora", [False, True])
-def test_linear_matches_peft(use_dora, use_rslora):
+def test_linear_with_bias_matches_peft(use_dora, use_rslora):
+    """An `eqx.nn.Linear` with a bias and a rank-3 adapter (r differs from in=5 and out=6):
+    outputs and gradients (factors, magnitude, bias, input) equal PEFT's on the same weights."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     cfg = LoraConfig(
-        r=2, lora_alpha=5, target_modules=["proj"], init_lora_weights=False,
+        r=3, lora_alpha=5, target_modules=["proj"], init_lora_weights=False,
         use_dora=use_dora, use_rslora=use_rslora,
     )  # fmt: skip
-    model = get_peft_model(_TorchModel(), cfg)
-    layer = model.base_model.model.proj
-    weight = jnp.asarray(_torch(layer.base_layer.weight))
-    a = jnp.asarray(_torch(layer.lora_A["default"].weight))
-    b = jnp.asarray(_torch(layer.lora_B["default"].weight))
-    w = LoraArray(weight, a, b, lora_alpha=5, use_rslora=use_rslora)
+    layer = get_peft_model(_TorchModel(), cfg).base_model.model.proj
+    layer.base_layer.bias.requires_grad_(True)
+    trained = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
     if use_dora:
-        m = jnp.asarray(_torch(layer.lora_magnitude_vector["default"].weight)) * 1.3
-        with torch.no_grad():
-            layer.lora_magnitude_vector["default"].weight.mul_(1.3)
-        w = DoraArray(weight, a, b, m, lora_alpha=5, use_rslora=use_rslora)
+        trained.append(layer.lora_magnitude_vector["default"].weight)
+        with torch.no_grad():  # magnitudes away from the row norms, so DoRA differs from LoRA
+            trained[-1].mul_(torch.rand_like(trained[-1]) + 0.5)
+    trained.append(layer.base_layer.bias)
     x_np = np.random.default_rng(0).normal(size=(4, 5)).astype(np.float32)
-    x_t = torch.tensor(x_np)
+    x_t = torch.tensor(x_np, requires_grad=True)
     out_t = layer(x_t)
     out_t.sin().sum().backward()
+
+    weight = jnp.asarray(_torch(layer.base_layer.weight))
+    template = eqx.nn.Linear(5, 6, key=jax.random.key(0))
+
+    def run(leaves, x):
+        *factors, bias = leaves
+        cls = DoraArray if use_dora else LoraArray
+        w = cls(weight, *factors, lora_alpha=5, use_rslora=use_rslora)
+        linear = eqx.tree_at(lambda m: (m.weight, m.bias), template, (w, bias))
+        return use_implicit_args(lambda m, x: jax.vmap(m)(x))(linear, x)
+
+    leaves = [jnp.asarray(_torch(t)) for t in trained]
     with strict():
-        out = jax.vmap(use_implicit_args(lambda w, v: w @ v), in_axes=(None, 0))(w, x_np)
-        grads = jax.grad(
-            lambda w: jnp.sum(
-                jnp.sin(jax.vmap(use_implicit_args(lambda w, v: w @ v), in_axes=(None, 0))(w, x_np))
-            )
-        )(w)
+        out = run(leaves, x_np)
+        grads = jax.grad(lambda *a: jnp.sum(jnp.sin(run(*a))), argnums=(0, 1))(leaves, x_np)
     close(out, _torch(out_t), tol=1e-5)
-    close(grads.lora_A, _torch(layer.lora_A["default"].weight.grad), tol=1e-4)
-    close(grads.lora_B, _torch(layer.lora_B["default"].weight.grad), tol=1e-4)
-    if use_dora:
-        close(
-            grads.lora_magnitude_vector,
-            _torch(layer.lora_magnitude_vector["default"].weight.grad),
-            tol=1e-4,
-        )
+    close(grads, ([_torch(t.grad) for t in trained], _torch(x_t.grad)), tol=1e-4)
 
 
-def test_conv2d_matches_peft():
+def test_conv2d_with_bias_matches_peft():
+    """Outputs and gradients (factors, input) of a conv with a bias equal PEFT's."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
-    model = get_peft_model(
+    layer = get_peft_model(
         _TorchModel(),
         LoraConfig(r=2, lora_alpha=3, target_modules=["conv"], init_lora_weights=False),
-    )
-    layer = model.base_model.model.conv
-    w = LoraArray(
-        jnp.asarray(_torch(layer.base_layer.weight)),
-        jnp.asarray(_torch(layer.lora_A["default"].weight)),
-        jnp.asarray(_torch(layer.lora_B["default"].weight)),
-        lora_alpha=3,
-    )
-    conv = eqx.tree_at(
-        lambda m: m.weight,
-        eqx.nn.Conv2d(3, 4, 3, padding=1, use_bias=False, key=jax.random.key(0)),
-        w,
-    )
+    ).base_model.model.conv
+    trained = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
     x_np = np.random.default_rng(1).normal(size=(3, 7, 7)).astype(np.float32)
+    x_t = torch.tensor(x_np[None], requires_grad=True)
+    out_t = layer(x_t)[0]
+    out_t.sin().sum().backward()
+
+    template = eqx.tree_at(
+        lambda m: (m.weight, m.bias),
+        eqx.nn.Conv2d(3, 4, 3, padding=1, key=jax.random.key(0)),
+        (
+            jnp.asarray(_torch(layer.base_layer.weight)),
+            jnp.asarray(_torch(layer.base_layer.bias)).reshape(4, 1, 1),  # eqx's bias shape
+        ),
+    )
+
+    def run(a, b, x):
+        w = LoraArray(template.weight, a, b, lora_alpha=3)
+        return use_implicit_args(eqx.tree_at(lambda m: m.weight, template, w))(x)
+
+    a, b = (jnp.asarray(_torch(t)) for t in trained)
     with strict():
-        out = use_implicit_args(conv)(x_np)
-    close(out, _torch(layer(torch.tensor(x_np)[None]))[0], tol=1e-5)
+        out = run(a, b, x_np)
+        grads = jax.grad(lambda *a: jnp.sum(jnp.sin(run(*a))), argnums=(0, 1, 2))(a, b, x_np)
+    close(out, _torch(out_t), tol=1e-5)
+    close(grads, (*(_torch(t.grad) for t in trained), _torch(x_t.grad)[0]), tol=1e-4)
 
 
 def test_forward_mode_through_a_lora_product_is_refused(getkey):
@@ -450,5 +583,6 @@ def test_forward_mode_through_a_lora_product_is_refused(getkey):
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(lambda x: f(w, x), (x,), (jnp.ones(5),))
     hess = jax.hessian(lambda x: jnp.sum(f(w, x)))(x)
-    want = jax.hessian(lambda x: jnp.sum(jnp.tanh(w.materialize() @ x)))(x)
+    dense = _dense_lora(w.weight, w.lora_A, w.lora_B)
+    want = jax.hessian(lambda x: jnp.sum(jnp.tanh(dense @ x)))(x)
     close(hess, want, tol=1e-4)
