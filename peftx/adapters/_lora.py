@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
-from jaxtyping import Array, PRNGKeyArray
+from jaxtyping import Array, Key, PRNGKeyArray, UInt32
 
 from ..implicit import ImplicitArray, materialize, primitive_handler
 from ._layout import Labels, WeightProduct, weight_dot_handlers
@@ -149,10 +149,46 @@ def _product(b: Array, a: Array, stack_ndim: int) -> Array:
     return out.reshape(*b.shape[: s + 1], *a.shape[s + 1 :])
 
 
-def _dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
+# A stacked adapter's dropout keys: one per layer (a single key when it is not stacked).
+_LayerKeys = Key[Array, "*layers"] | UInt32[Array, "*layers 2"] | UInt32[Array, "*layers 4"]
+
+
+def _dropout(
+    x: Array,
+    rate: float,
+    key: _LayerKeys | None,
+    x_labels: Labels = (),
+    key_labels: Labels = (),
+) -> Array:
+    """Inverted dropout: `x` with entries zeroed with probability `rate` and the others
+    scaled by `1/(1 - rate)`; `x` itself without a key. A stacked adapter holds one key per
+    layer, labelled `key_labels` (its weight's layer axes); each layer's slice of `x`
+    (labelled `x_labels`) takes its mask from its own key, as under `lax.scan`."""
     if rate == 0.0 or key is None:
         return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    key_shape = jax.random.key_data(key).shape[:-1]
+    if any(lab not in x_labels for lab in key_labels):
+        raise ValueError(
+            f"dropout on a stack of adapters (keys of shape {key_shape}) needs the "
+            f"input batched along the layers too, but this product's input {tuple(x.shape)} "
+            "is shared by all layers. Batch the input along the layers, run the layers with "
+            "`jax.lax.scan`, or drop the keys with `without_dropout`."
+        )
+    axes = tuple(x_labels.index(lab) for lab in key_labels)
+    if key_shape != tuple(x.shape[a] for a in axes):
+        raise ValueError(
+            f"an adapter stacked over layer axes {tuple(x.shape[a] for a in axes)} needs one "
+            f"dropout key per layer, got keys of shape {key_shape}; set them with `with_dropout`."
+        )
+    lead = tuple(range(len(axes)))
+    rest = jnp.moveaxis(x, axes, lead).shape[len(axes) :]
+
+    def draw(k: PRNGKeyArray) -> Array:
+        return jax.random.bernoulli(k, 1.0 - rate, rest)
+
+    for _ in axes:
+        draw = jax.vmap(draw)
+    keep = jnp.moveaxis(draw(key), lead, axes)
     return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
@@ -177,7 +213,7 @@ def _lora_terms(
         return None
     if base is None:
         base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
-    x_d = _dropout(x, w.lora_dropout, w.dropout_key)
+    x_d = _dropout(x, w.lora_dropout, w.dropout_key, p.x, p.w[: w.stack_ndim])
     base_d = base if x_d is x else p.arrange(*p.contract(x_d, p.x, w.weight, p.w))
     first, second = order(w.lora_A, w.lora_B)
     scale = jnp.asarray(w.scaling, w.lora_A.dtype)
@@ -487,15 +523,21 @@ def _pissa(
 def with_dropout(tree: Any, key: PRNGKeyArray) -> Any:
     """Give every adapter in `tree` a fresh dropout key (training mode).
 
-    Call it inside the jitted loss with a new key each step. Under `jax.vmap` over
-    examples, the adapters see one example at a time and share the mask unless the keys
-    are batched too; see the README.
+    Call it inside the jitted loss with a new key each step. It reaches the adapters of
+    an `AdapterSet` (so of a `PeftModel`) too. An adapter stacked over layers (with
+    `eqx.filter_vmap`) gets one key per layer, so `jax.lax.scan` or `jax.vmap` over the
+    stack gives each layer its own mask. Under `jax.vmap` over examples, the adapters see
+    one example at a time and share the mask unless the keys are batched too; see the
+    README.
     """
     adapters = [x for x in jax.tree.leaves(tree, is_leaf=_has_dropout) if _has_dropout(x)]
     keys = list(jax.random.split(key, max(len(adapters), 1)))
-    return jax.tree.map(
-        lambda x: _set_key(x, keys.pop()) if _has_dropout(x) else x, tree, is_leaf=_has_dropout
-    )
+
+    def keyed(x: _AbstractLowRank) -> _AbstractLowRank:
+        # a stack of layers gets a key per layer: `lax.scan` and `jax.vmap` slice one each
+        return _set_key(x, jax.random.split(keys.pop(), x.weight.shape[: x.stack_ndim]))
+
+    return jax.tree.map(lambda x: keyed(x) if _has_dropout(x) else x, tree, is_leaf=_has_dropout)
 
 
 def without_dropout(tree: Any) -> Any:
@@ -509,7 +551,7 @@ def _has_dropout(x: Any) -> bool:
     return isinstance(x, _AbstractLowRank)
 
 
-def _set_key(x: _AbstractLowRank, key: PRNGKeyArray | None) -> _AbstractLowRank:
+def _set_key(x: _AbstractLowRank, key: _LayerKeys | None) -> _AbstractLowRank:
     return eqx.tree_at(lambda m: m.dropout_key, x, key, is_leaf=lambda n: n is None)
 
 
