@@ -1,4 +1,4 @@
-"""IA3 against materialized weights and against HF PEFT in PyTorch."""
+"""IA3 against dense formulas written out here and against HF PEFT in PyTorch."""
 
 import equinox as eqx
 import jax
@@ -8,8 +8,17 @@ import pytest
 import torch
 from helpers import close
 
+import peftx
 from peftx.adapters import IA3Array, ia3
 from peftx.implicit import strict, use_implicit_args
+
+
+def _dense_ia3(weight, l_vec, feedforward):
+    """`W ⊙ l` written out (not `materialize()`): `l` scales W's rows (outputs), or its
+    columns (inputs) for feed-forward layers; leading axes stack layers."""
+    l_vec = l_vec.reshape(*l_vec.shape[:-2], -1)
+    return weight * (l_vec[..., None, :] if feedforward else l_vec[..., :, None])
+
 
 LAYOUTS = {
     "vmap(W @ x)": lambda w, x: jax.vmap(lambda v: w @ v)(x),
@@ -22,25 +31,31 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("feedforward", [False, True])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_ia3_matches_materialized(getkey, feedforward, layout):
+def test_ia3_matches_dense_formula(getkey, feedforward, layout):
+    """Values, gradients (scale and input) and a vmapped batch against `W ⊙ l`."""
     fn = LAYOUTS[layout]
     weight = jax.random.normal(getkey(), (6, 5))
     w = ia3(weight, feedforward=feedforward)
     w = eqx.tree_at(lambda a: a.ia3_l, w, w.ia3_l + jax.random.normal(getkey(), w.ia3_l.shape))
     x = jax.random.normal(getkey(), (3, 5))
+    xs = jnp.stack([x, 2 * x])
 
-    def loss(l_vec, implicit):
-        a = IA3Array(weight, l_vec)
-        out = use_implicit_args(fn)(a, x) if implicit else fn(a.materialize(), x)
+    def loss(l_vec, x, implicit):
+        if implicit:
+            out = use_implicit_args(fn)(IA3Array(weight, l_vec), x)
+        else:
+            out = fn(_dense_ia3(weight, l_vec, feedforward), x)
         return jnp.sum(jnp.sin(out))
 
     with strict():
         got = jax.jit(use_implicit_args(fn))(w, x)
-        grad = jax.jit(jax.grad(loss), static_argnums=1)(w.ia3_l, True)
-        batched = jax.vmap(use_implicit_args(fn), in_axes=(None, 0))(w, jnp.stack([x, 2 * x]))
-    close(got, fn(w.materialize(), x))
-    close(grad, jax.grad(loss)(w.ia3_l, False), tol=1e-4)
-    close(batched, jax.vmap(fn, in_axes=(None, 0))(w.materialize(), jnp.stack([x, 2 * x])))
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(w.ia3_l, x, True)
+        batched = jax.vmap(use_implicit_args(fn), in_axes=(None, 0))(w, xs)
+    dense = _dense_ia3(weight, w.ia3_l, feedforward)
+    close(got, fn(dense, x))
+    assert not np.allclose(got, fn(weight, x), atol=1e-2)  # the scale matters
+    close(grads, jax.grad(loss, argnums=(0, 1))(w.ia3_l, x, False), tol=1e-4)
+    close(batched, jax.vmap(fn, in_axes=(None, 0))(dense, xs))
 
 
 def test_ones_init_gives_exactly_the_base_output(getkey):
@@ -62,15 +77,17 @@ def test_scan_over_stacked_ia3_layers(getkey):
     def forward(layers, x):
         return jax.lax.scan(lambda h, w: (jnp.tanh(w @ h), None), x, layers)[0]
 
+    def implicit_loss(lv, x):
+        return jnp.sum(use_implicit_args(forward)(IA3Array(layers.weight, lv), x))
+
+    def dense_loss(lv, x):
+        return jnp.sum(forward(_dense_ia3(layers.weight, lv, feedforward=False), x))
+
     with strict():
         got = jax.jit(use_implicit_args(forward))(layers, x)
-        g = jax.grad(
-            lambda lv: jnp.sum(use_implicit_args(forward)(IA3Array(layers.weight, lv), x))
-        )(layers.ia3_l)
-    dense = eqx.filter_vmap(lambda a: a.materialize())(layers)
-    close(got, forward(dense, x))
-    want = jax.grad(lambda lv: jnp.sum(forward(layers.weight * lv, x)))(layers.ia3_l)
-    close(g, want, tol=1e-4)
+        grads = jax.grad(implicit_loss, argnums=(0, 1))(layers.ia3_l, x)
+    close(got, forward(_dense_ia3(layers.weight, layers.ia3_l, feedforward=False), x))
+    close(grads, jax.grad(dense_loss, argnums=(0, 1))(layers.ia3_l, x), tol=1e-4)
 
 
 def test_bad_ia3_input():
@@ -82,14 +99,25 @@ def test_bad_ia3_input():
         IA3Array(jnp.ones((6, 5)), jnp.ones((6, 1), jnp.int32))
 
 
+class _Proj(eqx.Module):
+    proj: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(self.proj)(x)
+
+
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("feedforward", [False, True])
-def test_matches_peft(feedforward):
+def test_matches_peft(feedforward, bias):
+    """`peftx.get_peft_model` on the same weights as PEFT: outputs and gradients (scale and
+    input). With a bias, PEFT scales the whole output of an output-side layer, bias
+    included, and only the input of a feed-forward one."""
     from peft import IA3Config, get_peft_model
 
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.proj = torch.nn.Linear(5, 6, bias=False)
+            self.proj = torch.nn.Linear(5, 6, bias=bias)
 
     torch.manual_seed(0)
     cfg = IA3Config(target_modules=["proj"], feedforward_modules=["proj"] if feedforward else [])
@@ -98,20 +126,71 @@ def test_matches_peft(feedforward):
         layer.ia3_l["default"].mul_(torch.rand_like(layer.ia3_l["default"]) + 0.5)
     l_vec = jnp.asarray(layer.ia3_l["default"].detach().numpy())
     assert l_vec.shape == ((1, 5) if feedforward else (6, 1))
-    w = IA3Array(jnp.asarray(layer.base_layer.weight.detach().numpy()), l_vec)
     x = np.random.default_rng(0).normal(size=(4, 5)).astype(np.float32)
-    out_t = layer(torch.tensor(x))
+    x_t = torch.tensor(x, requires_grad=True)
+    out_t = layer(x_t)
     out_t.sin().sum().backward()
 
-    def run(l_vec):
-        a = IA3Array(w.weight, l_vec)
-        return jax.vmap(use_implicit_args(lambda a, v: a @ v), in_axes=(None, 0))(a, x)
+    linear = eqx.nn.Linear(5, 6, use_bias=bias, key=jax.random.key(0))
+    linear = eqx.tree_at(
+        lambda m: m.weight, linear, jnp.asarray(layer.base_layer.weight.detach().numpy())
+    )
+    if bias:
+        linear = eqx.tree_at(
+            lambda m: m.bias, linear, jnp.asarray(layer.base_layer.bias.detach().numpy())
+        )
+    cfg = peftx.IA3Config(
+        target_modules=["proj"], feedforward_modules=["proj"] if feedforward else []
+    )
+    model = peftx.get_peft_model(_Proj(linear), cfg, key=jax.random.key(1))
+
+    def scale_of(m):
+        return m.base_model.proj.weight.adapters["default"].ia3_l
+
+    def run(l_vec, x):
+        return eqx.tree_at(scale_of, model, l_vec)(x)
 
     with strict():
-        out = run(w.ia3_l)
-        g = jax.grad(lambda lv: jnp.sum(jnp.sin(run(lv))))(w.ia3_l)
+        out = run(l_vec, x)
+        grads = jax.grad(lambda *a: jnp.sum(jnp.sin(run(*a))), argnums=(0, 1))(l_vec, x)
     close(out, out_t.detach().numpy())
-    close(g, layer.ia3_l["default"].grad.numpy(), tol=1e-4)
+    close(grads, (layer.ia3_l["default"].grad.numpy(), x_t.grad.numpy()), tol=1e-4)
+
+
+@pytest.mark.parametrize("feedforward", [False, True])
+def test_bf16_matches_dense_formula(getkey, feedforward):
+    """A bfloat16 weight with a bfloat16 scale against `W ⊙ l` in float32 on the same
+    values: outputs and vector-Jacobian products (scale and input)."""
+    out, in_, tokens = 48, 64, 8
+
+    def f32(tree):
+        return jax.tree.map(lambda t: t.astype(jnp.float32), tree)
+
+    def bf16(shape, std, mean=0.0):
+        return (mean + std * jax.random.normal(getkey(), shape)).astype(jnp.bfloat16)
+
+    weight, x = bf16((out, in_), in_**-0.5), bf16((tokens, in_), 1.0)
+    l_vec = bf16((1, in_) if feedforward else (out, 1), 0.5, mean=1.0)
+    cotangent = bf16((tokens, out), 1.0)
+    with strict():
+        got, vjp = jax.vjp(
+            lambda lv, x: use_implicit_args(lambda w, x: x @ w.T)(IA3Array(weight, lv), x),
+            l_vec,
+            x,
+        )
+        grads = vjp(cotangent)
+    want, dense_vjp = jax.vjp(
+        lambda lv, x: x @ _dense_ia3(f32(weight), lv, feedforward).T, f32(l_vec), f32(x)
+    )
+    for g, w in zip((got, *grads), (want, *dense_vjp(f32(cotangent))), strict=True):
+        assert g.dtype == jnp.bfloat16
+        w = np.asarray(w)
+        # a K-term sum of size-m terms is ~sqrt(K)·m (its rms), up to 4x that, rounded ~3
+        # times (l·x or W·x, the product, the rescale) at u = 2**-8: atol = 12·u·sqrt(K)·m
+        atol = 12 * 2.0**-8 * np.sqrt(np.mean(w**2))
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0, atol=atol)
+    base = f32(x) @ f32(weight).T
+    assert np.sqrt(np.mean((want - base) ** 2)) > 0.2  # the scale is far above rounding
 
 
 def test_astype_casts_the_base_and_keeps_the_scale(getkey):
