@@ -33,3 +33,7 @@ class UnknownAdapterError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class DenseWeightError(AssertionError):
+    """A traced program builds an array the size of an adapted weight (`assert_no_dense`)."""

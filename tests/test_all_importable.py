@@ -60,6 +60,8 @@ PUBLIC = {
         "MaterializationError",
         "HandlerOutputError",
         "HandlerRegistrationError",
+        "assert_no_dense",
+        "DenseWeightError",
     ],
     peftx.adapters: [
         "Zeros",

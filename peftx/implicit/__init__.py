@@ -2,6 +2,7 @@
 touching them to handlers."""
 
 from .._errors import (
+    DenseWeightError as DenseWeightError,
     HandlerOutputError as HandlerOutputError,
     HandlerRegistrationError as HandlerRegistrationError,
     MaterializationError as MaterializationError,
@@ -21,4 +22,5 @@ from ._core import (
     strict as strict,
     use_implicit_args as use_implicit_args,
 )
+from ._no_dense import assert_no_dense as assert_no_dense
 from ._transposed import Transposed as Transposed
