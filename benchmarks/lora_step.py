@@ -66,6 +66,8 @@ from peftx.implicit import strict, use_implicit_args
 
 D_MODEL, HEADS, VOCAB, SEQ, BATCH = 512, 8, 1024, 128, 8
 RANK, ALPHA = 8, 16
+BF16_FULL = "bf16 base: full fine-tuning"
+JVP_FULL = "jvp: full model, along every weight"
 TARGETS = ("q", "k", "v", "o", "fc", "proj")
 IA3_TARGETS = {"k": False, "v": False, "proj": True}  # name: feedforward (scale inputs)
 
@@ -133,7 +135,13 @@ class GPT(eqx.Module):
 
 
 def next_token_loss(logits: Float[Array, "batch seq vocab"], batch: Int[Array, "batch seq"]):
-    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch[:, 1:]).mean()
+    logits = logits[:, :-1].astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def cast(model: GPT, dtype: Any) -> GPT:
+    """`model` with every floating-point weight in `dtype`."""
+    return jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
 
 
 # --------------------------------------------------------------------------------------
@@ -296,8 +304,11 @@ def make_step(loss: Callable[[GPT, Array], Array], optim: optax.GradientTransfor
 
 
 class Variant:
-    def __init__(self, name: str, model: GPT, spec: Any, loss: Callable, optim: Any):
+    def __init__(
+        self, name: str, model: GPT, spec: Any, loss: Callable, optim: Any, baseline: str = ""
+    ):
         self.name = name
+        self.baseline = baseline or "full fine-tuning"
         self.trainable, self.frozen = eqx.partition(model, spec)
         self.opt_state = optim.init(self.trainable)
         self.step, self.loss_fn = make_step(loss, optim)
@@ -314,6 +325,34 @@ class Variant:
     def hlo(self, batch: Array) -> str:
         lowered = self.step.lower(self.trainable, self.frozen, self.opt_state, batch)
         return lowered.compile().compiled.as_text()  # equinox's wrapper, then JAX's
+
+
+class JvpVariant(Variant):
+    """Forward mode instead of a train step: the loss and its derivative along one random
+    direction of the trainable parameters (`jax.jvp`), as forward-gradient methods and
+    Hessian-vector products use it."""
+
+    def __init__(self, name: str, model: GPT, spec: Any, loss: Callable, baseline: str = ""):
+        super().__init__(name, model, spec, loss, optax.identity(), baseline)
+        leaves, tree = jax.tree.flatten(self.trainable)
+        keys = jax.random.split(jax.random.key(3), len(leaves))
+        tangent = [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+        self.tangent = jax.tree.unflatten(tree, tangent)
+
+        @eqx.filter_jit
+        def step(trainable: GPT, frozen: GPT, tangent: GPT, batch: Array):
+            return jax.jvp(lambda t: loss(eqx.combine(t, frozen), batch), (trainable,), (tangent,))
+
+        self.step = step
+
+    def run(self, batch: Array) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.step(self.trainable, self.frozen, self.tangent, batch))
+        return time.perf_counter() - t0
+
+    def hlo(self, batch: Array) -> str:
+        lowered = self.step.lower(self.trainable, self.frozen, self.tangent, batch)
+        return lowered.compile().compiled.as_text()
 
 
 # --------------------------------------------------------------------------------------
@@ -479,6 +518,8 @@ def main() -> None:
     two = one.add_adapter("b", config, key=data_key)
     ids = jnp.arange(BATCH) % 2
     print(check_mixed(two, ids, batch))
+    base16 = cast(base, jnp.bfloat16)
+    lora16 = with_peftx_lora(base16, key=lora_key)  # factors stay float32, as in PEFT
 
     optim = optax.adamw(1e-4)
     variants = [
@@ -495,6 +536,15 @@ def main() -> None:
                 peft_model_loss, optim),
         Variant("get_peft_model, 2 adapters, mixed batch (batch vmap outside)", two,
                 two.trainable_spec(two.adapter_names), mixed_loss(ids), optim),
+        Variant(BF16_FULL, base16, eqx.is_inexact_array, dense_loss, optim, BF16_FULL),
+        Variant("bf16 base: peftx LoRA, fp32 factors (PEFT's default)", lora16,
+                lora_filter(lora16), peftx_loss_all_inside, optim, BF16_FULL),
+        Variant("bf16 base: peftx LoRA, fp32 factors, bf16 adapter compute",
+                peftx.adapters.with_compute_dtype(lora16, jnp.bfloat16), lora_filter(lora16),
+                peftx_loss_all_inside, optim, BF16_FULL),
+        JvpVariant(JVP_FULL, base, eqx.is_inexact_array, dense_loss, JVP_FULL),
+        JvpVariant("jvp: peftx LoRA, along the factors", lora, lora_filter(lora),
+                   peftx_loss_all_inside, JVP_FULL),
     ]  # fmt: skip
 
     compile_s = {}
@@ -523,14 +573,14 @@ def main() -> None:
         f"{jax.devices()[0].platform}; median of {args.steps} steps after {args.warmup} warm-up, "
         "round-robin.\n"
     )
-    print("| train step | median (ms) | min (ms) | vs full FT | first call (s) |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    full = statistics.median(variants[0].times)
+    print("| step | median (ms) | min (ms) | vs its baseline | baseline | first call (s) |")
+    print("| --- | ---: | ---: | ---: | --- | ---: |")
+    medians = {v.name: statistics.median(v.times) for v in variants}
     for v in variants:
-        med = statistics.median(v.times)
+        med = medians[v.name]
         print(
-            f"| {v.name} | {1e3 * med:.0f} | {1e3 * min(v.times):.0f} | {med / full:.2f}x "
-            f"| {compile_s[v.name]:.1f} |"
+            f"| {v.name} | {1e3 * med:.0f} | {1e3 * min(v.times):.0f} | "
+            f"{med / medians[v.baseline]:.2f}x | {v.baseline} | {compile_s[v.name]:.1f} |"
         )
 
     if args.hlo:

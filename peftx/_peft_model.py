@@ -487,6 +487,18 @@ def _saved_copies(model: Any, config: Any, adapter_name: str) -> dict[str, dict[
 
 
 def _count(tree: Any) -> int:
+    """Floating-point parameters in `tree`; DoRA's kept base norms are not parameters (PEFT
+    has no such tensor)."""
+
+    def is_dora(x: Any) -> bool:
+        return isinstance(x, DoraArray)
+
+    def without_norm(x: Any) -> Any:
+        if not is_dora(x):
+            return x
+        return eqx.tree_at(lambda d: d.weight_sq_norm, x, None, is_leaf=lambda n: n is None)
+
+    tree = jax.tree.map(without_norm, tree, is_leaf=is_dora)
     return sum(math.prod(x.shape) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array)))
 
 

@@ -572,17 +572,3 @@ def test_conv2d_with_bias_matches_peft():
         grads = jax.grad(lambda *a: jnp.sum(jnp.sin(run(*a))), argnums=(0, 1, 2))(a, b, x_np)
     close(out, _torch(out_t), tol=1e-5)
     close(grads, (*(_torch(t.grad) for t in trained), _torch(x_t.grad)[0]), tol=1e-4)
-
-
-def test_forward_mode_through_a_lora_product_is_refused(getkey):
-    """The explicit backward (token-major, see `_low_rank`) is a `custom_vjp`, so forward
-    mode is not available through LoRA products; reverse mode and its nesting are."""
-    w = _random_lora(getkey())
-    x = jax.random.normal(getkey(), (5,))
-    f = use_implicit_args(lambda w, x: jnp.tanh(w @ x))
-    with pytest.raises(TypeError, match="forward-mode"):
-        jax.jvp(lambda x: f(w, x), (x,), (jnp.ones(5),))
-    hess = jax.hessian(lambda x: jnp.sum(f(w, x)))(x)
-    dense = _dense_lora(w.weight, w.lora_A, w.lora_B)
-    want = jax.hessian(lambda x: jnp.sum(jnp.tanh(dense @ x)))(x)
-    close(hess, want, tol=1e-4)

@@ -426,31 +426,40 @@ def test_merging_several_adapters_matches_peft(kind):
 @settings(max_examples=15, deadline=None)
 @given(case=weight_product(), seed=st.integers(0, 2**16))
 def test_gated_set_any_layout(case, seed):
-    """Two LoRAs of different ranks on one base, weighted by a gate row, in any
-    `dot_general` layout: values and factor gradients equal those of the dense
-    `W + g_0·ΔW_0 + g_1·ΔW_1`."""
+    """Two LoRAs of different ranks on one base, weighted by a soft gate row, in any
+    `dot_general` layout: values and the gradients of the factors and of the gate equal
+    those of the dense mixture `W + g_0·ΔW_0 + g_1·ΔW_1`, written out here."""
     w_shape, x_shape, dims, w_first = case
     ka, kb, kx, kg = jax.random.split(jax.random.key(seed), 4)
-    a = _random_lora(ka, w_shape, r=1)
-    b = eqx.tree_at(lambda m: m.weight, _random_lora(kb, w_shape, r=2), a.weight)
-    gate = jax.random.normal(kg, (2,))
+    a = _random_lora(ka, w_shape, r=2)
+    b = eqx.tree_at(lambda m: m.weight, _random_lora(kb, w_shape, r=3), a.weight)
+    gate = jax.random.uniform(kg, (2,), minval=0.2, maxval=0.8)
     s = AdapterSet(a.weight, adapter_set(a.weight, {"a": a, "b": b}).adapters, gate, ("a", "b"))
     x = jax.random.normal(kx, x_shape)
 
     def fn(w, x):
         return jax.lax.dot_general(w, x, dims) if w_first else jax.lax.dot_general(x, w, dims)
 
-    factors = lambda s: [f for m in s.adapters.values() for f in (m.lora_A, m.lora_B)]  # noqa: E731
+    def leaves(s):
+        return [s.gate, *(f for m in s.adapters.values() for f in (m.lora_A, m.lora_B))]
+
+    def dense(s):
+        deltas = [
+            (m.lora_alpha / m.lora_A.shape[-2]) * (m.lora_B @ m.lora_A)
+            for m in s.adapters.values()
+        ]
+        return s.weight + s.gate[0] * deltas[0] + s.gate[1] * deltas[1]
 
     def loss(fs, run):
-        t = eqx.tree_at(factors, s, fs)
+        t = eqx.tree_at(leaves, s, fs)
         return jnp.sum(jnp.sin(run(t, x)))
 
     with strict():
         got = jax.jit(use_implicit_args(fn))(s, x)
-        grads = jax.grad(loss)(factors(s), use_implicit_args(fn))
-    np.testing.assert_allclose(got, fn(materialize(s), x), rtol=1e-4, atol=1e-4)
-    want = jax.grad(loss)(factors(s), lambda t, x: fn(materialize(t), x))
+        grads = jax.grad(loss)(leaves(s), use_implicit_args(fn))
+    np.testing.assert_allclose(got, fn(dense(s), x), rtol=1e-4, atol=1e-4)
+    want = jax.grad(loss)(leaves(s), lambda t, x: fn(dense(t), x))
+    assert np.all(np.abs(want[0]) > 0)  # the gate's gradient is not trivially zero
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
 

@@ -1,12 +1,17 @@
-"""`assert_no_dense`: it catches weight-sized arrays, and passes clean products."""
+"""`assert_no_dense`: it catches weight-sized arrays, and no adapter builds one, forward or
+in a whole train step (LoRA, DoRA, IA3, NF4, QLoRA, QDoRA, mixed batches, stacked layers)."""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from helpers import all_eqns
 
-from peftx.adapters import lora, quantize_nf4
+import peftx
+from peftx import IA3Config, LoraConfig, QuantizationConfig, get_peft_model, partition
+from peftx.adapters import dora, lora, quantize_nf4
 from peftx.implicit import (
     DenseWeightError,
     ImplicitArray,
@@ -198,6 +203,152 @@ def test_one_layer_of_a_stack_is_a_weight_too():
     )
 
 
+# ---------------------------------------------------------------- every adapter, abstractly
+
+# Large enough that NF4 products run in chunks (at least two of 2**21 elements each); the
+# check only traces, so the size costs nothing. Activations are (3, 5, D).
+D, F = 2048, 4096
+TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
+LORA = LoraConfig(r=8, target_modules=TARGETS, init_lora_weights=False)
+DORA = LoraConfig(r=8, target_modules=TARGETS, init_lora_weights=False, use_dora=True)
+IA3 = IA3Config(
+    target_modules=["v_proj", "up_proj", "down_proj"], feedforward_modules=["down_proj"]
+)
+NF4 = QuantizationConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True)
+
+
+class Block(eqx.Module):
+    """Attention-like gating and an MLP, for one sequence `(seq, D)`."""
+
+    q_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    up_proj: eqx.nn.Linear
+    down_proj: eqx.nn.Linear
+
+    def __init__(self, key):
+        kq, kv, ku, kd = jax.random.split(key, 4)
+        self.q_proj = eqx.nn.Linear(D, D, key=kq)
+        self.v_proj = eqx.nn.Linear(D, D, key=kv)
+        self.up_proj = eqx.nn.Linear(D, F, key=ku)
+        self.down_proj = eqx.nn.Linear(F, D, key=kd)
+
+    def __call__(self, h):
+        h = h + jax.vmap(self.v_proj)(h) * jnp.tanh(jax.vmap(self.q_proj)(h))
+        return h + jax.vmap(self.down_proj)(jax.nn.gelu(jax.vmap(self.up_proj)(h)))
+
+
+class Net(eqx.Module):
+    blocks: list
+
+    def __init__(self, key):
+        self.blocks = [Block(k) for k in jax.random.split(key, 2)]
+
+    def __call__(self, h):
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+class Stacked(eqx.Module):
+    """Three blocks stacked by `eqx.filter_vmap`, run under `lax.scan`."""
+
+    layers: Block
+
+    def __init__(self, key):
+        self.layers = eqx.filter_vmap(Block)(jax.random.split(key, 3))
+
+    def __call__(self, h):
+        return jax.lax.scan(lambda h, block: (block(h), None), h, self.layers)[0]
+
+
+def _nf4_per_layer(model):
+    """`model` with every stacked weight an NF4 stack (one quantized weight per layer)."""
+    for name in TARGETS:
+
+        def where(m, name=name):
+            return getattr(m.layers, name).weight
+
+        model = eqx.tree_at(where, model, eqx.filter_vmap(quantize_nf4)(where(model)))
+    return model
+
+
+def _peft(net, config, quantize=None, second=None):
+    def build():
+        model = net(jax.random.key(0))
+        if quantize is not None:
+            model = quantize(model)
+        if config is None:
+            return model
+        peft_model = get_peft_model(model, config, key=jax.random.key(1))
+        if second is not None:
+            peft_model = peft_model.add_adapter("b", second, key=jax.random.key(2))
+        return peft_model
+
+    return eqx.filter_eval_shape(build)  # abstract: shapes and dtypes only
+
+
+def _quantized(model):
+    return peftx.quantize_model(model, NF4)
+
+
+CASES = {  # name: (abstract model, adapters trained together or None, runs a scan)
+    "lora": (lambda: _peft(Net, LORA), None, False),
+    "dora": (lambda: _peft(Net, DORA), None, False),
+    "ia3": (lambda: _peft(Net, IA3), None, False),
+    "nf4 (frozen)": (lambda: _peft(Net, None, _quantized), None, True),  # chunks: lax.map
+    "qlora": (lambda: _peft(Net, LORA, _quantized), None, True),
+    "qdora": (lambda: _peft(Net, DORA, _quantized), None, True),
+    "mixed lora+lora": (lambda: _peft(Net, LORA, second=LORA), ["default", "b"], False),
+    "mixed dora+lora": (lambda: _peft(Net, DORA, second=LORA), ["default", "b"], False),
+    "mixed ia3+ia3": (lambda: _peft(Net, IA3, second=IA3), ["default", "b"], False),
+    "stacked lora": (lambda: _peft(Stacked, LORA), None, True),
+    "stacked dora": (lambda: _peft(Stacked, DORA), None, True),
+    "stacked ia3": (lambda: _peft(Stacked, IA3), None, True),
+    "stacked qlora": (lambda: _peft(Stacked, LORA, _nf4_per_layer), None, True),
+}
+X = jax.ShapeDtypeStruct((3, 5, D), jnp.float32)
+IDS = jax.ShapeDtypeStruct((3,), jnp.int32)  # one adapter id per sequence
+
+
+def _forward(model, x, ids):
+    if ids is not None:  # a mixed batch: ids under our own vmap (the Equinox way)
+        return jax.vmap(lambda x, i: model(x, adapter_names=i))(x, ids)
+    if isinstance(model, peftx.PeftModel):
+        return jax.vmap(model)(x)
+    return use_implicit_args(lambda m, x: jax.vmap(m)(x))(model, x)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_builds_no_weight_sized_array(case):
+    build, names, scans = CASES[case]
+    with strict():
+        jaxpr = assert_no_dense(_forward, build(), X, IDS if names else None)
+    prims = {e.primitive.name for e in all_eqns(jaxpr.jaxpr)}
+    assert "dot_general" in prims and ("scan" in prims) == scans
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c != "nf4 (frozen)"])
+def test_train_step_builds_no_weight_sized_array(case):
+    build, names, _ = CASES[case]
+    trainable, frozen = partition(build(), names)
+    optim = optax.adamw(1e-3)
+    opt_state = eqx.filter_eval_shape(optim.init, trainable)
+
+    @eqx.filter_jit
+    def step(trainable, frozen, opt_state, x, ids):
+        def loss(trainable):
+            return jnp.mean(_forward(eqx.combine(trainable, frozen), x, ids) ** 2)
+
+        grads = eqx.filter_grad(loss)(trainable)
+        updates, opt_state = optim.update(grads, opt_state, trainable)
+        return eqx.apply_updates(trainable, updates), opt_state
+
+    with jax.numpy_dtype_promotion("standard"), strict():  # optax mixes in its int count
+        jaxpr = assert_no_dense(step, trainable, frozen, opt_state, X, IDS if names else None)
+    stacks = [str(e.source_info.name_stack) for e in all_eqns(jaxpr.jaxpr)]
+    assert any("transpose(" in s for s in stacks)  # the backward pass was traced and checked
+
+
 # ---------------------------------------------------------------- what remains, and why
 
 
@@ -218,3 +369,37 @@ def test_small_nf4_weights_are_dequantized_whole():
 )
 def test_x_times_transposed_lora_builds_no_weight_sized_array():
     assert_no_dense(use_implicit_args(lambda w, x: x @ w.T), _lora(), _x())
+
+
+# ---------------------------------------------------------------- DoRA's norm
+
+
+def test_dora_norm_from_kept_base_norm_equals_dense_norm():
+    kw, kl = jax.random.split(jax.random.key(3))
+    w = jax.random.normal(kw, (OUT, IN))
+    for base in (w, quantize_nf4(w)):
+        d = dora(lora(base, r=4, init="random", key=kl))
+        dense = materialize(base) + d.delta()
+        np.testing.assert_allclose(d.weight_sq_norm, jnp.sum(materialize(base) ** 2, -1), rtol=1e-5)
+        np.testing.assert_allclose(d.weight_norm(), jnp.linalg.norm(dense, axis=1), rtol=1e-5)
+        # the magnitude starts at the norm, so the output is the base model's
+        x = jax.random.normal(kl, (BATCH, IN))
+        with strict():
+            got = use_implicit_args(_rows(lambda w, v: w @ v))(d, x)
+        np.testing.assert_allclose(got, x @ dense.T, rtol=1e-4, atol=1e-4)
+
+
+def test_dora_kept_norm_is_frozen_and_not_a_parameter():
+    from peft import LoraConfig as TorchLoraConfig, get_peft_model as torch_get_peft_model
+    from test_multi_adapter import BatchedNet, TorchNet
+
+    config = dict(r=4, target_modules=["q_proj", "v_proj"], use_dora=True)
+    torch_model = torch_get_peft_model(TorchNet(), TorchLoraConfig(**config))
+    ours = get_peft_model(
+        BatchedNet(jax.random.key(0)), LoraConfig(**config), key=jax.random.key(1)
+    )
+    assert ours.get_nb_trainable_parameters() == torch_model.get_nb_trainable_parameters()
+    trainable, frozen = partition(ours)
+    q = trainable.base_model.q_proj.weight.adapters["default"]
+    assert q.weight_sq_norm is None and q.lora_magnitude_vector is not None
+    assert frozen.base_model.q_proj.weight.adapters["default"].weight_sq_norm.shape == (8,)

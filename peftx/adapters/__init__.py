@@ -12,6 +12,7 @@ from ._lora import (
     dora as dora,
     lora as lora,
     unmerge as unmerge,
+    with_compute_dtype as with_compute_dtype,
     with_dropout as with_dropout,
     without_dropout as without_dropout,
 )

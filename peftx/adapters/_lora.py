@@ -1,6 +1,7 @@
 """LoRA and DoRA: `W + s·B·A` as implicit arrays, with HF PEFT's names, shapes and inits."""
 
 import dataclasses
+import functools
 import math
 from typing import Any, Literal
 
@@ -11,10 +12,13 @@ from jax import lax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Key, PRNGKeyArray, UInt32
 
-from ..implicit import ImplicitArray, materialize, primitive_handler
+from ..implicit import ImplicitArray, materialize, primitive_handler, use_implicit_args
 from ._layout import Labels, WeightProduct, weight_dot_handlers
 
 LoraInit = Literal["default", "gaussian", "pissa", "random"]
+
+# A stacked adapter's dropout keys: one per layer (a single key when it is not stacked).
+_LayerKeys = Key[Array, "*layers"] | UInt32[Array, "*layers 2"] | UInt32[Array, "*layers 4"]
 
 
 class _AbstractLowRank(ImplicitArray):
@@ -23,11 +27,12 @@ class _AbstractLowRank(ImplicitArray):
     weight: Any
     lora_A: Array
     lora_B: Array
-    dropout_key: PRNGKeyArray | None
+    dropout_key: _LayerKeys | None
     lora_alpha: float = eqx.field(static=True)
     use_rslora: bool = eqx.field(static=True)
     lora_dropout: float = eqx.field(static=True)
     kernel_ndim: int = eqx.field(static=True)
+    compute_dtype: Any = eqx.field(static=True)
 
     @property
     def r(self) -> int:
@@ -58,7 +63,8 @@ def _init_low_rank(
     lora_alpha: float | int,
     use_rslora: bool,
     lora_dropout: float | int,
-    dropout_key: PRNGKeyArray | None,
+    dropout_key: _LayerKeys | None,
+    compute_dtype: Any,
 ) -> None:
     _check_factors(weight, lora_A, lora_B, lora_dropout)
     self.weight = weight
@@ -69,6 +75,7 @@ def _init_low_rank(
     self.use_rslora = bool(use_rslora)
     self.lora_dropout = float(lora_dropout)
     self.kernel_ndim = len(weight.shape) - 2
+    self.compute_dtype = _checked_compute_dtype(compute_dtype)
 
 
 class LoraArray(_AbstractLowRank):
@@ -85,6 +92,13 @@ class LoraArray(_AbstractLowRank):
 
     Dropout (`lora_dropout > 0`) applies to the input of `lora_A` and only when
     `dropout_key` is set, see `with_dropout`.
+
+    Mixed precision follows PEFT: the base product keeps its own dtype and precision; the
+    adapter branch casts the input to `compute_dtype` (default: the factors' dtype), and
+    its output is added to the base output in the wider dtype and rounded once to the
+    base's. Gradients have the dtype of the parameter they belong to. E.g. a bfloat16
+    base with float32 factors trains float32 factors (and float32 optimizer state);
+    `with_compute_dtype(model, jnp.bfloat16)` runs their branch in bfloat16.
     """
 
     def __init__(
@@ -96,15 +110,36 @@ class LoraArray(_AbstractLowRank):
         lora_alpha: float | int,
         use_rslora: bool = False,
         lora_dropout: float | int = 0.0,
-        dropout_key: PRNGKeyArray | None = None,
+        dropout_key: _LayerKeys | None = None,
+        compute_dtype: Any = None,
     ):
         _init_low_rank(
-            self, weight, lora_A, lora_B, lora_alpha, use_rslora, lora_dropout, dropout_key
+            self,
+            weight,
+            lora_A,
+            lora_B,
+            lora_alpha,
+            use_rslora,
+            lora_dropout,
+            dropout_key,
+            compute_dtype,
         )
 
     def materialize(self) -> Array:
         w = materialize(self.weight)
         return w + self.delta().astype(w.dtype)
+
+
+def _checked_compute_dtype(dtype: Any) -> Any:
+    if dtype is None:
+        return None
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"compute_dtype must be a floating-point dtype (e.g. jnp.bfloat16) or None for "
+            f"the factors' own dtype, got {dtype}."
+        )
+    return dtype
 
 
 def _check_factors(weight: Any, lora_A: Any, lora_B: Any, lora_dropout: float) -> None:
@@ -149,8 +184,6 @@ def _product(b: Array, a: Array, stack_ndim: int) -> Array:
     return out.reshape(*b.shape[: s + 1], *a.shape[s + 1 :])
 
 
-# A stacked adapter's dropout keys: one per layer (a single key when it is not stacked).
-_LayerKeys = Key[Array, "*layers"] | UInt32[Array, "*layers 2"] | UInt32[Array, "*layers 4"]
 
 
 def _dropout(
@@ -203,10 +236,11 @@ def _lora_terms(
     params: dict[str, Any],
     base: Array | None = None,
 ) -> tuple[Array, Array, Array] | None:
-    """`(W·x, W·x_dropped, scaling·(B·A)·x_dropped)`, each in the original product's output
-    order and dtype, computed token-major (`x` on the left) and without forming `B·A`. None
-    when the layout is not one a low-rank product can follow. `base` is `W·x` when the
-    caller has it already."""
+    """`(W·x, W·x_dropped, scaling·(B·A)·x_dropped)`. The first two are the original
+    product (its dtype and precision); the third is the adapter branch, in its compute
+    dtype (see `with_compute_dtype`), computed token-major (`x` on the left) and without
+    forming `B·A`. None when the layout is not one a low-rank product can follow. `base`
+    is `W·x` when the caller has it already."""
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
     order = _factor_order(w, p)
     if order is None:
@@ -215,12 +249,31 @@ def _lora_terms(
         base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
     x_d = _dropout(x, w.lora_dropout, w.dropout_key, p.x, p.w[: w.stack_ndim])
     base_d = base if x_d is x else p.arrange(*p.contract(x_d, p.x, w.weight, p.w))
-    first, second = order(w.lora_A, w.lora_B)
-    scale = jnp.asarray(w.scaling, w.lora_A.dtype)
-    delta = _low_rank(p, *order(*_factor_labels(w, p)), (), base.dtype)(
-        x_d.astype(w.lora_A.dtype), first, second, scale
-    )
+    dtype = branch_dtype(w)
+    first, second = order(w.lora_A.astype(dtype), w.lora_B.astype(dtype))
+    scale = jnp.asarray(w.scaling, dtype)
+    delta = _low_rank(p, *order(*_factor_labels(w, p)), ())(x_d.astype(dtype), first, second, scale)
     return base, base_d, delta
+
+
+def branch_dtype(w: Any) -> Any:
+    """The dtype an adapter's branch computes in: its `compute_dtype`, else the dtype of
+    its parameters (PEFT casts the input to `lora_A`'s dtype)."""
+    return w.lora_A.dtype if w.compute_dtype is None else w.compute_dtype
+
+
+def add_update(base: Array, update: Array) -> Array:
+    """`base + update` in the wider of their dtypes, rounded once to `base`'s dtype (as
+    PEFT adds a float32 adapter's output to a bfloat16 base output)."""
+    wide = wider_dtype(base.dtype, update.dtype)
+    return (base.astype(wide) + update.astype(wide)).astype(base.dtype)
+
+
+def wider_dtype(*dtypes: Any) -> Any:
+    """The dtype JAX's standard promotion gives (bfloat16 and float32 make float32), also
+    under `jax_numpy_dtype_promotion="strict"`, where such mixing is deliberate here."""
+    with jax.numpy_dtype_promotion("standard"):
+        return jnp.result_type(*dtypes)
 
 
 def _factor_labels(w: _AbstractLowRank, p: WeightProduct) -> tuple[Labels, Labels]:
@@ -252,7 +305,8 @@ def _mixed_lora_update(
     """`Σ_k gate_k · scaling_k · B_k·A_k·x` as one low-rank product of rank `Σ r_k`: the
     factors concatenated along `r`, the gate and scalings applied to the small `(tokens,
     Σ r)` intermediate. `gate` is `(n,)` (one row) or `(batch, n)` (rows along `x`'s leading
-    axis). Plain LoRA without active dropout only; otherwise `NotImplemented`."""
+    axis). The result is in the adapters' compute dtype. Plain LoRA without active dropout
+    only; otherwise `NotImplemented`."""
     if (
         any(
             type(w) is not LoraArray
@@ -260,7 +314,7 @@ def _mixed_lora_update(
             or (w.lora_dropout and w.dropout_key is not None)
             for w in ws
         )
-        or len({(w.stack_ndim, w.lora_A.dtype) for w in ws}) != 1
+        or len({(w.stack_ndim, branch_dtype(w)) for w in ws}) != 1
     ):
         return NotImplemented
     w0 = ws[0]
@@ -268,9 +322,9 @@ def _mixed_lora_update(
     order = _factor_order(w0, p)
     if order is None:
         return NotImplemented
-    s, dtype = w0.stack_ndim, w0.lora_A.dtype
-    a = jnp.concatenate([w.lora_A for w in ws], axis=s)
-    b = jnp.concatenate([w.lora_B for w in ws], axis=s + 1)
+    s, dtype = w0.stack_ndim, branch_dtype(w0)
+    a = jnp.concatenate([w.lora_A.astype(dtype) for w in ws], axis=s)
+    b = jnp.concatenate([w.lora_B.astype(dtype) for w in ws], axis=s + 1)
     # one column of the gate per adapter, repeated over its rank, times its scaling
     repeat = jnp.asarray([k for k, w in enumerate(ws) for _ in range(w.r)])
     scalings = jnp.asarray([w.scaling for w in ws for _ in range(w.r)], dtype)
@@ -279,63 +333,106 @@ def _mixed_lora_update(
     )
     scale_labels = ("r",) if gate.ndim == 1 else (p.x[0], "r")
     first, second = order(a, b)
-    return _low_rank(p, *order(*_factor_labels(w0, p)), scale_labels, base.dtype)(
+    return _low_rank(p, *order(*_factor_labels(w0, p)), scale_labels)(
         x.astype(dtype), first, second, scale
     )
 
 
 def _low_rank(
-    p: WeightProduct, first_labels: Labels, second_labels: Labels, scale_labels: Labels, dtype: Any
+    p: WeightProduct, first_labels: Labels, second_labels: Labels, scale_labels: Labels
 ) -> Any:
-    """`f(x, first, second, scale) = second·(scale ⊙ first·x)`, in `p.out` order and
-    `dtype`, with its backward written out. `scale` (labelled `scale_labels`, a subset of
-    the intermediate's labels: `()` for LoRA's scaling, `("r",)` or `(batch, "r")` for
-    gated mixtures) multiplies the small `(tokens, r)` intermediate and is a constant.
+    """`f(x, first, second, scale) = second·(scale ⊙ first·x)` in `p.out` order, in the
+    operands' dtype (the adapter branch's compute dtype; the base product's
+    `preferred_element_type` is not inherited). `scale` (labelled `scale_labels`, a
+    subset of the intermediate's labels: `()` for LoRA's scaling, `("r",)` or
+    `(batch, "r")` for gated mixtures) multiplies the small `(tokens, r)` intermediate.
 
-    Autodiff would contract the output's cotangent over the token axes with the cotangent
-    on the left, which XLA on CPU serves by a transposed copy of that (activation-sized)
-    cotangent; the copy absorbs the elementwise ops that produce the cotangent, and it is
-    made again for every consumer. The products below keep the small `(tokens, r)` arrays
-    on the left and the cotangent and `x` in their token-major layout, and put `scale` on
-    the small arrays, so the cotangent reaching this product is used as it arrives (shared
-    with `W`'s own backward). Reverse mode only: a `custom_vjp` has no forward mode.
+    A `custom_jvp` whose tangent rule is written token-major, so forward mode (`jvp`,
+    `jacfwd`, `linearize`, `hessian`) works and reverse mode is JAX's transpose of that
+    rule. Each product keeps the small `(tokens, r)` arrays and the factors on the left
+    of the activation-sized ones, so that the transposed products take the cotangent and
+    `x` in their token-major layout; terms whose tangent is a symbolic zero (a frozen
+    input, the constant scaling) are never built.
     """
-    t_labels = _result_labels(p, p.x, first_labels)
+    q = dataclasses.replace(p, preferred_element_type=None)
+    t_labels = _result_labels(q, q.x, first_labels)
 
     def into(target: Labels, a: Array, la: Labels, b: Array, lb: Labels) -> Array:
-        q = dataclasses.replace(p, out=target)
-        return q.arrange(*q.contract(a, la, b, lb))
+        r = dataclasses.replace(q, out=target)
+        return r.arrange(*r.contract(a, la, b, lb))
 
     def scaled(t: Array, scale: ArrayLike) -> Array:
         # a constant scale may arrive as a NumPy literal (e.g. inside `lax.scan`)
-        return t * p.along(jnp.asarray(scale), scale_labels, t_labels)
+        return t * q.along(jnp.asarray(scale, t.dtype), scale_labels, t_labels)
 
-    def forward(x: Array, first: Array, second: Array, scale: ArrayLike) -> tuple[Array, Array]:
-        t = scaled(into(t_labels, x, p.x, first, first_labels), scale)
-        delta = p.arrange(*p.contract(t, t_labels, second, second_labels))
-        return delta.astype(dtype), t
+    def out_of(t: Array, second: Array) -> Array:
+        return q.arrange(*q.contract(t, t_labels, second, second_labels))
 
-    @jax.custom_vjp
+    @jax.custom_jvp
     def low_rank(x: Array, first: Array, second: Array, scale: ArrayLike) -> Array:
-        return forward(x, first, second, scale)[0]
+        return out_of(scaled(into(t_labels, x, q.x, first, first_labels), scale), second)
 
-    def low_rank_fwd(
-        x: Array, first: Array, second: Array, scale: ArrayLike
-    ) -> tuple[Array, tuple]:
-        out, t = forward(x, first, second, scale)
-        return out, (x, first, second, scale, t)
+    def low_rank_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
+        x, first, second, scale = primals
+        dx, dfirst, dsecond, dscale = (None if _is_zero(t) else t for t in tangents)
+        u = into(t_labels, x, q.x, first, first_labels)
+        t = scaled(u, scale)
+        out = out_of(t, second)
+        du = _total(
+            dx is not None and into(t_labels, dx, q.x, first, first_labels),
+            dfirst is not None and into(t_labels, x, q.x, dfirst, first_labels),
+        )
+        dt = _total(du is not None and scaled(du, scale), dscale is not None and scaled(u, dscale))
+        rest = None if dt is None else out_of(dt, second)
+        if dsecond is None:
+            d_out = rest
+        elif rest is None:
+            d_out = out_of(t, dsecond)
+        else:
+            d_out = plus_second_term(t, dsecond, rest)
+        return out, jnp.zeros_like(out) if d_out is None else d_out
 
-    def low_rank_bwd(res: tuple, ct: Array) -> tuple[Array, Array, Array, Array]:
-        x, first, second, scale, t = res
-        ct = ct.astype(x.dtype)
-        ct_t = scaled(into(t_labels, ct, p.out, second, second_labels), scale)
-        d_second = into(second_labels, t, t_labels, ct, p.out)
-        d_x = into(p.x, ct_t, t_labels, first, first_labels)
-        d_first = into(first_labels, ct_t, t_labels, x, p.x)
-        return d_x, d_first, d_second, jnp.zeros_like(scale)
+    def plus_second_term(t: Array, dsecond: Array, rest: Array) -> Array:
+        """`rest + t·dsecondᵀ`, whose transpose takes `second`'s cotangent as `tᵀ·g`.
 
-    low_rank.defvjp(low_rank_fwd, low_rank_bwd)
+        JAX transposes a product with the cotangent `g` on the left, which for this
+        term means contracting `g` over the tokens, its major axes: on CPU, XLA copies
+        `g` transposed (activation-sized) for every adapted product. Written as the
+        invertible linear map `S(d, y) = (d, y + t·dᵀ)` through `custom_linear_solve`,
+        the transpose is ours, `Sᵀ(p, q) = (p + tᵀ·q, q)`, with `t` on the left. `S`'s
+        inverse is the `matvec`, so the solve's own derivative rules (for forward mode
+        over this tangent, e.g. Hessians) are exact.
+        """
+
+        def term(d: Array) -> Array:
+            return out_of(t, d)
+
+        def matvec(b: tuple[Array, Array]) -> tuple[Array, Array]:
+            d, y = b
+            return d, y - term(d)
+
+        def solve(_: Any, b: tuple[Array, Array]) -> tuple[Array, Array]:
+            d, y = b
+            return d, y + term(d)
+
+        def transpose_solve(_: Any, c: tuple[Array, Array]) -> tuple[Array, Array]:
+            p_, q_ = c
+            return p_ + into(second_labels, t, t_labels, q_, q.out), q_
+
+        return lax.custom_linear_solve(matvec, (dsecond, rest), solve, transpose_solve)[1]
+
+    low_rank.defjvp(low_rank_jvp, symbolic_zeros=True)
     return low_rank
+
+
+def _is_zero(t: Any) -> bool:
+    return isinstance(t, jax.custom_derivatives.SymbolicZero)
+
+
+def _total(*terms: Any) -> Array | None:
+    """The sum of the terms that are arrays (`False` marks an absent term); None if none."""
+    present = [t for t in terms if t is not False]
+    return None if not present else functools.reduce(jnp.add, present)
 
 
 def _result_labels(p: WeightProduct, la: Labels, lb: Labels) -> Labels:
@@ -355,7 +452,7 @@ def _lora_dot(w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, A
     if terms is None:
         return NotImplemented
     base, _, delta = terms
-    return base + delta
+    return add_update(base, delta)
 
 
 def _lora_update(
@@ -378,8 +475,9 @@ def _lora_conv(primitive: Any, x: jax.Array, w: LoraArray, **params: Any) -> Any
         return NotImplemented
     base = primitive.bind(x, w.weight, **params)
     adapter_params = {**params, "preferred_element_type": None}
-    x_d = _dropout(x, w.lora_dropout, w.dropout_key).astype(w.lora_A.dtype)
-    t = primitive.bind(x_d, w.lora_A, **adapter_params)
+    dtype = branch_dtype(w)
+    x_d = _dropout(x, w.lora_dropout, w.dropout_key).astype(dtype)
+    t = primitive.bind(x_d, w.lora_A.astype(dtype), **adapter_params)
     _, rhs_spec, out_spec = params["dimension_numbers"]
     n = w.kernel_ndim
     pointwise = {
@@ -390,8 +488,8 @@ def _lora_conv(primitive: Any, x: jax.Array, w: LoraArray, **params: Any) -> Any
         "rhs_dilation": (1,) * n,
         "dimension_numbers": lax.ConvDimensionNumbers(out_spec, rhs_spec, out_spec),
     }
-    delta = primitive.bind(t, w.lora_B, **pointwise)
-    return base + (w.scaling * delta).astype(base.dtype)
+    delta = primitive.bind(t, w.lora_B.astype(dtype), **pointwise)
+    return add_update(base, jnp.asarray(w.scaling, dtype) * delta)
 
 
 @primitive_handler("transpose")
@@ -547,6 +645,22 @@ def without_dropout(tree: Any) -> Any:
     )
 
 
+def with_compute_dtype(tree: Any, dtype: Any) -> Any:
+    """Run the branch of every LoRA/DoRA adapter in `tree` in `dtype` (None: in the
+    factors' own dtype, the default).
+
+    The common mixed-precision recipe: a bfloat16 base, float32 factors (and so float32
+    gradients and optimizer state), and `with_compute_dtype(model, jnp.bfloat16)` for
+    bfloat16 matrix products in the adapter branch; the gradients are still float32.
+    """
+    dtype = _checked_compute_dtype(dtype)
+    return jax.tree.map(
+        lambda x: eqx.tree_at(lambda m: m.compute_dtype, x, dtype) if _has_dropout(x) else x,
+        tree,
+        is_leaf=_has_dropout,
+    )
+
+
 def _has_dropout(x: Any) -> bool:
     return isinstance(x, _AbstractLowRank)
 
@@ -572,11 +686,19 @@ class DoraArray(_AbstractLowRank):
     """DoRA: `m ⊙ (W + s·B·A) / ‖W + s·B·A‖`, the norm taken per output row.
 
     As in HF PEFT (and the DoRA paper, §4.3) the norm is treated as a constant for
-    gradients. It is computed from the factors (`W·Aᵀ` and `A·Aᵀ` are small), so no
-    weight-sized array is formed. `lora_magnitude_vector` has shape `(out,)`.
+    gradients. No weight-sized array is formed for it: `‖W_i‖²` of the frozen base is
+    computed once, by the constructor, and kept as `weight_sq_norm` (float32, `(out,)`,
+    not a parameter: `partition` freezes it and parameter counts leave it out); the rest
+    comes from `W·Aᵀ` `(out, r)`, through the base's own product (an NF4 base dequantizes
+    in chunks), and `A·Aᵀ` `(r, r)`. `lora_magnitude_vector` has shape `(out,)`.
+
+    `weight_sq_norm` describes the `weight` given to the constructor: build a new
+    `DoraArray` for another base rather than swapping `weight` with `eqx.tree_at`.
+    `materialize()` takes the norm of the dense weight it builds.
     """
 
     lora_magnitude_vector: Array
+    weight_sq_norm: Array
 
     def __init__(
         self,
@@ -588,10 +710,19 @@ class DoraArray(_AbstractLowRank):
         lora_alpha: float | int,
         use_rslora: bool = False,
         lora_dropout: float | int = 0.0,
-        dropout_key: PRNGKeyArray | None = None,
+        dropout_key: _LayerKeys | None = None,
+        compute_dtype: Any = None,
     ):
         _init_low_rank(
-            self, weight, lora_A, lora_B, lora_alpha, use_rslora, lora_dropout, dropout_key
+            self,
+            weight,
+            lora_A,
+            lora_B,
+            lora_alpha,
+            use_rslora,
+            lora_dropout,
+            dropout_key,
+            compute_dtype,
         )
         if len(weight.shape) != 2:
             raise ValueError(
@@ -603,6 +734,7 @@ class DoraArray(_AbstractLowRank):
                 f"output feature, got {tuple(lora_magnitude_vector.shape)}."
             )
         self.lora_magnitude_vector = lora_magnitude_vector
+        self.weight_sq_norm = _row_sq_norms(weight)
 
     def weight_norm(self) -> Array:
         """`‖W + s·B·A‖` per output row, without forming the weight-sized sum."""
@@ -610,35 +742,67 @@ class DoraArray(_AbstractLowRank):
 
     def materialize(self) -> Array:
         w = materialize(self.weight)
-        dense = w + self.delta().astype(w.dtype)
-        return dense * (self.lora_magnitude_vector / self.weight_norm())[..., None].astype(w.dtype)
+        dense = w.astype(jnp.float32) + self.delta().astype(jnp.float32)
+        norm = lax.stop_gradient(jnp.sqrt(jnp.sum(dense * dense, -1)))
+        scale = (self.lora_magnitude_vector / norm)[..., None]
+        return (dense * scale).astype(w.dtype)
 
 
-def _dora_norm(lora: _AbstractLowRank) -> Array:
-    w = materialize(lora.weight).astype(jnp.float32)
-    a = lora.lora_A.astype(jnp.float32)
-    b = lora.lora_B.astype(jnp.float32)
-    s = lora.scaling
-    # ‖w + s·b·a‖² = ‖w‖² + 2s·⟨w, b·a⟩ + s²·⟨b·(a·aᵀ), b⟩, row by row
-    wa = jnp.matmul(w, jnp.swapaxes(a, -1, -2))
+def _row_sq_norms(weight: Any) -> Array:
+    """`‖W_i‖²` of each output row of a dense or implicit weight, in float32; an implicit
+    one is materialized (this runs once, when a `DoraArray` is built)."""
+    w = materialize(weight)
+    n = w.ndim
+    rows = tuple(range(n - 1))
+    # a batched product: the squares are never formed as an array of their own
+    sq = lax.dot_general(
+        w,
+        w,
+        (((n - 1,), (n - 1,)), (rows, rows)),
+        precision=lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+    return lax.stop_gradient(sq)
+
+
+def _dora_norm(w: DoraArray) -> Array:
+    """`‖W + s·B·A‖` per output row, in float32 and detached from gradients, from the kept
+    `‖W_i‖²`, `W·Aᵀ` `(out, r)` and `A·Aᵀ` `(r, r)`."""
+    s = w.stack_ndim
+    a = lax.stop_gradient(w.lora_A).astype(jnp.float32)
+    b = lax.stop_gradient(w.lora_B).astype(jnp.float32)
+    stack = tuple(range(s))
+    dims = (((s + 1,), (s + 1,)), (stack, stack))
+
+    def base_times(weight: Any, a: Array) -> Array:
+        return lax.dot_general(weight, a, dims, preferred_element_type=jnp.float32)
+
+    # W·Aᵀ through the base's own product handler (e.g. NF4's, chunked), whether the base
+    # is an implicit array here (`dora()`) or a traced one (inside a handler)
+    wa = use_implicit_args(base_times)(w.weight, a)
     aa = jnp.matmul(a, jnp.swapaxes(a, -1, -2))
-    sq = jnp.sum(w * w, -1) + 2 * s * jnp.sum(wa * b, -1) + s * s * jnp.sum((b @ aa) * b, -1)
+    c = w.scaling
+    # ‖W + c·B·A‖² = ‖W‖² + 2c·⟨W·Aᵀ, B⟩ + c²·⟨B·(A·Aᵀ), B⟩, row by row
+    sq = w.weight_sq_norm + 2 * c * jnp.sum(wa * b, -1) + c * c * jnp.sum((b @ aa) * b, -1)
     return lax.stop_gradient(jnp.sqrt(jnp.maximum(sq, 0.0)))
 
 
 def dora(lora_array: LoraArray) -> DoraArray:
     """DoRA from a LoRA: the magnitude starts at the row norms, so the output is unchanged."""
     x = lora_array
-    return DoraArray(
+    d = DoraArray(
         x.weight,
         x.lora_A,
         x.lora_B,
-        _dora_norm(x).astype(x.lora_A.dtype),
+        jnp.ones(x.weight.shape[:1], x.lora_A.dtype),
         lora_alpha=x.lora_alpha,
         use_rslora=x.use_rslora,
         lora_dropout=x.lora_dropout,
         dropout_key=x.dropout_key,
+        compute_dtype=x.compute_dtype,
     )
+    magnitude = _dora_norm(d).astype(x.lora_A.dtype)
+    return eqx.tree_at(lambda m: m.lora_magnitude_vector, d, magnitude)
 
 
 def _dora_dot(w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
@@ -646,11 +810,11 @@ def _dora_dot(w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
     stack, out_l = p.w[: w.stack_ndim], p.w[w.stack_ndim]
     if out_l in p.x:  # W's rows meet x: (diag(m/‖·‖)·V)·x == V·(m/‖·‖ ⊙ x)
         scale = w.lora_magnitude_vector / _dora_norm(w)
-        x = x * p.along(scale.astype(x.dtype), (*stack, out_l), p.x)
+        x = _rescale(x, p.along(scale, (*stack, out_l), p.x))
         return _lora_dot(w, x, w_is_lhs, params)
     base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
     update = _dora_update(w, x, w_is_lhs, params, base)
-    return update if update is NotImplemented else base + update
+    return update if update is NotImplemented else add_update(base, update)
 
 
 def _dora_update(
@@ -662,10 +826,18 @@ def _dora_update(
     if out_l in p.x or terms is None:
         return NotImplemented
     _, base_d, delta = terms
-    scale = w.lora_magnitude_vector / _dora_norm(w)
-    scale = p.along(scale.astype(base.dtype), (*stack, out_l), p.out)
-    # PEFT's form: base(x) + (m/‖·‖ - 1)·base(dropout(x)) + m/‖·‖ · s·B·A·dropout(x)
-    return (scale - 1) * base_d + scale * delta
+    scale = (w.lora_magnitude_vector / _dora_norm(w)).astype(delta.dtype)
+    scale = p.along(scale, (*stack, out_l), p.out)
+    # PEFT's form: base(x) + (m/‖·‖ - 1)·base(dropout(x)) + m/‖·‖ · s·B·A·dropout(x),
+    # the update in the adapter's compute dtype
+    return (scale - 1) * base_d.astype(delta.dtype) + scale * delta
+
+
+def _rescale(x: Array, scale: Array) -> Array:
+    """`x ⊙ scale` computed in the wider dtype and rounded to `x`'s (PEFT multiplies a
+    bfloat16 activation by a float32 scale in float32)."""
+    wide = wider_dtype(x.dtype, scale.dtype)
+    return (x.astype(wide) * scale.astype(wide)).astype(x.dtype)
 
 
 weight_dot_handlers(DoraArray, _dora_dot, _dora_update)

@@ -10,7 +10,7 @@ from jaxtyping import Array
 
 from ..implicit import ImplicitArray, Slot, materialize, primitive_handler, use_implicit_args
 from ._layout import WeightProduct, weight_dot_handlers, weight_product
-from ._lora import _mixed_lora_update
+from ._lora import _mixed_lora_update, add_update, wider_dtype
 
 
 def _is_slot(x: Any) -> bool:
@@ -119,8 +119,8 @@ def _set_dot(s: AdapterSet, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
     columns = jnp.take(gate, jnp.asarray([k for k, _ in used]), axis=-1)
     mixed = _mixed_lora_update(adapters, columns, x, w_is_lhs, params, base)
     if mixed is not NotImplemented:
-        return base + mixed
-    out = base
+        return add_update(base, mixed)
+    updates = []
     for (k, _), adapter in zip(used, adapters):
         registered = weight_product(type(adapter))
         update = None if registered is None else registered[1]
@@ -130,8 +130,9 @@ def _set_dot(s: AdapterSet, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
         if u is NotImplemented:
             return NotImplemented
         g = gate[k] if gate.ndim == 1 else p.along(gate[:, k], (p.x[0],), p.out)
-        out = out + g.astype(u.dtype) * u
-    return out
+        updates.append(g.astype(u.dtype) * u)
+    wide = wider_dtype(*(u.dtype for u in updates))
+    return add_update(base, sum((u.astype(wide) for u in updates[1:]), updates[0].astype(wide)))
 
 
 def _checked_gate(s: AdapterSet, p: WeightProduct, x: Array) -> Array:
