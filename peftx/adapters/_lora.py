@@ -655,10 +655,18 @@ def with_compute_dtype(tree: Any, dtype: Any) -> Any:
     """
     dtype = _checked_compute_dtype(dtype)
     return jax.tree.map(
-        lambda x: eqx.tree_at(lambda m: m.compute_dtype, x, dtype) if _has_dropout(x) else x,
+        lambda x: _with_static(x, compute_dtype=dtype) if _has_dropout(x) else x,
         tree,
         is_leaf=_has_dropout,
     )
+
+
+def _with_static(module: eqx.Module, **changes: Any) -> Any:
+    """A copy of `module` with static fields changed (`eqx.tree_at` reaches only leaves)."""
+    new = object.__new__(type(module))
+    for field in dataclasses.fields(module):
+        object.__setattr__(new, field.name, changes.get(field.name, getattr(module, field.name)))
+    return new
 
 
 def _has_dropout(x: Any) -> bool:
