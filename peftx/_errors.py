@@ -17,6 +17,14 @@ class MaterializationWarning(UserWarning):
     """An implicit array was materialized because no handler applied."""
 
 
+class UntestedVersionWarning(UserWarning):
+    """The installed jax is outside the range of versions peftx is tested with."""
+
+
+class UnsupportedVersionError(RuntimeError):
+    """The installed jax or quax lacks an internal that peftx's engine needs."""
+
+
 class TargetNotFoundError(KeyError):
     """A target selection (e.g. PEFT's `target_modules`) matches no module."""
 

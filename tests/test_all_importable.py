@@ -62,6 +62,8 @@ PUBLIC = {
         "HandlerRegistrationError",
         "assert_no_dense",
         "DenseWeightError",
+        "UntestedVersionWarning",
+        "UnsupportedVersionError",
     ],
     peftx.adapters: [
         "Zeros",

@@ -7,6 +7,8 @@ from .._errors import (
     HandlerRegistrationError as HandlerRegistrationError,
     MaterializationError as MaterializationError,
     MaterializationWarning as MaterializationWarning,
+    UnsupportedVersionError as UnsupportedVersionError,
+    UntestedVersionWarning as UntestedVersionWarning,
 )
 from ._core import (
     ImplicitArray as ImplicitArray,

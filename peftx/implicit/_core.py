@@ -118,7 +118,7 @@ def use_implicit_args(fn: _F) -> _F:
         # A bound method (e.g. `model.__call__`) hides its object from pytree flattening;
         # expose it so implicit arrays inside the object are seen.
         fn = jtu.Partial(fn.__func__, fn.__self__)
-    return _ImplicitFunction(quax.quaxify(fn))
+    return _ImplicitFunction(_engine.quaxify(fn))
 
 
 class _ImplicitFunction(eqx.Module):
@@ -498,7 +498,7 @@ def is_template(x: Any) -> bool:
 
 
 class _Opaque:
-    """Carries a template through `quax.quaxify` untouched (it is no pytree)."""
+    """Carries a template through the engine's `quaxify` untouched (it is no pytree)."""
 
     __slots__ = ("value",)
 
@@ -544,7 +544,7 @@ def _call_nested(fn: Callable[..., Any], *args: Any) -> Any:
             )
         )
 
-    return quax.quaxify(rebuilt)(*groups)
+    return _engine.quaxify(rebuilt)(*groups)
 
 
 def materialize(x: Any) -> Array:
