@@ -10,7 +10,7 @@ class HandlerOutputError(TypeError):
 
 
 class HandlerRegistrationError(TypeError):
-    """A primitive handler cannot be registered as written."""
+    """A primitive handler cannot be registered, or called, as written."""
 
 
 class MaterializationWarning(UserWarning):

@@ -374,6 +374,41 @@ def test_registration_errors():
         primitive_handler("exp")(_string_annotated)
 
 
+class _Summed(_Base):
+    """`reduce_sum` (parameters `axes`, `out_sharding=None`) goes to handlers below."""
+
+
+@primitive_handler("reduce_sum")
+def _sum_naming_axes(primitive, x: _Summed, *, axes):
+    # only `axes` arrives; `out_sharding=None` is dropped
+    return jnp.sum(x.value, axis=axes) + 1
+
+
+class _SummedNoParams(_Base):
+    pass
+
+
+@primitive_handler("reduce_sum")
+def _sum_without_params(primitive, x: _SummedNoParams):
+    return jnp.sum(x.value)
+
+
+def test_handler_gets_the_parameters_it_names():
+    with strict():
+        got = use_implicit_args(lambda x: jnp.sum(x, axis=1))(_Summed(jnp.ones((2, 3))))
+    np.testing.assert_allclose(got, [4.0, 4.0])
+
+
+def test_undeclared_parameter_that_matters_is_an_error():
+    x = _SummedNoParams(jnp.ones((2, 3)))
+    with pytest.raises(
+        HandlerRegistrationError,
+        match=r"handler .*_sum_without_params for primitive `reduce_sum` does not take its "
+        r"parameter `axes`, here \(1,\)\. Add `\*\*params`",
+    ):
+        use_implicit_args(lambda x: jnp.sum(x, axis=1))(x)
+
+
 # ---------------------------------------------------------------- composition
 
 

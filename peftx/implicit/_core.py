@@ -200,6 +200,11 @@ def primitive_handler(primitives: Any, *, precedence: int = 0) -> Callable[[_F],
     serves `(other, implicit)`. Returning `NotImplemented` passes to the next handler,
     and finally to materialization.
 
+    The primitive's parameters arrive as keyword arguments. A handler without `**params`
+    gets only those it names as keyword-only arguments; a parameter it does not name must
+    be `None` (it is then dropped), else calling the handler raises
+    `HandlerRegistrationError`.
+
     **Arguments:**
 
     - `primitives`: a `jax.lax` primitive, its name (`"dot_general"`), or a list of them.
@@ -240,6 +245,7 @@ class _Handler:
     positional: tuple[Any, ...]
     n_required: int
     rest: Any  # annotation of *args, or _NO_REST
+    keywords: frozenset[str] | None  # its keyword-only parameters; None if it takes **params
     precedence: int
     order: int
 
@@ -275,7 +281,10 @@ def _parse_handler(fn: Callable[..., Any], precedence: int) -> _Handler:
             n_required += p.default is inspect.Parameter.empty
         elif p.kind is inspect.Parameter.VAR_POSITIONAL:
             rest = _checked_annotation(fn, p.name, hints.get(p.name, Any))
-    return _Handler(fn, tuple(positional), n_required, rest, precedence, next(_order))
+    keywords = None
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        keywords = frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    return _Handler(fn, tuple(positional), n_required, rest, keywords, precedence, next(_order))
 
 
 _order = itertools.count()
@@ -373,13 +382,30 @@ def _explicit_out_sharding(primitive: Any, args: tuple[Any, ...], params: dict[s
 def _run_handlers(primitive: Any, args: tuple[Any, ...], params: dict[str, Any]) -> Any:
     declined = []
     for handler, call_args in _candidates(primitive, args):
-        out = _call_nested(lambda *a, fn=handler.fn: fn(primitive, *a, **params), *call_args)
+        kwargs = _handler_params(handler, primitive, params)
+        out = _call_nested(lambda *a, fn=handler.fn: fn(primitive, *a, **kwargs), *call_args)
         if out is NotImplemented:
             declined.append(handler.name)
             continue
         _check_output(primitive, handler, args, params, out)
         return out
     return _fallback(primitive, args, params, declined)
+
+
+def _handler_params(handler: _Handler, primitive: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The primitive's parameters that `handler` takes. A handler without `**params` gets
+    the ones it names; a parameter it does not name is dropped when `None` (JAX adds
+    such parameters over time, e.g. `mul`'s `out_dtype`), and an error otherwise."""
+    if handler.keywords is None:
+        return params
+    for name, value in params.items():
+        if name not in handler.keywords and value is not None:
+            raise HandlerRegistrationError(
+                f"handler {handler.name} for primitive `{primitive.name}` does not take its "
+                f"parameter `{name}`, here {value!r}. Add `**params` to the handler's "
+                f"signature (or a keyword argument `{name}`)."
+            )
+    return {k: v for k, v in params.items() if k in handler.keywords}
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
