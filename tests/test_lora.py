@@ -20,7 +20,7 @@ from peftx.adapters import (
     with_dropout,
     without_dropout,
 )
-from peftx.implicit import strict, use_implicit_args
+from peftx.implicit import Transposed, strict, use_implicit_args
 
 ALPHA = 4.0
 
@@ -172,7 +172,9 @@ def test_transpose_stays_a_lora(getkey):
     np.testing.assert_array_equal(t.lora_A, w.lora_B.T)
     np.testing.assert_array_equal(t.lora_B, w.lora_A.T)
     dense_t = _dense_lora(w.weight, w.lora_A, w.lora_B).T
-    close(_dense_lora(t.weight, t.lora_A, t.lora_B), dense_t)
+    # the base is transposed lazily: no weight-sized copy is made
+    assert isinstance(t.weight, Transposed) and t.weight.array is w.weight
+    close(_dense_lora(w.weight.T, t.lora_A, t.lora_B), dense_t)
     close(got, dense_t @ x.T)
 
 

@@ -363,12 +363,6 @@ def test_small_nf4_weights_are_dequantized_whole():
         assert_no_dense(use_implicit_args(_rows(lambda w, v: w @ v)), w, _x())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LoRA's (and IA3's) transpose rule transposes the dense base, a weight-sized "
-    "array in the program (XLA usually folds it into the product); `W @ x`, as "
-    "eqx.nn.Linear computes, is clean",
-)
 def test_x_times_transposed_lora_builds_no_weight_sized_array():
     assert_no_dense(use_implicit_args(lambda w, x: x @ w.T), _lora(), _x())
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ..implicit import ImplicitArray, materialize, primitive_handler
+from ..implicit import ImplicitArray, Transposed, materialize, primitive_handler
 from ._layout import WeightProduct, weight_dot_handlers
 from ._lora import _rescale, cast_base_on_astype, wider_dtype
 
@@ -97,7 +97,8 @@ def _ia3_transpose(primitive: Any, w: IA3Array, *, permutation: tuple[int, ...])
     n = len(w.shape) - 2
     if tuple(permutation) != (*range(n), n + 1, n):
         return NotImplemented
-    return IA3Array(jax.lax.transpose(w.weight, permutation), jnp.swapaxes(w.ia3_l, -1, -2))
+    # the base is transposed lazily, so no weight-sized copy of it is made
+    return IA3Array(Transposed(w.weight, tuple(permutation)), jnp.swapaxes(w.ia3_l, -1, -2))
 
 
 cast_base_on_astype(IA3Array)

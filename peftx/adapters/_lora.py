@@ -12,7 +12,13 @@ from jax import lax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Key, PRNGKeyArray, UInt32
 
-from ..implicit import ImplicitArray, materialize, primitive_handler, use_implicit_args
+from ..implicit import (
+    ImplicitArray,
+    Transposed,
+    materialize,
+    primitive_handler,
+    use_implicit_args,
+)
 from ._layout import Labels, WeightProduct, weight_dot_handlers
 
 LoraInit = Literal["default", "gaussian", "pissa", "random"]
@@ -497,12 +503,13 @@ def _lora_transpose(primitive: Any, w: LoraArray, *, permutation: tuple[int, ...
     s = w.stack_ndim
     if w.kernel_ndim or tuple(permutation) != (*range(s), s + 1, s):
         return NotImplemented
-    # (W + s·B·A)ᵀ = Wᵀ + s·Aᵀ·Bᵀ: again a LoRA, with the factors' roles exchanged.
+    # (W + s·B·A)ᵀ = Wᵀ + s·Aᵀ·Bᵀ: again a LoRA, with the factors' roles exchanged; the
+    # base is transposed lazily, so no weight-sized copy of it is made.
     return eqx.tree_at(
         lambda m: (m.weight, m.lora_A, m.lora_B),
         w,
         (
-            lax.transpose(w.weight, permutation),
+            Transposed(w.weight, tuple(permutation)),
             jnp.swapaxes(w.lora_B, -1, -2),
             jnp.swapaxes(w.lora_A, -1, -2),
         ),
