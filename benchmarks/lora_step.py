@@ -31,6 +31,14 @@ IA3 and QLoRA run with all vmaps inside `use_implicit_args`, like the second LoR
   sequence of the batch routed to one of them (`adapter_names` as ids, under the batch
   `vmap`); both adapters train in the same step.
 
+- `bf16 base: ...`: the same model with every weight in bfloat16: full fine-tuning, and
+  LoRA with float32 factors (PEFT's default), its adapter branch in float32 or, with
+  `with_compute_dtype`, in bfloat16; their ratio is to the bfloat16 full fine-tuning.
+- `jvp: ...`: forward mode, the loss and its derivative along one random direction of the
+  trainable parameters (every weight for the dense model, the factors for LoRA), as
+  forward-gradient methods and Hessian-vector products use it; the ratio is to the dense
+  model's.
+
 Before timing: the peftx LoRA loss and gradients are checked against the hand-written
 layer on the same weights; the mixed-batch loss against each adapter alone on its own
 sequences; the QLoRA loss and gradients against a dense-base LoRA on the
