@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import equinox as eqx
-import jax.numpy as jnp
 
 from ._select import Predicate, of_type, peft_targets, select
 from ._targets import output_head
@@ -36,7 +35,8 @@ class QuantizationConfig:
     - `load_in_8bit`: int8 with one absmax scale per output row (LLM.int8's row codes;
       the outlier decomposition of `llm_int8_threshold` is not implemented).
     - `bnb_4bit_compute_dtype`: the dtype the quantized weights stand for (and compute
-      in); default the weights' own.
+      in); default the weights' own. As in bitsandbytes, the weights are quantized as
+      stored, not cast to it first.
     - `llm_int8_skip_modules`: modules kept dense, by PEFT's name rule; default: the output
       head (as transformers skips `lm_head`).
     """
@@ -120,11 +120,11 @@ def quantize_model(model: Any, config: QuantizationConfig) -> Any:
     dtype = config.bnb_4bit_compute_dtype
 
     def quantize(layer: eqx.nn.Linear) -> Any:
-        w = layer.weight if dtype is None else layer.weight.astype(jnp.dtype(dtype))
         if config.load_in_8bit:
-            q = quantize_int8(w)
+            q = quantize_int8(layer.weight, dtype=dtype)
         else:
-            q = quantize_nf4(w, double_quant=config.bnb_4bit_use_double_quant)
+            double_quant = config.bnb_4bit_use_double_quant
+            q = quantize_nf4(layer.weight, double_quant=double_quant, dtype=dtype)
         return eqx.tree_at(lambda m: m.weight, layer, q)
 
     return layers.apply(quantize)

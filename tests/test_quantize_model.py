@@ -1,10 +1,12 @@
 """`QuantizationConfig` and `quantize_model`: the weights chosen, the formats, QLoRA on top."""
 
+import bitsandbytes as bnb
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from test_select import CausalLM
 
 import peftx
@@ -60,6 +62,41 @@ def test_8bit_skip_modules_and_compute_dtype():
         lm, QuantizationConfig(load_in_4bit=True, bnb_4bit_compute_dtype="bfloat16")
     )
     assert _linear_weights(half)["model.layers.0.mlp.up_proj"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("stored,compute", [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_4bit_quantizes_the_stored_weight_as_bitsandbytes(stored, compute):
+    """As bitsandbytes' `Linear4bit`: the weight is quantized as stored, the state dict
+    records the stored dtype, and the matmul dequantizes to the compute dtype."""
+    lm = jax.tree.map(lambda x: x.astype(stored) if eqx.is_inexact_array(x) else x, CausalLM(d=64))
+    config = QuantizationConfig(load_in_4bit=True, bnb_4bit_compute_dtype=compute)
+    ours = _linear_weights(quantize_model(lm, config))["model.layers.1.mlp.up_proj"]
+    assert (ours.stored_dtype, ours.dtype) == (stored, compute)
+    dense = lm.model.layers[1].mlp["up_proj"].weight
+    out_features, in_features = dense.shape
+    t_stored, t_compute = getattr(torch, stored), getattr(torch, compute)
+    theirs = bnb.nn.Linear4bit(
+        in_features, out_features, bias=False, compute_dtype=t_compute, compress_statistics=False
+    )
+    theirs.weight = bnb.nn.Params4bit(
+        torch.tensor(np.asarray(dense, np.float32)).to(t_stored),
+        requires_grad=False,
+        quant_type="nf4",
+        compress_statistics=False,
+    )
+    theirs = theirs.to("cpu")  # quantizes, as transformers loads a 4-bit layer
+    want = {k: v.numpy() for k, v in theirs.state_dict().items()}
+    got = ours.to_bnb_dict()
+    assert list(got) == list(want)
+    for key, value in want.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+    # linear(I, W) is exactly W: the weight bitsandbytes' matmul multiplies by
+    eye = torch.eye(in_features, dtype=t_compute)
+    weight = bnb.matmul_4bit(eye, theirs.weight.t(), quant_state=theirs.weight.quant_state)
+    assert weight.dtype == t_compute
+    np.testing.assert_array_equal(
+        np.asarray(materialize(ours), np.float32), weight.float().numpy().T
+    )
 
 
 def test_qlora_on_a_quantized_model_trains_only_the_adapters():

@@ -1,10 +1,13 @@
 """Quantized weights: NF4 bit for bit against bitsandbytes' algorithm (re-implemented here
-in PyTorch), round-trip bounds, the checkpoint format, and the `dot_general` handler
-against the materialized weight, in strict mode."""
+in PyTorch, as its CUDA kernels compute it) and against the real library's CPU backend,
+round-trip bounds, the checkpoint format, and the `dot_general` handler against the
+materialized weight, in strict mode."""
 
 import json
 import math
 
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnb_functional
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,6 +16,7 @@ import pytest
 import torch
 from helpers import close
 from hypothesis import given, settings, strategies as st
+from hypothesis.extra import numpy as hnp
 
 import peftx.adapters._quantized as quantized_module
 from peftx.adapters import Int8Array, NF4Array, lora, quantize_int8, quantize_nf4
@@ -47,6 +51,7 @@ DTYPES = {
 
 
 materialize = jax.jit(lambda a: a.materialize())  # one compilation per shape, not per op
+materialize_as = jax.jit(lambda a, dtype: a.materialize(dtype), static_argnums=1)
 
 
 def _codes(packed):
@@ -243,14 +248,163 @@ def test_double_quant_is_close_and_smaller():
     np.testing.assert_array_equal(double.packed, single.packed)
 
 
+# ---------------------------------------------------------------- the real bitsandbytes (CPU)
+
+_CODE32 = np.array(NF4_CODE, np.float32)
+_MIDPOINTS32 = (_CODE32[:-1] + _CODE32[1:]) / np.float32(2)
+# Values on the code's midpoints and next to them (ties, in a block whose absmax is 1.0),
+# and any others; no subnormals: bitsandbytes' CPU path clamps a block's absmax to 1e-38.
+_VALUES = st.one_of(
+    st.sampled_from(
+        [
+            1.0,
+            -1.0,
+            *_MIDPOINTS32,
+            *np.nextafter(_MIDPOINTS32, np.float32(2)),
+            *np.nextafter(_MIDPOINTS32, np.float32(-2)),
+        ]
+    ),
+    st.floats(-1e4, 1e4, width=32, allow_subnormal=False),
+)
+
+
+def _bnb_checkpoint(packed, quant_state):
+    """bitsandbytes' quantized weight as the entries `Linear4bit` saves, in NumPy."""
+    entries = {"weight": packed, **quant_state.as_dict(packed=True)}
+    return {("" if k == "weight" else "weight.") + k: v.numpy() for k, v in entries.items()}
+
+
+@pytest.mark.parametrize("blocksize", [64, 128])
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_nf4_equals_real_bitsandbytes_bit_for_bit(blocksize, data):
+    shape = data.draw(hnp.array_shapes(min_dims=1, max_dims=3, max_side=24), label="shape")
+    dtype = data.draw(st.sampled_from(list(DTYPES)), label="dtype")
+    jdtype, tdtype = DTYPES[dtype]
+    w = jnp.asarray(data.draw(hnp.arrays(np.float32, shape, elements=_VALUES), label="w"))
+    w = w.astype(jdtype)
+    packed, state = bnb_functional.quantize_4bit(
+        torch.tensor(np.asarray(w, np.float32)).to(tdtype), blocksize=blocksize, quant_type="nf4"
+    )
+    a = quantize_nf4(w, blocksize=blocksize)
+    absmax, their_absmax = np.asarray(a.absmax), state.absmax.numpy()
+    codes, theirs = _codes(a.packed), _codes(packed.numpy().reshape(-1))
+    zero_block = absmax == 0
+    zero = np.repeat(zero_block, blocksize)[: codes.size]
+    np.testing.assert_array_equal(absmax[~zero_block], their_absmax[~zero_block])
+    np.testing.assert_array_equal(codes[~zero], theirs[~zero])
+    # All-zero blocks: peftx writes code 0 as bitsandbytes' CUDA kernel does (0 * 1/0 is
+    # NaN there); its CPU path writes code 7 (0.0), with an absmax of 1e-38 in a partial
+    # last block. All dequantize to zero.
+    assert np.all(codes[zero] == 0) and np.all(theirs[zero] == 7)
+    assert np.all(their_absmax[zero_block] <= np.float32(1e-38))
+    want = bnb_functional.dequantize_4bit(packed, state)
+    assert want.dtype == tdtype and a.dtype == jdtype
+    # (bitsandbytes returns a 1-D weight as a column)
+    np.testing.assert_array_equal(
+        np.asarray(materialize(a), np.float32).reshape(-1), want.float().numpy().reshape(-1)
+    )
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double-quant"])
+@pytest.mark.parametrize(
+    "stored,compute", [("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "float32")]
+)
+def test_nf4_matmul_equals_bitsandbytes_on_its_own_checkpoint(stored, compute, double_quant):
+    """A weight bitsandbytes quantized, read by `from_bnb_dict`, multiplies as
+    `bnb.matmul_4bit` does: dequantized straight to the compute dtype, then multiplied."""
+    (jcompute, tcompute), k = DTYPES[compute], 256
+    w = torch.randn(48, k, generator=torch.Generator().manual_seed(0)).to(DTYPES[stored][1])
+    packed, state = bnb_functional.quantize_4bit(
+        w, compress_statistics=double_quant, quant_type="nf4"
+    )
+    a = NF4Array.from_bnb_dict(_bnb_checkpoint(packed, state), dtype=jcompute)
+    assert (a.stored_dtype, a.dtype, a.double_quant) == (stored, compute, double_quant)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1)).to(tcompute)
+    want = bnb.matmul_4bit(x, packed.t(), quant_state=state).float().numpy()
+    with strict():
+        got = jax.jit(use_implicit_args(lambda w, x: x @ w.T))(
+            a, jnp.asarray(x.float().numpy()).astype(jcompute)
+        )
+    assert got.dtype == jcompute
+    got = np.asarray(got, np.float32)
+    sum_abs = np.abs(x.double().numpy()) @ np.abs(np.asarray(materialize(a), np.float64)).T
+    # Two float32 sums of k products in different orders: k·eps·Σ|x·w| apart (γ_k each);
+    # 2·eps·Σ|x·w| more for a double-quantized absmax rounded once (XLA's multiply-add)
+    # where bitsandbytes rounds twice; then half an ulp each for the rounding to `compute`.
+    eps32, eps = float(jnp.finfo(jnp.float32).eps), float(jnp.finfo(jcompute).eps)
+    bound = (k + 2) * eps32 * sum_abs + eps * np.maximum(np.abs(got), np.abs(want))
+    assert np.all(np.abs(got - want) <= bound)
+
+
+def test_double_quant_against_bitsandbytes_cpu():
+    """Double quantization: each block absmax goes to the nearest code of the dynamic map
+    in peftx; bitsandbytes' CPU kernel rounds the value to a grid of 65536 points on
+    [-1, 1] first (`NF4Array`'s docstring). The codes agree but next to a midpoint."""
+    w = torch.randn(1024, 512, generator=torch.Generator().manual_seed(0))
+    w = w * torch.linspace(0.1, 3.0, 512)
+    a = quantize_nf4(jnp.asarray(w.numpy()), double_quant=True)
+    blocks, dynamic = a.absmax.size, torch_dynamic_map().numpy()
+
+    # The rule, on the same input: peftx's `absmax - offset`, 8-bit codes in blocks of 256.
+    _, absmax = torch_blocks(w.reshape(-1), 64)
+    x = absmax - torch.tensor(np.asarray(a.nested_offset))
+    theirs, state2 = bnb_functional.quantize_blockwise(x, blocksize=256)
+    np.testing.assert_array_equal(state2.code.numpy(), dynamic)
+    np.testing.assert_array_equal(a.nested_absmax, state2.absmax.numpy())
+    codes, theirs = np.asarray(a.absmax, np.int64), theirs.numpy().astype(np.int64)
+    differ = codes != theirs
+    assert differ.mean() <= 0.01, differ.sum()  # measured: 5 of 8192 blocks
+    assert np.all(np.abs(codes - theirs)[differ] == 1)
+    nested = np.repeat(np.asarray(a.nested_absmax), 256)[:blocks]
+    scaled = x.numpy() * (np.float32(1) / nested)
+    # The two codes are neighbours, and the value lies within half a grid step (1/65535)
+    # of their midpoint: rounded to the grid, it crossed the midpoint. The grid index,
+    # below 2**16, takes three float32 roundings: 3·2**-8 of a step, 2**-5 of a half step.
+    midpoint = (dynamic[codes] + dynamic[theirs]) / 2
+    assert np.all(np.abs(scaled - midpoint)[differ] <= (1 + 2**-5) / 65535)
+
+    # End to end: `quantize_4bit(compress_statistics=True)` and `dequantize_4bit`.
+    packed, state = bnb_functional.quantize_4bit(w, compress_statistics=True, quant_type="nf4")
+    np.testing.assert_array_equal(a.packed, packed.numpy().reshape(-1))
+    eps = float(jnp.finfo(jnp.float32).eps)
+    offset, their_offset = float(a.nested_offset), float(state.offset)
+    # float32 means of the same values summed in different orders: (n - 1)·u·mean apart
+    # each, so n·eps·mean at most.
+    assert abs(offset - their_offset) <= blocks * eps * offset
+    codes, theirs = np.asarray(a.absmax, np.int64), state.absmax.numpy().astype(np.int64)
+    assert (codes != theirs).mean() <= 0.01 and np.all(np.abs(codes - theirs) <= 1)
+    their_nested = np.repeat(state.state2.absmax.numpy(), 256)[:blocks]
+    # A block's absmax is dynamic[code]·nested + offset; its dequantized values are NF4
+    # codes (|c| <= 1) times it. So the blocks differ by at most: the codes' step times
+    # the nested absmax, the offsets' difference (twice: the nested absmax, a max of
+    # |absmax - offset|, moves with it), and three roundings on each side (product, sum,
+    # value): 6·u = 3·eps of the absmax.
+    step = np.abs(dynamic[codes] - dynamic[theirs])
+    block_absmax = np.abs(dynamic[codes]) * nested + offset
+    bound = (
+        step * np.maximum(nested, their_nested)
+        + 2 * abs(offset - their_offset)
+        + 3 * eps * block_absmax
+    )
+    ours = np.asarray(materialize(a)).reshape(blocks, 64)
+    want = bnb_functional.dequantize_4bit(packed, state).numpy().reshape(blocks, 64)
+    assert np.all(np.abs(ours - want) <= bound[:, None])
+
+
 # ---------------------------------------------------------------- checkpoint format
 
 
 @pytest.mark.parametrize("double_quant", [False, True])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bnb_dict_layout_and_round_trip(double_quant, dtype):
+@pytest.mark.parametrize(
+    "dtype,compute", [("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16")]
+)
+def test_bnb_dict_layout_and_round_trip(double_quant, dtype, compute):
+    """The checkpoint holds the stored weight's dtype, as bitsandbytes' quant state does;
+    the compute dtype comes back from `from_bnb_dict(dtype=...)`."""
     w = jax.random.normal(jax.random.key(1), (70, 33)).astype(DTYPES[dtype][0])
-    a = quantize_nf4(w, double_quant=double_quant)
+    a = quantize_nf4(w, double_quant=double_quant, dtype=compute)
+    assert (a.stored_dtype, a.dtype) == (dtype, compute)
     state = a.to_bnb_dict()
     keys = ["weight", "weight.absmax", "weight.quant_map"]
     if double_quant:
@@ -275,12 +429,27 @@ def test_bnb_dict_layout_and_round_trip(double_quant, dtype):
         want_meta |= {"nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": offset}
     assert list(meta.items()) == list(want_meta.items())  # bitsandbytes' key order too
     prefixed = {f"model.layers.0.mlp.down_proj.{k}": v for k, v in state.items()}
-    for loaded in (NF4Array.from_bnb_dict(state), NF4Array.from_bnb_dict(prefixed)):
-        assert jax.tree.structure(loaded) == jax.tree.structure(a)
+    for entries in (state, prefixed):
+        loaded = NF4Array.from_bnb_dict(entries, dtype=compute)
+        assert jax.tree.structure(loaded) == jax.tree.structure(a)  # with the static fields
         for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(a), strict=True):
             assert x.dtype == y.dtype
             np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(loaded.materialize(), a.materialize())
+    # bitsandbytes reads it back to the weight in the stored dtype: bit for bit, but for
+    # a double-quantized absmax, which XLA may round once (a multiply-add) where
+    # bitsandbytes rounds twice: an ulp of the absmax (eps) plus each product's rounding
+    # (u each side) is 2·eps in float32; rounded to bfloat16, one ulp (eps) at most.
+    quant_state = bnb_functional.QuantState.from_dict(
+        {k.removeprefix("weight."): torch.tensor(v) for k, v in state.items() if k != "weight"},
+        device="cpu",
+    )
+    theirs = bnb_functional.dequantize_4bit(torch.tensor(state["weight"]), quant_state)
+    assert theirs.dtype == DTYPES[dtype][1] and theirs.shape == (70, 33)
+    ours = np.asarray(materialize_as(a, DTYPES[dtype][0]), np.float32)
+    eps32, eps = (float(jnp.finfo(t).eps) for t in (jnp.float32, DTYPES[dtype][0]))
+    rtol = max(2 * eps32, eps) if double_quant else 0
+    np.testing.assert_allclose(ours, theirs.float().numpy(), rtol=rtol, atol=0)
 
 
 def test_from_bnb_dict_reads_a_wider_quant_storage():
@@ -534,6 +703,12 @@ def test_int8_codes_and_round_trip(getkey):
         (lambda: quantize_nf4(jnp.ones((4, 4)), blocksize=0), ValueError, "multiple of 2"),
         (lambda: quantize_nf4(jnp.ones((4, 4)), blocksize=-2), ValueError, "multiple of 2"),
         (lambda: quantize_nf4(jnp.ones((0, 4))), ValueError, "empty weight"),
+        (
+            lambda: quantize_nf4(jnp.ones((4, 4)), dtype=jnp.int8),
+            TypeError,
+            "`dtype` must be a floating dtype, got int8",
+        ),
+        (lambda: quantize_int8(jnp.ones((4, 4)), dtype=jnp.int32), TypeError, "floating dtype"),
         (lambda: quantize_int8(jnp.ones((4, 4), jnp.uint8)), TypeError, "floating-point"),
         (lambda: quantize_int8(jnp.float32(1.0)), ValueError, "channel axis"),
         (

@@ -189,7 +189,7 @@ class Int8Array(ImplicitArray):
         return _nbytes(self)
 
 
-def quantize_int8(weight: Shaped[ArrayLike, "..."]) -> Int8Array:
+def quantize_int8(weight: Shaped[ArrayLike, "..."], *, dtype: DTypeLike | None = None) -> Int8Array:
     """Quantize a weight to int8 with one absmax scale per output channel (axis 0).
 
     The codes are bitsandbytes' LLM.int8 row codes, `round(w * 127 / absmax)`, with the
@@ -197,16 +197,18 @@ def quantize_int8(weight: Shaped[ArrayLike, "..."]) -> Int8Array:
 
     **Arguments:**
 
-    - `weight`: a floating weight with the output channels on axis 0, e.g. `(out, in)`.
+    - `weight`: a floating weight with the output channels on axis 0, e.g. `(out, in)`,
+        quantized as stored.
+    - `dtype`: the dtype the result represents and multiplies in; default the weight's.
 
     **Returns:**
 
-    An `Int8Array` representing the weight in its original dtype.
+    An `Int8Array` representing the weight.
     """
-    dtype = _float_dtype(weight, "quantize_int8")
+    stored = _float_dtype(weight, "quantize_int8")
     if jnp.ndim(weight) == 0:
         raise ValueError("quantize_int8 needs a channel axis (axis 0), got a scalar weight.")
-    return Int8Array(*_int8_arrays(jnp.asarray(weight)), dtype)
+    return Int8Array(*_int8_arrays(jnp.asarray(weight)), stored if dtype is None else dtype)
 
 
 @jax.jit
@@ -227,20 +229,28 @@ class NF4Array(ImplicitArray):
     the nearest NF4 code to `value / absmax`, two per byte with the first in the high
     nibble. With double quantization the block absmaxes are themselves stored as 8-bit
     codes of bitsandbytes' dynamic map, in blocks of `nested_blocksize`, around their mean
-    `nested_offset`. Leading axes of the arrays before the packed axis are stacking axes
-    (e.g. layers stacked for `jax.lax.scan`). Build one with `quantize_nf4` or
-    `NF4Array.from_bnb_dict`.
+    `nested_offset`: each `(absmax - nested_offset) / nested_absmax` goes to the nearest
+    code of the map (to the lower one on a tie), as bitsandbytes' CUDA kernel and its
+    PyTorch backend pick it. bitsandbytes' CPU kernel (0.50, `quantize_cpu_impl`) first
+    rounds the value to the nearest of 65536 evenly spaced points of [-1, 1] and takes the
+    code nearest that point, so a value within 1/65535 of the midpoint of two codes can go
+    to the farther one: about 1 block in 1000 then holds the neighbouring code.
+    Leading axes of the arrays before the packed axis are stacking axes (e.g. layers
+    stacked for `jax.lax.scan`). Build one with `quantize_nf4` or `NF4Array.from_bnb_dict`.
 
     **Arguments:**
 
     - `packed`: uint8, `ceil(n / 2)` bytes for `n` represented values.
     - `absmax`: one float32 per block, or its uint8 code when double-quantized.
-    - `shape`, `dtype`: shape and floating dtype of the represented weight.
+    - `shape`, `dtype`: shape and floating dtype of the represented weight; `dtype` is
+        the dtype it dequantizes to and multiplies in (bitsandbytes' compute dtype).
     - `blocksize`: values per block (bitsandbytes: 64).
     - `nested_absmax`: float32 absmax of each block of codes in `absmax`, when
         double-quantized.
     - `nested_offset`: the float32 mean subtracted before double quantization.
     - `nested_blocksize`: codes of `absmax` per nested block (bitsandbytes: 256).
+    - `stored_dtype`: the dtype of the weight that was quantized (bitsandbytes'
+        `quant_state.dtype`); default `dtype`.
     """
 
     packed: UInt8[Array, "*batch half"]
@@ -251,6 +261,7 @@ class NF4Array(ImplicitArray):
     nested_blocksize: int = eqx.field(static=True)
     _shape: tuple[int, ...] = eqx.field(static=True)
     _dtype: np.dtype = eqx.field(static=True)
+    _stored_dtype: np.dtype = eqx.field(static=True)
 
     def __init__(
         self,
@@ -263,6 +274,7 @@ class NF4Array(ImplicitArray):
         nested_absmax: Float32[Array, "*batch nested_blocks"] | None = None,
         nested_offset: Float32[Array, "*batch"] | None = None,
         nested_blocksize: int = _NESTED_BLOCKSIZE,
+        stored_dtype: DTypeLike | None = None,
     ):
         self.packed = packed
         self.absmax = absmax
@@ -272,6 +284,7 @@ class NF4Array(ImplicitArray):
         self.nested_blocksize = nested_blocksize
         self._shape = tuple(shape)
         self._dtype = jnp.dtype(dtype)
+        self._stored_dtype = self._dtype if stored_dtype is None else jnp.dtype(stored_dtype)
 
     def __check_init__(self) -> None:
         nested = self.nested_absmax is not None
@@ -294,8 +307,9 @@ class NF4Array(ImplicitArray):
                     f"{' (double-quantized)' if name == 'absmax' and nested else ''}, "
                     f"got {value.dtype}{list(value.shape)}."
                 )
-        if not jnp.issubdtype(self._dtype, jnp.floating):
-            raise TypeError(f"NF4Array represents a floating dtype, got {self._dtype}.")
+        for name, dtype in (("dtype", self._dtype), ("stored_dtype", self._stored_dtype)):
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise TypeError(f"NF4Array: `{name}` must be a floating dtype, got {dtype}.")
         _check_blocksize("blocksize", self.blocksize)
         if not isinstance(self.nested_blocksize, int) or self.nested_blocksize < 1:
             raise ValueError(
@@ -343,6 +357,11 @@ class NF4Array(ImplicitArray):
         return absmax + lax.stop_gradient(self.nested_offset)[..., None]
 
     @property
+    def stored_dtype(self) -> np.dtype:
+        """The dtype of the weight that was quantized (bitsandbytes' `quant_state.dtype`)."""
+        return self._stored_dtype
+
+    @property
     def double_quant(self) -> bool:
         """Whether the block absmaxes are themselves quantized."""
         return self.nested_absmax is not None
@@ -360,7 +379,8 @@ class NF4Array(ImplicitArray):
         double-quantized, `weight.nested_absmax` and `weight.nested_quant_map`; then
         `weight.quant_state.bitsandbytes__nf4`, the JSON of the remaining state as uint8
         (`quant_type`, `blocksize`, `dtype`, `shape`, and `nested_blocksize`,
-        `nested_dtype`, `nested_offset`), byte for byte as bitsandbytes writes it.
+        `nested_dtype`, `nested_offset`), byte for byte as bitsandbytes writes it. `dtype`
+        is `stored_dtype`: the compute dtype is not part of a bitsandbytes checkpoint.
 
         **Returns:**
 
@@ -380,7 +400,7 @@ class NF4Array(ImplicitArray):
         meta: dict[str, Any] = {
             "quant_type": "nf4",
             "blocksize": self.blocksize,
-            "dtype": self._dtype.name,
+            "dtype": self._stored_dtype.name,
             "shape": list(self._shape),
         }
         if self.double_quant:
@@ -396,13 +416,16 @@ class NF4Array(ImplicitArray):
         return state
 
     @classmethod
-    def from_bnb_dict(cls, state: Mapping[str, ArrayLike]) -> "NF4Array":
+    def from_bnb_dict(
+        cls, state: Mapping[str, ArrayLike], *, dtype: DTypeLike | None = None
+    ) -> "NF4Array":
         """Read a weight saved by bitsandbytes' `Linear4bit` (an HF NF4 checkpoint).
 
         **Arguments:**
 
         - `state`: the entries of one weight, keyed as `to_bnb_dict` returns them, with
             or without the module prefix (only the last dotted component is read).
+        - `dtype`: the compute dtype (`bnb_4bit_compute_dtype`); default the stored one.
 
         **Returns:**
 
@@ -446,11 +469,12 @@ class NF4Array(ImplicitArray):
             jnp.asarray(packed),
             jnp.asarray(parts["absmax"]),
             shape=tuple(int(d) for d in meta["shape"]),
-            dtype=meta["dtype"],
+            dtype=meta["dtype"] if dtype is None else dtype,
             blocksize=int(meta["blocksize"]),
             nested_absmax=nested_absmax,
             nested_offset=nested_offset,
             nested_blocksize=int(meta.get("nested_blocksize", _NESTED_BLOCKSIZE)),
+            stored_dtype=meta["dtype"],
         )
 
 
@@ -482,7 +506,11 @@ def _check_code(got: np.ndarray, want: np.ndarray, name: str, what: str) -> None
 
 
 def quantize_nf4(
-    weight: Shaped[ArrayLike, "..."], *, blocksize: int = 64, double_quant: bool = False
+    weight: Shaped[ArrayLike, "..."],
+    *,
+    blocksize: int = 64,
+    double_quant: bool = False,
+    dtype: DTypeLike | None = None,
 ) -> NF4Array:
     """Quantize a weight to NF4 exactly as bitsandbytes' `quantize_4bit` does.
 
@@ -494,14 +522,16 @@ def quantize_nf4(
 
     **Arguments:**
 
-    - `weight`: a floating weight of any shape (float32, bfloat16 or float16); its dtype
-        is the dtype the result represents.
+    - `weight`: a floating weight of any shape (float32, bfloat16 or float16), quantized
+        as stored (its dtype is the result's `stored_dtype`).
     - `blocksize`: values per absmax block, a positive multiple of 2 (bitsandbytes: 64).
     - `double_quant`: also quantize the absmaxes (QLoRA's double quantization).
+    - `dtype`: the dtype the result represents, dequantizes to and multiplies in
+        (bitsandbytes' compute dtype); default the weight's.
 
     **Returns:**
 
-    An `NF4Array` of the weight's shape and dtype.
+    An `NF4Array` of the weight's shape.
 
     ```python
     w = quantize_nf4(linear.weight, double_quant=True)
@@ -509,23 +539,24 @@ def quantize_nf4(
     y = use_implicit_args(linear)(x)
     ```
     """
-    dtype = _float_dtype(weight, "quantize_nf4")
+    stored = _float_dtype(weight, "quantize_nf4")
     _check_blocksize("blocksize", blocksize)
     w = jnp.asarray(weight)
     packed, absmax = _nf4_arrays(w, blocksize)
+    dtypes = {"dtype": stored if dtype is None else dtype, "stored_dtype": stored}
     if not double_quant:
-        return NF4Array(packed, absmax, shape=w.shape, dtype=dtype, blocksize=blocksize)
+        return NF4Array(packed, absmax, shape=w.shape, blocksize=blocksize, **dtypes)
     offset = jnp.mean(absmax)
     nested_codes, nested_absmax = _nested_arrays(absmax, offset)
     return NF4Array(
         packed,
         nested_codes,
         shape=w.shape,
-        dtype=dtype,
         blocksize=blocksize,
         nested_absmax=nested_absmax,
         nested_offset=offset,
         nested_blocksize=_NESTED_BLOCKSIZE,
+        **dtypes,
     )
 
 
@@ -669,4 +700,5 @@ def _astype(primitive: Any, x: _Quantized, *, new_dtype: Any, **params: Any) -> 
         nested_absmax=x.nested_absmax,
         nested_offset=x.nested_offset,
         nested_blocksize=x.nested_blocksize,
+        stored_dtype=x.stored_dtype,
     )
