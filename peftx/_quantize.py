@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import equinox as eqx
+import jax.numpy as jnp
 
 from ._select import Predicate, of_type, peft_targets, select
 from ._targets import output_head
@@ -106,7 +107,8 @@ class QuantizationConfig:
 
 def quantize_model(model: Any, config: QuantizationConfig) -> Any:
     """`model` with every `eqx.nn.Linear` weight quantized as `config` says (biases, norms,
-    embeddings and the skipped modules stay dense). The result runs under
+    embeddings and the skipped modules stay dense; a quantized layer's bias is cast to
+    `bnb_4bit_compute_dtype`, as bitsandbytes does). The result runs under
     `use_implicit_args`; `get_peft_model` puts adapters on top of it (QLoRA)."""
     skip = config.llm_int8_skip_modules
     if skip is None:
@@ -125,6 +127,10 @@ def quantize_model(model: Any, config: QuantizationConfig) -> Any:
         else:
             double_quant = config.bnb_4bit_use_double_quant
             q = quantize_nf4(layer.weight, double_quant=double_quant, dtype=dtype)
-        return eqx.tree_at(lambda m: m.weight, layer, q)
+        layer = eqx.tree_at(lambda m: m.weight, layer, q)
+        if dtype is not None and layer.bias is not None:
+            # bitsandbytes' Linear4bit casts its bias to the dtype it computes in
+            layer = eqx.tree_at(lambda m: m.bias, layer, layer.bias.astype(jnp.dtype(dtype)))
+        return layer
 
     return layers.apply(quantize)

@@ -273,7 +273,7 @@ def test_qlora_with_bf16_compute_dtype(getkey):
     """QLoRA through `quantize_model` + `get_peft_model` with `bnb_4bit_compute_dtype=
     "bfloat16"`: float32 factor gradients, values against a dense formula on the
     dequantized weight (its codes are checked against bitsandbytes in test_quantized)."""
-    model = _MLP(jnp.float32, use_bias=False, key=getkey())
+    model = _MLP(jnp.float32, key=getkey())
     qconfig = peftx.QuantizationConfig(
         load_in_4bit=True, bnb_4bit_compute_dtype="bfloat16", llm_int8_skip_modules=[]
     )
@@ -295,13 +295,15 @@ def test_qlora_with_bf16_compute_dtype(getkey):
         (a1, b1), (a2, b2) = ab
         (f1, f2) = factors
 
-        def layer(f, a, b, x):
+        def layer(f, a, b, bias, x):
             w = f.weight.materialize(jnp.bfloat16)
             base = (x @ w.T).astype(jnp.float32)
             delta = (x.astype(jnp.float32) @ a.T) @ b.T * (ALPHA / R)
-            return (base + delta).astype(jnp.bfloat16)
+            # the bias in the compute dtype, as bitsandbytes' Linear4bit casts it
+            return (base + delta).astype(jnp.bfloat16) + bias.astype(jnp.bfloat16)[None]
 
-        y = layer(f2, a2, b2, jax.nn.gelu(layer(f1, a1, b1, x)))
+        h = jax.nn.gelu(layer(f1, a1, b1, model.up.bias, x))
+        y = layer(f2, a2, b2, model.down.bias, h)
         return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
     ab = [(f.lora_A, f.lora_B) for f in factors]
