@@ -414,15 +414,7 @@ def _bf16_close(got, want):
     [
         "lora",
         "rslora",
-        pytest.param(
-            "dora",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=jax.dtypes.TypePromotionError,
-                reason="DoRA divides its bfloat16 magnitude by the float32 row norm "
-                "(`lora_magnitude_vector / _dora_norm(w)`), which strict promotion refuses",
-            ),
-        ),
+        "dora",
     ],
 )
 def test_bf16_linear_matches_dense_formula(getkey, adapter):

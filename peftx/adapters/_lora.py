@@ -190,8 +190,6 @@ def _product(b: Array, a: Array, stack_ndim: int) -> Array:
     return out.reshape(*b.shape[: s + 1], *a.shape[s + 1 :])
 
 
-
-
 def _dropout(
     x: Array,
     rate: float,
@@ -759,7 +757,7 @@ class DoraArray(_AbstractLowRank):
         w = materialize(self.weight)
         dense = w.astype(jnp.float32) + self.delta().astype(jnp.float32)
         norm = lax.stop_gradient(jnp.sqrt(jnp.sum(dense * dense, -1)))
-        scale = (self.lora_magnitude_vector / norm)[..., None]
+        scale = (self.lora_magnitude_vector.astype(jnp.float32) / norm)[..., None]
         return (dense * scale).astype(w.dtype)
 
 
@@ -778,6 +776,11 @@ def _row_sq_norms(weight: Any) -> Array:
         preferred_element_type=jnp.float32,
     )
     return lax.stop_gradient(sq)
+
+
+def _dora_scale(w: DoraArray) -> Array:
+    """`m / ‖W + s·B·A‖` per output row, in float32 (whatever the magnitude's dtype)."""
+    return w.lora_magnitude_vector.astype(jnp.float32) / _dora_norm(w)
 
 
 def _dora_norm(w: DoraArray) -> Array:
@@ -824,7 +827,7 @@ def _dora_dot(w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
     stack, out_l = p.w[: w.stack_ndim], p.w[w.stack_ndim]
     if out_l in p.x:  # W's rows meet x: (diag(m/‖·‖)·V)·x == V·(m/‖·‖ ⊙ x)
-        scale = w.lora_magnitude_vector / _dora_norm(w)
+        scale = _dora_scale(w)
         x = _rescale(x, p.along(scale, (*stack, out_l), p.x))
         return _lora_dot(w, x, w_is_lhs, params)
     base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
@@ -841,7 +844,7 @@ def _dora_update(
     if out_l in p.x or terms is None:
         return NotImplemented
     _, base_d, delta = terms
-    scale = (w.lora_magnitude_vector / _dora_norm(w)).astype(delta.dtype)
+    scale = _dora_scale(w).astype(delta.dtype)
     scale = p.along(scale, (*stack, out_l), p.out)
     # PEFT's form: base(x) + (m/‖·‖ - 1)·base(dropout(x)) + m/‖·‖ · s·B·A·dropout(x),
     # the update in the adapter's compute dtype
