@@ -16,7 +16,7 @@ demo: $(VENV)/.installed
 	$(PY) examples/lora_mlp.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/implicit_overhead.py
