@@ -274,15 +274,9 @@ def _bnb_checkpoint(packed, quant_state):
     return {("" if k == "weight" else "weight.") + k: v.numpy() for k, v in entries.items()}
 
 
-@pytest.mark.parametrize("blocksize", [64, 128])
-@settings(max_examples=6, deadline=None)
-@given(data=st.data())
-def test_nf4_equals_real_bitsandbytes_bit_for_bit(blocksize, data):
-    shape = data.draw(hnp.array_shapes(min_dims=1, max_dims=3, max_side=24), label="shape")
-    dtype = data.draw(st.sampled_from(list(DTYPES)), label="dtype")
-    jdtype, tdtype = DTYPES[dtype]
-    w = jnp.asarray(data.draw(hnp.arrays(np.float32, shape, elements=_VALUES), label="w"))
-    w = w.astype(jdtype)
+def _assert_equal_to_bitsandbytes(w, blocksize):
+    """`quantize_nf4(w)` and its dequantized weight equal bitsandbytes' on CPU."""
+    jdtype, tdtype = DTYPES[jnp.dtype(w.dtype).name]
     packed, state = bnb_functional.quantize_4bit(
         torch.tensor(np.asarray(w, np.float32)).to(tdtype), blocksize=blocksize, quant_type="nf4"
     )
@@ -304,6 +298,23 @@ def test_nf4_equals_real_bitsandbytes_bit_for_bit(blocksize, data):
     np.testing.assert_array_equal(
         np.asarray(materialize(a), np.float32).reshape(-1), want.float().numpy().reshape(-1)
     )
+
+
+@pytest.mark.parametrize("blocksize", [64, 128])
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_nf4_equals_real_bitsandbytes_bit_for_bit(blocksize, data):
+    shape = data.draw(hnp.array_shapes(min_dims=1, max_dims=3, max_side=24), label="shape")
+    dtype = data.draw(st.sampled_from(list(DTYPES)), label="dtype")
+    w = jnp.asarray(data.draw(hnp.arrays(np.float32, shape, elements=_VALUES), label="w"))
+    _assert_equal_to_bitsandbytes(w.astype(DTYPES[dtype][0]), blocksize)
+
+
+def test_nf4_ties_go_down_as_in_real_bitsandbytes():
+    """Each midpoint of the code, and its neighbours, in a block whose absmax is 1."""
+    up, down = (np.nextafter(_MIDPOINTS32, np.float32(x)) for x in (2, -2))
+    block = np.concatenate([[1.0], _MIDPOINTS32, up, down, [-1.0]]).astype(np.float32)
+    _assert_equal_to_bitsandbytes(jnp.asarray(block), 64)
 
 
 @pytest.mark.parametrize("double_quant", [False, True], ids=["single", "double-quant"])
