@@ -280,7 +280,7 @@ def test_mixed_batch_gradients_equal_each_adapters_own(lm, two):
     want = jax.tree.map(lambda a, b: a + b, g_a, g_b)
     got_leaves, want_leaves = jax.tree.leaves(mixed), jax.tree.leaves(want)
     assert len(got_leaves) == len(want_leaves) > 0
-    for g, w in zip(got_leaves, want_leaves):
+    for g, w in zip(got_leaves, want_leaves, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(g_b))
 
@@ -380,7 +380,7 @@ def test_mixed_batch_of_other_adapter_types(lm, config_a, config_b):
     # move every adapter away from its identity init, so each example's output differs
     leaves, treedef = jax.tree.flatten(partition(two, ["default", "b"])[0])
     keys = jax.random.split(jax.random.key(3), len(leaves))
-    moved = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    moved = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
     two = eqx.combine(jax.tree.unflatten(treedef, moved), partition(two, ["default", "b"])[1])
     xs = jnp.array([[1, 2, 3, 4], [4, 3, 2, 1], [5, 6, 7, 8]])
     names = ["b", "default", peftx.BASE]
