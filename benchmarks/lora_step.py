@@ -528,6 +528,7 @@ def main() -> None:
     print(check_mixed(two, ids, batch))
     base16 = cast(base, jnp.bfloat16)
     lora16 = with_peftx_lora(base16, key=lora_key)  # factors stay float32, as in PEFT
+    lora16c = peftx.adapters.with_compute_dtype(lora16, jnp.bfloat16)
 
     optim = optax.adamw(1e-4)
     variants = [
@@ -547,9 +548,8 @@ def main() -> None:
         Variant(BF16_FULL, base16, eqx.is_inexact_array, dense_loss, optim, BF16_FULL),
         Variant("bf16 base: peftx LoRA, fp32 factors (PEFT's default)", lora16,
                 lora_filter(lora16), peftx_loss_all_inside, optim, BF16_FULL),
-        Variant("bf16 base: peftx LoRA, fp32 factors, bf16 adapter compute",
-                peftx.adapters.with_compute_dtype(lora16, jnp.bfloat16), lora_filter(lora16),
-                peftx_loss_all_inside, optim, BF16_FULL),
+        Variant("bf16 base: peftx LoRA, fp32 factors, bf16 adapter compute", lora16c,
+                lora_filter(lora16c), peftx_loss_all_inside, optim, BF16_FULL),
         JvpVariant(JVP_FULL, base, eqx.is_inexact_array, dense_loss, JVP_FULL),
         JvpVariant("jvp: peftx LoRA, along the factors", lora, lora_filter(lora),
                    peftx_loss_all_inside, JVP_FULL),
