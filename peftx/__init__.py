@@ -1,6 +1,6 @@
 """peftx: parameter-efficient fine-tuning for JAX and Equinox."""
 
-from . import adapters as adapters, implicit as implicit
+from . import adapters as adapters, implicit as implicit, models as models
 from ._config import (
     AbstractAdapterConfig as AbstractAdapterConfig,
     IA3Config as IA3Config,
@@ -10,6 +10,7 @@ from ._config import (
     save_config as save_config,
 )
 from ._errors import (
+    CheckpointError as CheckpointError,
     TargetNotFoundError as TargetNotFoundError,
     UnknownAdapterError as UnknownAdapterError,
     UnsupportedTargetError as UnsupportedTargetError,
@@ -46,5 +47,6 @@ from .implicit import (
     ImplicitArray as ImplicitArray,
     use_implicit_args as use_implicit_args,
 )
+from .models import from_pretrained as from_pretrained, save_pretrained as save_pretrained
 
 __version__ = "0.1.0"

@@ -45,3 +45,7 @@ class UnknownAdapterError(KeyError):
 
 class DenseWeightError(AssertionError):
     """A traced program builds an array the size of an adapted weight (`assert_no_dense`)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be loaded: a file, key, shape or model type is not as expected."""

@@ -148,9 +148,11 @@ def _nodes(model: Any) -> list[tuple[str, tuple, Any]]:
     def visit(keypath: tuple, node: Any) -> None:
         if keypath:
             found.append((dotted(keypath), keypath, node))
-        if is_implicit(node) or not isinstance(node, eqx.Module | list | tuple | dict):
+        if is_implicit(node) or eqx.is_array(node) or node is None:
             return
         children, _ = jtu.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        if len(children) == 1 and children[0][0] == ():
+            return  # a pytree leaf
         for child_path, child in children:
             visit(keypath + tuple(child_path), child)
 

@@ -1,0 +1,24 @@
+"""HuggingFace architectures in Equinox, with transformers' module names, and their
+checkpoints in and out."""
+
+from ._checkpoint import from_pretrained as from_pretrained, save_pretrained as save_pretrained
+from ._common import (
+    BaseModelOutput as BaseModelOutput,
+    CausalLMOutput as CausalLMOutput,
+    KVCache as KVCache,
+    MaskedLMOutput as MaskedLMOutput,
+    SequenceClassifierOutput as SequenceClassifierOutput,
+)
+from ._llama import (
+    LlamaConfig as LlamaConfig,
+    LlamaForCausalLM as LlamaForCausalLM,
+    LlamaForSequenceClassification as LlamaForSequenceClassification,
+    LlamaModel as LlamaModel,
+)
+from ._stack import (
+    LayerStack as LayerStack,
+    run_layers as run_layers,
+    split_stack as split_stack,
+    stack_layers as stack_layers,
+    unstack as unstack,
+)

@@ -1,0 +1,503 @@
+"""The Llama family (Llama, Mistral, Qwen2) in Equinox, named as transformers names it."""
+
+import dataclasses
+import json
+import math
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._checkpoint import Architecture, register
+from ._common import (
+    BaseModelOutput,
+    CausalLMOutput,
+    HFConfig,
+    KVCache,
+    RMSNorm,
+    SequenceClassifierOutput,
+    activation,
+    attention_mask,
+    dot_product_attention,
+    embed,
+    last_token_index,
+    linear,
+    positions_from_mask,
+    write_cache,
+)
+from ._stack import LayerStack, Layout, RematPolicy, run_layers
+
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(HFConfig):
+    """A Llama, Mistral or Qwen2 `config.json`, as the fields the model uses."""
+
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    rope: tuple[tuple[str, Any], ...] = (("rope_type", "default"), ("rope_theta", 10000.0))
+    sliding_windows: tuple[int | None, ...] = ()
+    num_labels: int = 2
+    pad_token_id: int | None = None
+    initializer_range: float = 0.02
+
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2")
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "LlamaConfig":
+        """From a `config.json` dict or a `transformers` config object."""
+        d = config if isinstance(config, dict) else config.to_dict()
+        model_type = d.get("model_type", "llama")
+        if model_type not in cls.MODEL_TYPES:
+            raise ValueError(
+                f"LlamaConfig reads model types {cls.MODEL_TYPES}, got {model_type!r}."
+            )
+        heads = d.get("num_attention_heads", 32)
+        layers = d.get("num_hidden_layers", 32)
+        rope = dict(d.get("rope_parameters") or {})
+        if not rope:
+            rope = dict(d.get("rope_scaling") or {})
+            rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope.setdefault("rope_type", "default")
+        if rope["rope_type"] not in ROPE_TYPES:
+            raise ValueError(
+                f"rope type {rope['rope_type']!r} is not supported; supported: {ROPE_TYPES}."
+            )
+        if model_type == "qwen2":
+            window = d.get("sliding_window") if d.get("use_sliding_window") else None
+            types = d.get("layer_types") or [
+                "sliding_attention" if window and i >= d.get("max_window_layers", 28) else "full"
+                for i in range(layers)
+            ]
+            windows = tuple(window if t == "sliding_attention" else None for t in types)
+            qkv_bias, o_bias = True, False
+        else:
+            windows = (d.get("sliding_window"),) * layers if model_type == "mistral" else ()
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+        n_labels = len(d["id2label"]) if d.get("id2label") else d.get("num_labels", 2)
+        return cls(
+            raw=json.dumps(d, sort_keys=True),
+            model_type=model_type,
+            vocab_size=d.get("vocab_size", 32000),
+            hidden_size=d.get("hidden_size", 4096),
+            intermediate_size=d.get("intermediate_size", 11008),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d.get("hidden_size", 4096) // heads,
+            hidden_act=d.get("hidden_act", "silu"),
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            qkv_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            rope=tuple(sorted(rope.items())),
+            sliding_windows=tuple(w if w else None for w in windows),
+            num_labels=int(n_labels),
+            pad_token_id=d.get("pad_token_id"),
+            initializer_range=d.get("initializer_range", 0.02),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The `config.json` dict transformers reads back to this architecture."""
+        d = self.hf_dict()
+        d.update(
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            hidden_act=self.hidden_act,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            rope_parameters=dict(self.rope),
+        )
+        d.pop("rope_scaling", None)
+        d.pop("rope_theta", None)
+        if self.model_type == "llama":
+            d.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
+        return d
+
+    @property
+    def rope_parameters(self) -> dict[str, Any]:
+        return dict(self.rope)
+
+
+def rope_frequencies(
+    config: LlamaConfig, seq_len: Int[Array, ""] | None = None
+) -> tuple[Float[Array, " half"], float]:
+    """`(inv_freq, attention_scaling)` for the config's rope type, as transformers computes
+    them (in float32). `seq_len` (traced) matters only to `dynamic`."""
+    p = config.rope_parameters
+    kind, base, dim = p["rope_type"], float(p["rope_theta"]), config.head_dim
+    dim = int(dim * p.get("partial_rotary_factor", 1.0))
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = 1.0 / (np.float32(base) ** exponents)
+    scaling = 1.0
+    if kind == "linear":
+        inv_freq = inv_freq / np.float32(p["factor"])
+    elif kind == "llama3":
+        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif kind == "yarn":
+        inv_freq, scaling = _yarn(p, dim, base, config.max_position_embeddings)
+    inv = jnp.asarray(inv_freq, jnp.float32)
+    if kind == "dynamic" and seq_len is not None:
+        max_pos = config.max_position_embeddings
+        factor = p["factor"]
+        length = jnp.maximum(seq_len, max_pos).astype(jnp.float32)
+        new_base = base * ((factor * length / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+        exps = jnp.asarray(exponents)
+        inv = jnp.where(seq_len > max_pos, 1.0 / (new_base**exps), inv)
+    return inv, scaling
+
+
+def _yarn(p: dict, dim: int, base: float, max_pos: int) -> tuple[np.ndarray, float]:
+    factor = p.get("factor") or max_pos / p["original_max_position_embeddings"]
+    original = p.get("original_max_position_embeddings", max_pos)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    fast, slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp.astype(np.float32)
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv.astype(np.float32), float(attention)
+
+
+def apply_rope(
+    x: Float[Array, "batch seq heads dim"], cos: Array, sin: Array
+) -> Float[Array, "batch seq heads dim"]:
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos + rotated * sin).astype(x.dtype)
+
+
+def rope_tables(
+    config: LlamaConfig, position_ids: Int[Array, "batch seq"], dtype: Any
+) -> tuple[Array, Array]:
+    inv_freq, scaling = rope_frequencies(config, jnp.max(position_ids) + 1)
+    freqs = position_ids[..., None].astype(jnp.float32) * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = (jnp.cos(emb) * scaling).astype(dtype)[:, :, None, :]
+    sin = (jnp.sin(emb) * scaling).astype(dtype)[:, :, None, :]
+    return cos, sin
+
+
+def _linear(i: int, o: int, bias: bool, key: PRNGKeyArray, std: float, dtype: Any) -> Any:
+    layer = eqx.nn.Linear(i, o, use_bias=bias, key=key, dtype=dtype)
+    weight = std * jax.random.normal(key, (o, i), dtype)
+    layer = eqx.tree_at(lambda m: m.weight, layer, weight)
+    if bias:
+        layer = eqx.tree_at(lambda m: m.bias, layer, jnp.zeros((o,), dtype))
+    return layer
+
+
+class LlamaAttention(eqx.Module):
+    q_proj: eqx.nn.Linear
+    k_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    o_proj: eqx.nn.Linear
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
+        c, std = config, config.initializer_range
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        d, h, kvh, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = _linear(d, h * hd, c.qkv_bias, kq, std, dtype)
+        self.k_proj = _linear(d, kvh * hd, c.qkv_bias, kk, std, dtype)
+        self.v_proj = _linear(d, kvh * hd, c.qkv_bias, kv, std, dtype)
+        self.o_proj = _linear(h * hd, d, c.o_proj_bias, ko, std, dtype)
+
+
+class LlamaMLP(eqx.Module):
+    gate_proj: eqx.nn.Linear
+    up_proj: eqx.nn.Linear
+    down_proj: eqx.nn.Linear
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
+        c, std = config, config.initializer_range
+        kg, ku, kd = jax.random.split(key, 3)
+        self.gate_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias, kg, std, dtype)
+        self.up_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias, ku, std, dtype)
+        self.down_proj = _linear(c.intermediate_size, c.hidden_size, c.mlp_bias, kd, std, dtype)
+
+
+class LlamaDecoderLayer(eqx.Module):
+    self_attn: LlamaAttention
+    mlp: LlamaMLP
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
+        ka, km = jax.random.split(key)
+        self.self_attn = LlamaAttention(config, key=ka, dtype=dtype)
+        self.mlp = LlamaMLP(config, key=km, dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype
+        )
+
+
+def make_layers(
+    block: Any, config: Any, layout: Layout, key: PRNGKeyArray, dtype: Any
+) -> LayerStack | tuple[Any, ...]:
+    """`config.num_hidden_layers` blocks, stacked or unrolled."""
+    keys = jax.random.split(key, config.num_hidden_layers)
+    if layout == "stacked":
+        stacked = eqx.filter_vmap(lambda k: block(config, key=k, dtype=dtype))(keys)
+        return LayerStack({f"0-{config.num_hidden_layers - 1}": stacked})
+    if layout == "unrolled":
+        return tuple(block(config, key=k, dtype=dtype) for k in keys)
+    raise ValueError(f"layout must be 'stacked' or 'unrolled', got {layout!r}.")
+
+
+class LlamaModel(eqx.Module):
+    """The decoder stack: embeddings, blocks, final norm."""
+
+    embed_tokens: eqx.nn.Embedding
+    layers: LayerStack | tuple[LlamaDecoderLayer, ...]
+    norm: RMSNorm
+    config: LlamaConfig = eqx.field(static=True)
+    gradient_checkpointing: bool = eqx.field(static=True)
+    remat_policy: RematPolicy = eqx.field(static=True)
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        key: PRNGKeyArray,
+        layout: Layout = "stacked",
+        dtype: Any = jnp.float32,
+        gradient_checkpointing: bool = False,
+        remat_policy: RematPolicy = None,
+    ):
+        ke, kl = jax.random.split(key)
+        weight = config.initializer_range * jax.random.normal(
+            ke, (config.vocab_size, config.hidden_size), dtype
+        )
+        self.embed_tokens = eqx.nn.Embedding(weight=weight)
+        self.layers = make_layers(LlamaDecoderLayer, config, layout, kl, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.config = config
+        self.gradient_checkpointing = gradient_checkpointing
+        self.remat_policy = remat_policy
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        attention_mask: Int[Array, "batch seq"] | None = None,
+        position_ids: Int[Array, "batch seq"] | None = None,
+        *,
+        cache: KVCache | None = None,
+        output_hidden_states: bool = False,
+    ) -> BaseModelOutput:
+        """Hidden states for `input_ids`.
+
+        `attention_mask` marks real tokens (1) and padding (0), left or right. Without
+        `position_ids`, positions count the real tokens (as `generate` does). With a
+        `cache`, the tokens are written at `cache.index` and attend to the cached ones.
+        """
+        c = self.config
+        b, s = input_ids.shape
+        valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask, b, s)
+        h = embed(self.embed_tokens, input_ids)
+        cos, sin = rope_tables(c, position_ids, h.dtype)
+        if cache is None:
+            slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            key_valid, index = valid, None
+        else:
+            slots = cache.index + jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, 1)
+            index = cache.index
+        windows = c.sliding_windows or (None,) * c.num_hidden_layers
+        window = jnp.asarray([w or 2**30 for w in windows], jnp.int32)
+        scale = c.head_dim**-0.5
+        act = activation(c.hidden_act)
+
+        def step(layer: LlamaDecoderLayer, h: Array, xs: Any) -> tuple[Array, Any]:
+            win, kv = xs
+            mask = attention_mask_for(slots, key_valid, win)
+            x = layer.input_layernorm(h)
+            attn = layer.self_attn
+            q = linear(attn.q_proj, x).reshape(b, s, c.num_attention_heads, c.head_dim)
+            k = linear(attn.k_proj, x).reshape(b, s, c.num_key_value_heads, c.head_dim)
+            v = linear(attn.v_proj, x).reshape(b, s, c.num_key_value_heads, c.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if kv is not None:
+                k, v = write_cache(kv[0], kv[1], k, v, index)
+                new_kv = (k, v)
+            else:
+                new_kv = None
+            o = dot_product_attention(q, k, v, mask, scale).reshape(b, s, -1)
+            h = h + linear(attn.o_proj, o)
+            x = layer.post_attention_layernorm(h)
+            mlp = layer.mlp
+            x = act(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x)
+            h = h + linear(mlp.down_proj, x)
+            return h, (h if output_hidden_states else None, new_kv)
+
+        kv_in = None if cache is None else (cache.key, cache.value)
+        h, (hidden, kv_out) = run_layers(
+            self.layers,
+            step,
+            h,
+            (window, kv_in),
+            gradient_checkpointing=self.gradient_checkpointing,
+            remat_policy=self.remat_policy,
+        )
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(kv_out[0], kv_out[1], key_valid, cache.index + s)
+        return BaseModelOutput(self.norm(h), hidden, new_cache)
+
+
+def attention_mask_for(slots: Array, key_valid: Array, window: Array) -> Array:
+    return attention_mask(slots, key_valid, causal=True, window=window)
+
+
+class LlamaForCausalLM(eqx.Module):
+    """`LlamaModel` with the language-model head (tied to the embeddings when the config
+    says so: then `lm_head` is None)."""
+
+    model: LlamaModel
+    lm_head: eqx.nn.Linear | None
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, **kwargs: Any):
+        km, kh = jax.random.split(key)
+        self.model = LlamaModel(config, key=km, **kwargs)
+        dtype = kwargs.get("dtype", jnp.float32)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _linear(config.hidden_size, config.vocab_size, False, kh, 0.02, dtype)
+        )
+
+    @property
+    def config(self) -> LlamaConfig:
+        return self.model.config
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        attention_mask: Int[Array, "batch seq"] | None = None,
+        position_ids: Int[Array, "batch seq"] | None = None,
+        *,
+        cache: KVCache | None = None,
+        output_hidden_states: bool = False,
+    ) -> CausalLMOutput:
+        out = self.model(
+            input_ids,
+            attention_mask,
+            position_ids,
+            cache=cache,
+            output_hidden_states=output_hidden_states,
+        )
+        h = out.last_hidden_state
+        if self.lm_head is None:
+            w = self.model.embed_tokens.weight
+            logits = jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())))
+        else:
+            logits = linear(self.lm_head, h)
+        return CausalLMOutput(logits, out.hidden_states, out.cache)
+
+
+class LlamaForSequenceClassification(eqx.Module):
+    """`LlamaModel` with `score`, read at each sequence's last non-padding token."""
+
+    model: LlamaModel
+    score: eqx.nn.Linear
+
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, **kwargs: Any):
+        km, kh = jax.random.split(key)
+        self.model = LlamaModel(config, key=km, **kwargs)
+        dtype = kwargs.get("dtype", jnp.float32)
+        self.score = _linear(config.hidden_size, config.num_labels, False, kh, 0.02, dtype)
+
+    @property
+    def config(self) -> LlamaConfig:
+        return self.model.config
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        attention_mask: Int[Array, "batch seq"] | None = None,
+        position_ids: Int[Array, "batch seq"] | None = None,
+        *,
+        output_hidden_states: bool = False,
+    ) -> SequenceClassifierOutput:
+        out = self.model(
+            input_ids, attention_mask, position_ids, output_hidden_states=output_hidden_states
+        )
+        logits = linear(self.score, out.last_hidden_state)
+        last = last_token_index(input_ids, self.config.pad_token_id)
+        pooled = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        return SequenceClassifierOutput(pooled, out.hidden_states)
+
+
+for _model_type in LlamaConfig.MODEL_TYPES:
+    _prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[_model_type]
+    register(
+        _model_type,
+        Architecture(
+            config_class=LlamaConfig,
+            classes={
+                f"{_prefix}Model": LlamaModel,
+                f"{_prefix}ForCausalLM": LlamaForCausalLM,
+                f"{_prefix}ForSequenceClassification": LlamaForSequenceClassification,
+            },
+            default=f"{_prefix}Model",
+            prefix="model",
+            new_heads=(r"score\.weight",),
+            ignored=(r".*rotary_emb\.inv_freq", r"lm_head\.weight"),
+        ),
+    )

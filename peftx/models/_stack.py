@@ -1,0 +1,186 @@
+"""A model's repeated blocks, stored stacked (run by `lax.scan`) or unrolled (a tuple).
+
+A `LayerStack` keeps identical blocks with every array stacked on a leading layer axis,
+so a forward pass traces one block whatever the depth. Its segments are named by the
+layers they hold (`"0-11"`), so a stacked Llama's query projection is found at
+`model.layers.0-11.self_attn.q_proj` and the unrolled layout's at
+`model.layers.3.self_attn.q_proj`, transformers' own name. A stack splits into several
+segments when its layers stop being alike, e.g. when `layers_to_transform` adapts some
+of them only: each segment is scanned in turn.
+"""
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax import lax
+
+Layout = Literal["stacked", "unrolled"]
+
+_SPAN = re.compile(r"(\d+)-(\d+)")
+
+
+def span_name(first: int, last: int) -> str:
+    """The name of a segment holding layers `first..last` (inclusive)."""
+    return f"{first}-{last}"
+
+
+def parse_span(name: str) -> tuple[int, int] | None:
+    """`(first, last)` for a segment name such as `"0-11"`, else None."""
+    match = _SPAN.fullmatch(name)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
+@jtu.register_pytree_with_keys_class
+class LayerStack:
+    """Blocks whose arrays are stacked on a leading layer axis, in named segments.
+
+    `segments["a-b"]` is one block (the class of each layer) whose arrays have a leading
+    axis of length `b - a + 1`. A pytree whose children are keyed by segment name, so
+    paths read `layers.0-11.self_attn.q_proj`. Made by `stack_layers`; undone by `unstack`.
+    """
+
+    __slots__ = ("segments",)
+
+    def __init__(self, segments: dict[str, Any]):
+        spans = sorted(parse_span(name) or (-1, -1) for name in segments)
+        if not spans or spans[0][0] != 0 or any(s[0] < 0 or s[1] < s[0] for s in spans):
+            raise ValueError(
+                f"LayerStack segments must be named 'first-last' from 0, got {sorted(segments)}."
+            )
+        for (_, last), (first, _) in zip(spans, spans[1:]):
+            if first != last + 1:
+                raise ValueError(f"LayerStack segments {sorted(segments)} leave a gap.")
+        self.segments = dict(segments)
+
+    def tree_flatten_with_keys(self) -> tuple[list[tuple[Any, Any]], tuple[str, ...]]:
+        names = tuple(span_name(*span) for span in self.spans)
+        return [(jtu.DictKey(n), self.segments[n]) for n in names], names
+
+    def tree_flatten(self) -> tuple[list[Any], tuple[str, ...]]:
+        names = tuple(span_name(*span) for span in self.spans)
+        return [self.segments[n] for n in names], names
+
+    @classmethod
+    def tree_unflatten(cls, names: tuple[str, ...], children: Any) -> "LayerStack":
+        stack = object.__new__(cls)
+        stack.segments = dict(zip(names, children))
+        return stack
+
+    def __repr__(self) -> str:
+        return f"LayerStack({', '.join(self.segments)})"
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """`(first, last)` of each segment, in layer order."""
+        return sorted(parse_span(name) for name in self.segments)  # type: ignore[type-var]
+
+    def __len__(self) -> int:
+        return self.spans[-1][1] + 1
+
+    def ordered(self) -> list[tuple[tuple[int, int], Any]]:
+        """`((first, last), block)` for each segment, in layer order."""
+        return [(span, self.segments[span_name(*span)]) for span in self.spans]
+
+
+def stack_layers(blocks: Sequence[Any]) -> LayerStack:
+    """One `LayerStack` segment from identical blocks (same structure, same shapes)."""
+    blocks = list(blocks)
+    if not blocks:
+        raise ValueError("stack_layers needs at least one block.")
+    arrays = [eqx.filter(b, eqx.is_array) for b in blocks]
+    static = eqx.filter(blocks[0], eqx.is_array, inverse=True)
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *arrays)
+    return LayerStack({span_name(0, len(blocks) - 1): eqx.combine(stacked, static)})
+
+
+def _index(block: Any, i: int) -> Any:
+    return jax.tree.map(lambda x: x[i] if eqx.is_array(x) else x, block)
+
+
+def unstack(layers: "LayerStack | Sequence[Any]") -> tuple[Any, ...]:
+    """The blocks of a stack, one per layer (the unrolled layout)."""
+    if not isinstance(layers, LayerStack):
+        return tuple(layers)
+    out = []
+    for (first, last), block in layers.ordered():
+        out.extend(_index(block, i) for i in range(last - first + 1))
+    return tuple(out)
+
+
+def split_stack(stack: LayerStack, boundaries: Sequence[int]) -> LayerStack:
+    """`stack` with segments also starting at each of `boundaries` (layer indices)."""
+    cuts = set(boundaries)
+    segments = {}
+    for (first, last), block in stack.ordered():
+        starts = sorted({first} | {c for c in cuts if first < c <= last})
+        for a, b in zip(starts, [*starts[1:], last + 1]):
+            part = jax.tree.map(lambda x: x[a - first : b - first] if eqx.is_array(x) else x, block)
+            segments[span_name(a, b - 1)] = part
+    return LayerStack(segments)
+
+
+def num_layers(layers: "LayerStack | Sequence[Any]") -> int:
+    return len(layers)
+
+
+RematPolicy = str | None
+
+
+def _policy(name: RematPolicy) -> Any:
+    if name is None:
+        return None
+    policy = getattr(jax.checkpoint_policies, name, None)
+    if policy is None:
+        known = sorted(n for n in dir(jax.checkpoint_policies) if not n.startswith("_"))
+        raise ValueError(
+            f"remat_policy {name!r} is not in jax.checkpoint_policies; choose one of {known}."
+        )
+    return policy
+
+
+def run_layers(
+    layers: "LayerStack | Sequence[Any]",
+    step: Callable[[Any, Any, Any], tuple[Any, Any]],
+    carry: Any,
+    xs: Any = None,
+    *,
+    gradient_checkpointing: bool = False,
+    remat_policy: RematPolicy = None,
+) -> tuple[Any, Any]:
+    """Run `carry, y = step(block, carry, x)` over the layers in order.
+
+    `xs` (a pytree with a leading axis of one entry per layer, or None) is sliced per
+    layer; the `y`s come back stacked the same way. A `LayerStack` runs each segment under
+    `lax.scan`; a tuple of blocks runs unrolled. With `gradient_checkpointing`, each
+    block's activations are recomputed in the backward pass, keeping what `remat_policy`
+    (a name in `jax.checkpoint_policies`; None saves nothing) allows.
+    """
+    if gradient_checkpointing:
+        step = eqx.filter_checkpoint(step, policy=_policy(remat_policy))
+
+    def sliced(a: int, b: int) -> Any:
+        return jax.tree.map(lambda x: x[a:b], xs)
+
+    ys = []
+    if isinstance(layers, LayerStack):
+        for (first, last), block in layers.ordered():
+            arrays, static = eqx.partition(block, eqx.is_array)
+
+            def body(c: Any, inputs: Any, static: Any = static) -> tuple[Any, Any]:
+                layer_arrays, x = inputs
+                return step(eqx.combine(layer_arrays, static), c, x)
+
+            carry, y = lax.scan(body, carry, (arrays, sliced(first, last + 1)))
+            ys.append(y)
+    else:
+        for i, block in enumerate(layers):
+            carry, y = step(block, carry, jax.tree.map(lambda x: x[i], xs))
+            ys.append(jax.tree.map(lambda t: t[None], y))
+    if len(ys) == 1:
+        return carry, ys[0]
+    return carry, jax.tree.map(lambda *t: jnp.concatenate(t), *ys)
