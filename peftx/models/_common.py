@@ -17,7 +17,7 @@ def linear(layer: eqx.nn.Linear, x: Float[Array, "*batch in"]) -> Float[Array, "
     tokens major, so adapters see a single `dot_general` whatever the batch shape."""
     y = lax.dot_general(x, layer.weight, (((x.ndim - 1,), (1,)), ((), ())))
     if layer.bias is not None:
-        y = y + layer.bias.astype(y.dtype)
+        y = y + layer.bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
     return y
 
 
@@ -27,7 +27,8 @@ def embed(layer: eqx.nn.Embedding, ids: Int[Array, "*batch"]) -> Float[Array, "*
 
 
 class LayerNorm(eqx.Module):
-    """transformers' LayerNorm: over the last axis, statistics in the input's dtype."""
+    """transformers' LayerNorm (torch's `layer_norm`): over the last axis, computed in
+    float32 (at least) and rounded once to the input's dtype, as torch does for half types."""
 
     weight: Float[Array, " dim"]
     bias: Float[Array, " dim"] | None
@@ -39,11 +40,16 @@ class LayerNorm(eqx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-        y = (x - mean) * lax.rsqrt(var + jnp.asarray(self.eps, x.dtype))
-        y = y * self.weight.astype(x.dtype)
-        return y if self.bias is None else y + self.bias.astype(x.dtype)
+        dtype = jnp.promote_types(x.dtype, jnp.float32)
+        h = x.astype(dtype)
+        mean = jnp.mean(h, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+        y = (h - mean) * lax.rsqrt(var + jnp.asarray(self.eps, dtype))
+        row = (1,) * (x.ndim - 1) + (-1,)  # explicit, for rank promotion "raise"
+        y = y * self.weight.astype(dtype).reshape(row)
+        if self.bias is not None:
+            y = y + self.bias.astype(dtype).reshape(row)
+        return y.astype(x.dtype)
 
 
 class RMSNorm(eqx.Module):
