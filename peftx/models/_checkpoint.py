@@ -2,12 +2,15 @@
 
 A model's array at dotted path `model.layers.0-11.self_attn.q_proj.weight` is the stack
 of transformers' tensors `model.layers.{i}.self_attn.q_proj.weight` for i in 0..11; an
-unrolled model's paths are transformers' names as they are. Tensors are read one at a
-time (memory-mapped by `safetensors`, no torch), cast, and written into the preallocated
-stacked array, so the model is never held twice.
+unrolled model's paths are transformers' names as they are. Every key, shape and dtype
+is checked before anything is allocated; then each array is allocated once, in the
+target dtype, and the tensors are read into it one at a time with plain file reads (no
+memory map, no torch), cast on the way in small chunks, so the model is never held
+twice.
 """
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -21,9 +24,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import ml_dtypes
 import numpy as np
+import safetensors.numpy
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from .._errors import CheckpointError
 from .._select import dotted
@@ -98,79 +102,192 @@ def _pick_class(arch: Architecture, config: dict, model_class: Any) -> Any:
     return model_class
 
 
+# safetensors' dtype names; numpy (with ml_dtypes) has each of them
+_SAFE_DTYPES: dict[str, Any] = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+# A tensor whose dtype changes on the way is read and cast this many bytes at a time,
+# so a bfloat16 load of a float32 file never holds a float32 copy of a whole tensor.
+_CHUNK = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """Where one safetensors tensor lies: its file, dtype, shape and byte range."""
+
+    file: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+def _safetensors_header(file: Path) -> dict[str, _Tensor]:
+    """The tensors of one safetensors file, by key. `safe_open` validates the file (header
+    size, JSON, byte ranges covering the data exactly, so a truncated file fails here);
+    the byte ranges are then read from the header ourselves."""
+    try:
+        with safe_open(str(file), framework="numpy"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    tensors = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFE_DTYPES:
+            raise CheckpointError(
+                f"{key!r} in {file} is stored as {info['dtype']}, which peftx does not "
+                f"read; readable dtypes: {sorted(_SAFE_DTYPES)}."
+            )
+        start, end = info["data_offsets"]
+        dtype = np.dtype(_SAFE_DTYPES[info["dtype"]]).newbyteorder("<")
+        tensors[key] = _Tensor(file, dtype, tuple(info["shape"]), 8 + size + start, end - start)
+    return tensors
+
+
 class _Reader:
-    """Tensors of a checkpoint by key, read lazily from safetensors files (or, with
-    torch installed, from a `pytorch_model.bin` via `torch.load(weights_only=True)`)."""
+    """The tensors of a checkpoint directory, by key: safetensors (one file, or shards
+    under an index) read with plain positioned reads, or a `pytorch_model.bin` read only
+    through `torch.load(weights_only=True)`.
+
+    Nothing is memory-mapped: a memory-mapped page that has been read counts in the
+    process's resident memory until the file is unmapped, so a loader that maps the file
+    holds the checkpoint once more beside the model it builds. A read copies the bytes
+    straight into their place in the model's array (through a small buffer when the
+    dtype changes), and the file's pages stay in the kernel's page cache.
+    """
 
     def __init__(self, path: Path):
-        self.files: dict[str, Path] = {}
-        self._open: dict[Path, Any] = {}
+        self.tensors: dict[str, _Tensor] = {}
         self._torch: dict[str, Any] | None = None
+        self._files: dict[Path, Any] = {}
         index, single = path / INDEX_NAME, path / WEIGHTS_NAME
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index} is not a safetensors index: {e}") from None
-            for key, name in weight_map.items():
-                self.files[key] = path / name
-            for file in sorted(set(self.files.values())):
+                shards = {key: path / name for key, name in weight_map.items()}
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointError(
+                    f"{index} is not a safetensors index (a JSON object with a "
+                    f"'weight_map' of tensor name to shard file): {e!r}"
+                ) from None
+            for file in sorted(set(shards.values())):
                 if not file.is_file():
-                    raise CheckpointError(f"{index} names shard {file.name}, which is missing.")
+                    named = sorted(k for k, f in shards.items() if f == file)
+                    raise CheckpointError(
+                        f"{index} names shard {file.name} (for {_listing(named, 3)}), "
+                        f"which is missing from {path}."
+                    )
+                header = _safetensors_header(file)
+                for key in sorted(k for k, f in shards.items() if f == file):
+                    if key not in header:
+                        raise CheckpointError(
+                            f"{index} puts {key!r} in {file.name}, which lacks it."
+                        )
+                    self.tensors[key] = header[key]
         elif single.is_file():
-            for key in self._handle(single).keys():
-                self.files[key] = single
+            self.tensors = _safetensors_header(single)
         elif (path / TORCH_NAME).is_file():
             self._torch = _torch_state_dict(path / TORCH_NAME)
-            self.files = {k: path / TORCH_NAME for k in self._torch}
         else:
             raise CheckpointError(
                 f"{path} holds no weights: expected {WEIGHTS_NAME}, {INDEX_NAME} or {TORCH_NAME}."
             )
 
-    def _handle(self, file: Path) -> Any:
-        if file not in self._open:
-            try:
-                self._open[file] = safe_open(str(file), framework="numpy")
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{file} is not a readable safetensors file: {e}") from None
-        return self._open[file]
+    def __enter__(self) -> "_Reader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self._torch = None
 
     def keys(self) -> set[str]:
-        return set(self.files)
+        return set(self._torch if self._torch is not None else self.tensors)
+
+    def file(self, key: str) -> str:
+        return TORCH_NAME if self._torch is not None else self.tensors[key].file.name
 
     def shape(self, key: str) -> tuple[int, ...]:
         if self._torch is not None:
             return tuple(self._torch[key].shape)
-        return tuple(self._handle(self.files[key]).get_slice(key).get_shape())
+        return self.tensors[key].shape
 
-    def dtype(self, key: str) -> str:
+    def dtype(self, key: str) -> np.dtype:
         if self._torch is not None:
-            return str(self._torch[key].dtype).removeprefix("torch.")
-        return _SAFE_DTYPES.get(self._handle(self.files[key]).get_slice(key).get_dtype(), "")
+            return _torch_numpy(self._torch[key]).dtype
+        return self.tensors[key].dtype
 
-    def read(self, key: str) -> np.ndarray:
+    def read_into(self, key: str, dest: np.ndarray) -> None:
+        """Copy tensor `key` into `dest` (its shape; any dtype, any strides), casting."""
         if self._torch is not None:
-            t = self._torch[key]
-            if str(t.dtype) == "torch.bfloat16":
-                import ml_dtypes
+            dest[...] = _torch_numpy(self._torch[key])
+            return
+        t = self.tensors[key]
+        if t.nbytes == 0:
+            return
+        if t.file not in self._files:
+            self._files[t.file] = open(t.file, "rb", buffering=0)  # noqa: SIM115
+        f = self._files[t.file]
+        if dest.dtype == t.dtype and dest.flags.c_contiguous:
+            _read_exactly(f, t.offset, dest.reshape(-1).view(np.uint8), key)
+            return
+        if not t.shape:
+            tmp = np.empty((), t.dtype)
+            _read_exactly(f, t.offset, tmp.reshape(-1).view(np.uint8), key)
+            dest[...] = tmp
+            return
+        rows = t.shape[0]
+        row_bytes = t.nbytes // rows
+        step = max(1, _CHUNK // max(row_bytes, 1))
+        for first in range(0, rows, step):
+            last = min(rows, first + step)
+            tmp = np.empty((last - first, *t.shape[1:]), t.dtype)
+            _read_exactly(f, t.offset + first * row_bytes, tmp.reshape(-1).view(np.uint8), key)
+            dest[first:last] = tmp
 
-                return t.view(dtype=__import__("torch").int16).numpy().view(ml_dtypes.bfloat16)
-            return t.numpy()
-        try:
-            if key not in self.files:
-                raise KeyError(key)
-            handle = self._handle(self.files[key])
-            if key not in handle.keys():
-                raise CheckpointError(
-                    f"the index puts {key!r} in {self.files[key].name}, which lacks it."
-                )
-            return handle.get_tensor(key)
-        except SafetensorError as e:
-            raise CheckpointError(f"cannot read {key!r} from {self.files[key]}: {e}") from None
+
+def _read_exactly(f: Any, offset: int, out: np.ndarray, key: str) -> None:
+    view = memoryview(out)
+    done = 0
+    f.seek(offset)
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise CheckpointError(
+                f"{f.name} ended while reading {key!r}: the file changed or was truncated "
+                "after its header was read."
+            )
+        done += n
 
 
-_SAFE_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+def _torch_numpy(tensor: Any) -> np.ndarray:
+    """A CPU torch tensor as a numpy array, without a copy (bfloat16 as ml_dtypes')."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
 
 
 def _torch_state_dict(file: Path) -> dict[str, Any]:
@@ -183,11 +300,20 @@ def _torch_state_dict(file: Path) -> dict[str, Any]:
             "safetensors."
         ) from None
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad pickle
         raise CheckpointError(
-            f"{file} could not be read with torch.load(weights_only=True): {e}"
+            f"{file} could not be read with torch.load(weights_only=True), the only way "
+            f"peftx reads a pickle (it refuses any object but tensors and plain "
+            f"containers): {e}"
         ) from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise CheckpointError(
+            f"{file} does not hold a state dict (a dict of tensor name to tensor)."
+        )
+    return state
 
 
 @dataclass(frozen=True)
@@ -265,81 +391,125 @@ def from_pretrained(
     - `strict`: raise on checkpoint tensors the model has no place for (else warn).
     - `model_kwargs`: passed to the model, e.g. `gradient_checkpointing=True`.
 
+    **Returns:**
+
+    The model, its arrays on the default device.
+
     A head the checkpoint lacks (a classifier on a bare encoder) is initialized fresh,
     with a warning naming it. Every other missing tensor, a shape that differs, an
-    unreadable file or an unknown `model_type` raises `CheckpointError`.
+    unreadable file or an unknown `model_type` raises `CheckpointError`, before any of
+    the model's arrays is allocated.
+
+    Each array is allocated once, in the target dtype, and the checkpoint's tensors are
+    read into it one at a time (a stacked array row by row), so loading takes little more
+    memory than the model itself.
     """
     path = Path(path)
     hf = _read_config(path)
     arch = architecture(hf["model_type"])
     cls = _pick_class(arch, hf, model_class)
     config = arch.config_class.from_hf_config(hf)
-    reader = _Reader(path)
+    with _Reader(path) as reader:
+        present = reader.keys()
+        if dtype is None:
+            floats = [d for d in (reader.dtype(k) for k in sorted(present)) if _is_float(d)]
+            dtype = max(set(floats), key=floats.count) if floats else np.float32
+        dtype = jnp.dtype(dtype)
+        key = jax.random.PRNGKey(0)
+
+        def build(k: Any) -> Any:
+            return cls(config, key=k, layout=layout, dtype=dtype, **model_kwargs)
+
+        skeleton = eqx.filter_eval_shape(build, key)
+        arrays, static = eqx.partition(skeleton, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        leaves, treedef = _leaves(arrays)
+        expected = {k for leaf in leaves for k in _expected_keys(leaf)}
+        to_ckpt = _key_mapper(arch, expected, present)
+        _check(path, hf, arch, cls, reader, leaves, to_ckpt, strict, dtype)
+        new = [
+            n for n, leaf in enumerate(leaves) if to_ckpt(next(_expected_keys(leaf))) not in present
+        ]
+        fresh: dict[int, jax.Array] = {}
+        if new:
+            names = [leaves[n].path for n in new]
+            warnings.warn(
+                f"{path} has no weights for {_listing(names)}; they are initialized fresh "
+                "(train them, e.g. with modules_to_save).",
+                stacklevel=2,
+            )
+
+            def initial(k: Any) -> list[jax.Array]:
+                # only the new heads leave the jit, so XLA never builds the rest
+                built = jax.tree.leaves(eqx.filter(build(k), eqx.is_array))
+                return [built[n] for n in new]
+
+            fresh = dict(zip(new, jax.jit(initial)(key)))
+        values = [
+            fresh[n] if n in fresh else _load_leaf(reader, leaf, to_ckpt, arch, dtype)
+            for n, leaf in enumerate(leaves)
+        ]
+    return eqx.combine(jax.tree.unflatten(treedef, values), static)
+
+
+def _is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _check(
+    path: Path,
+    hf: dict,
+    arch: Architecture,
+    cls: Any,
+    reader: _Reader,
+    leaves: list[_Leaf],
+    to_ckpt: Callable,
+    strict: bool,
+    dtype: Any,
+) -> None:
+    """Every key, shape and dtype the model needs, checked before anything is read."""
     present = reader.keys()
-    if dtype is None:
-        stored = [reader.dtype(k) for k in sorted(present)]
-        floats = [d for d in stored if d.startswith(("float", "bfloat"))]
-        dtype = max(set(floats), key=floats.count) if floats else "float32"
-    dtype = jnp.dtype(dtype)
-    key = jax.random.PRNGKey(0)
-
-    def build(k: Any) -> Any:
-        return cls(config, key=k, layout=layout, dtype=dtype, **model_kwargs)
-
-    skeleton = eqx.filter_eval_shape(build, key)
-    arrays, static = eqx.partition(skeleton, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    leaves, treedef = _leaves(arrays)
-    expected = {k for leaf in leaves for k in _expected_keys(leaf)}
-    to_ckpt = _key_mapper(arch, expected, present)
     used: set[str] = set()
     missing: list[str] = []
-    fresh: list[str] = []
     for leaf in leaves:
+        row_shape = leaf.shape[1:] if leaf.span is not None else leaf.shape
+        transposed = _is_transposed(arch, leaf.template)
+        want = tuple(reversed(row_shape)) if transposed else row_shape
         for k in _expected_keys(leaf):
             ck = to_ckpt(k)
-            if ck in present:
-                used.add(ck)
-            elif any(re.fullmatch(p, k) for p in arch.new_heads):
-                fresh.append(k)
-            else:
-                missing.append(ck)
-    unexpected = sorted(k for k in present - used if not _ignored(arch, k))
+            if ck not in present:
+                if not any(re.fullmatch(p, k) for p in arch.new_heads):
+                    missing.append(ck)
+                continue
+            used.add(ck)
+            stored = reader.shape(ck)
+            if stored != want:
+                raise CheckpointError(
+                    f"{ck!r} in {reader.file(ck)} has shape {stored}; {cls.__name__}'s "
+                    f"{leaf.path} expects {want}"
+                    f"{' (stored transposed)' if transposed else ''}. Does config.json "
+                    "describe these weights?"
+                )
+            if _is_float(leaf.dtype) and not _is_float(reader.dtype(ck)):
+                raise CheckpointError(
+                    f"{ck!r} in {reader.file(ck)} is stored as {reader.dtype(ck)}; "
+                    f"{leaf.path} expects a floating tensor (loaded as {dtype})."
+                )
     if missing:
         raise CheckpointError(
             f"{path} lacks {len(missing)} tensor(s) {cls.__name__} needs: "
             f"{_listing(missing)}. Is it a {hf['model_type']} checkpoint of this size?"
         )
+    unexpected = sorted(k for k in present - used if not _ignored(arch, k))
     if unexpected:
         message = (
             f"{path} has {len(unexpected)} tensor(s) {cls.__name__} has no place for: "
             f"{_listing(unexpected)}."
         )
         if strict:
-            raise CheckpointError(message + " Pass strict=False to ignore them.")
-        warnings.warn(message, stacklevel=2)
-    new = [n for n, leaf in enumerate(leaves) if to_ckpt(next(_expected_keys(leaf))) not in present]
-    fresh_values: dict[int, jax.Array] = {}
-    if new:
-        warnings.warn(
-            f"{path} has no weights for {_listing(sorted(set(fresh)))}; they are initialized "
-            "fresh (train them, e.g. with modules_to_save).",
-            stacklevel=2,
-        )
-
-        def initial(k: Any) -> list[jax.Array]:
-            # only the new heads leave the jit, so XLA never builds the rest
-            built = jax.tree.leaves(eqx.filter(build(k), eqx.is_array))
-            return [built[n] for n in new]
-
-        fresh_values = dict(zip(new, jax.jit(initial)(key)))
-    values = []
-    for n, leaf in enumerate(leaves):
-        if n in fresh_values:
-            values.append(fresh_values[n])
-        else:
-            keys = list(_expected_keys(leaf))
-            values.append(_load_leaf(reader, leaf, keys, to_ckpt, arch, dtype))
-    return eqx.combine(jax.tree.unflatten(treedef, values), static)
+            raise CheckpointError(
+                message + " Is model_class right? Pass strict=False to ignore them."
+            )
+        warnings.warn(message, stacklevel=3)
 
 
 def _ignored(arch: Architecture, key: str) -> bool:
@@ -351,33 +521,35 @@ def _listing(keys: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
+# `jax.device_put` on CPU adopts a numpy array's memory without a copy when it starts
+# on a 64-byte boundary (else it copies, and the array is briefly held twice).
+_ALIGN = 64
+
+
+def _empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialized array starting on an `_ALIGN`-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 def _load_leaf(
     reader: _Reader,
     leaf: _Leaf,
-    keys: list[str],
     to_ckpt: Callable,
     arch: Architecture,
     dtype: Any,
 ) -> jax.Array:
+    keys = list(_expected_keys(leaf))
     row_shape = leaf.shape[1:] if leaf.span is not None else leaf.shape
     transposed = _is_transposed(arch, leaf.template)
-    want_dtype = leaf.dtype if not jnp.issubdtype(leaf.dtype, jnp.floating) else dtype
-    buffer = np.empty((len(keys), *row_shape), dtype=want_dtype)
+    want_dtype = dtype if _is_float(leaf.dtype) else leaf.dtype
+    buffer = _empty((len(keys), *row_shape), want_dtype)
     for row, k in enumerate(keys):
-        ck = to_ckpt(k)
-        stored = reader.shape(ck)
-        want = tuple(reversed(row_shape)) if transposed else row_shape
-        if stored != want:
-            raise CheckpointError(
-                f"{ck!r} in {reader.files[ck].name} has shape {stored}; "
-                f"{leaf.path} expects {want}{' (stored transposed)' if transposed else ''}."
-            )
-        tensor = reader.read(ck)
-        buffer[row] = tensor.T if transposed else tensor
-        del tensor
-    array = jax.device_put(buffer if leaf.span is not None else buffer[0])
-    del buffer
-    return array
+        reader.read_into(to_ckpt(k), buffer[row].T if transposed else buffer[row])
+    return jax.device_put(buffer if leaf.span is not None else buffer[0])
 
 
 def save_pretrained(
@@ -385,12 +557,23 @@ def save_pretrained(
 ) -> None:
     """Write `model` as a transformers checkpoint: `config.json` and safetensors (sharded
     under `model.safetensors.index.json` past `max_shard_size`), with `{"format": "pt"}`
-    metadata; each file is written to a temporary name and renamed.
+    metadata.
 
-    A `PeftModel` must be merged first (`merge_and_unload()`), or its adapters saved on
-    their own.
+    **Arguments:**
+
+    - `model`: a `peftx.models` model (a `PeftModel` must be merged first with
+      `merge_and_unload()`).
+    - `path`: the directory (created if missing).
+    - `max_shard_size`: bytes, or a size such as `"5GB"` or `"500MiB"`; a tensor larger
+      than this gets a shard of its own.
+
+    Every file is written under a temporary name first and renamed only when all of
+    them are complete, so a save that fails leaves `path` as it was; weight files of an
+    earlier save that the new one does not replace are then removed (as transformers
+    does), so the directory holds one checkpoint.
     """
     from .._peft_model import PeftModel
+    from ..implicit import is_implicit
 
     if isinstance(model, PeftModel):
         raise TypeError(
@@ -400,6 +583,11 @@ def save_pretrained(
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_hf_config"):
         raise TypeError(f"save_pretrained takes a peftx.models model, got {type(model).__name__}.")
+    if any(is_implicit(x) for x in jax.tree.leaves(model, is_leaf=is_implicit)):
+        raise TypeError(
+            "the model holds implicit arrays (adapters or quantized weights); merge or "
+            "dequantize them before save_pretrained."
+        )
     arch = architecture(config.model_type)
     name = next(n for n, c in arch.classes.items() if c is type(model))
     path = Path(path)
@@ -409,18 +597,11 @@ def save_pretrained(
     arrays = eqx.filter(model, eqx.is_array)
     leaves, _ = _leaves(arrays)
     values = jax.tree.leaves(arrays)
-    from ..implicit import is_implicit
-
-    if any(is_implicit(x) for x in jax.tree.leaves(model, is_leaf=is_implicit)):
-        raise TypeError(
-            "the model holds implicit arrays (adapters or quantized weights); merge or "
-            "dequantize them before save_pretrained."
-        )
     shards: list[dict[str, np.ndarray]] = [{}]
     sizes = [0]
     for leaf, value in zip(leaves, values):
         transposed = _is_transposed(arch, leaf.template)
-        host = np.asarray(value)
+        host = np.asarray(value)  # no copy on CPU
         rows = (
             [(leaf.template, host)]
             if leaf.span is None
@@ -435,19 +616,50 @@ def save_pretrained(
             sizes[-1] += t.nbytes
     hf = config.to_hf_config()
     hf["architectures"] = [name]
-    hf["dtype"] = str(np.dtype(values[0].dtype)) if values else "float32"
-    _atomic_write_text(path / CONFIG_NAME, json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    floats = [str(np.dtype(v.dtype)) for v in values if _is_float(v.dtype)]
+    hf["dtype"] = max(set(floats), key=floats.count) if floats else "float32"
+
     if len(shards) == 1:
-        _atomic_safetensors(shards[0], path / WEIGHTS_NAME)
-        return
-    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for shard, fname in zip(shards, names):
-        _atomic_safetensors(shard, path / fname)
-    index = {
-        "metadata": {"total_size": sum(sizes)},
-        "weight_map": {k: fname for shard, fname in zip(shards, names) for k in sorted(shard)},
-    }
-    _atomic_write_text(path / INDEX_NAME, json.dumps(index, indent=2, sort_keys=True) + "\n")
+        names = [WEIGHTS_NAME]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    written: list[tuple[str, Path]] = []  # (temporary file, final name)
+    try:
+        for shard, fname in zip(shards, names):
+            written.append((_temporary(path / fname), path / fname))
+            safetensors.numpy.save_file(shard, written[-1][0], metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(sizes)},
+                "weight_map": {k: f for shard, f in zip(shards, names) for k in sorted(shard)},
+            }
+            written.append((_temporary(path / INDEX_NAME), path / INDEX_NAME))
+            Path(written[-1][0]).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        # config.json last: it names the architecture of the weights beside it
+        written.append((_temporary(path / CONFIG_NAME), path / CONFIG_NAME))
+        Path(written[-1][0]).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    except BaseException:
+        for tmp, _ in written:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+    for tmp, target in written:
+        os.replace(tmp, target)
+    keep = {target.name for _, target in written}
+    for stale in _weight_files(path):
+        if stale.name not in keep:
+            stale.unlink()
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """Weight files of a transformers checkpoint in `path`."""
+    pattern = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+    return [f for f in path.iterdir() if pattern.fullmatch(f.name) or f.name == TORCH_NAME]
+
+
+def _temporary(target: Path) -> str:
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    return tmp
 
 
 def _size(size: int | str) -> int:
@@ -458,28 +670,6 @@ def _size(size: int | str) -> int:
     if match is None:
         raise ValueError(f"max_shard_size {size!r} is not a size like '5GB' or '500MiB'.")
     return int(float(match.group(1)) * units[match.group(2)])
-
-
-def _atomic_write_text(target: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_safetensors(tensors: dict[str, np.ndarray], target: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def is_stacked(model: Any) -> bool:
