@@ -129,7 +129,7 @@ class PeftModel(eqx.Module):
             active, gate, model = (self.active_adapter,), None, self
         else:
             active, gate = self._route(adapter_names)
-            model = _map_sets(self, lambda s: AdapterSet(s.weight, s.adapters, gate, active))
+            model = _map_layers(self, lambda layer: _gated(layer, gate, active))
         return _map_layers(self._with_saved(model.base_model, active, gate), _scale_ia3_bias)
 
     def _with_saved(self, model: Any, active: tuple[str, ...], gate: Array | None) -> Any:
@@ -585,6 +585,17 @@ def _pattern(patterns: dict | None, path: str, default: Any) -> Any:
         if re.match(rf"(.*\.)?({pattern})$", path):
             return value
     return default
+
+
+def _gated(layer: Any, gate: Array, active: tuple[str, ...]) -> Any:
+    """`layer` with `gate` on its adapters; a stacked layer (its weight carrying leading
+    layer axes, scanned by `run_layers`) gets the gate repeated along those axes, so each
+    layer's slice holds the whole gate."""
+    s = layer.weight
+    kernel_ndim = layer.num_spatial_dims if isinstance(layer, eqx.nn.Conv) else 0
+    stacked = s.weight.shape[: len(s.weight.shape) - 2 - kernel_ndim]
+    gate = jnp.broadcast_to(gate, (*stacked, *gate.shape))
+    return eqx.tree_at(lambda m: m.weight, layer, AdapterSet(s.weight, s.adapters, gate, active))
 
 
 def _scale_ia3_bias(layer: Any) -> Any:
