@@ -442,8 +442,8 @@ class PeftModel(eqx.Module):
                 "cannot join them (as in PEFT). Start from the base model (`unload()`)."
             )
         config = with_defaults(config, self.base_model, model_type)
-        model = self.base_model
-        selection = targets(model, config)
+        selection = targets(self.base_model, config)
+        model = selection.model  # stacks split where layers_to_transform starts and stops
         layers = list(zip(selection.paths(), selection.get()))
         if config.fan_in_fan_out:
             # PEFT's rule for torch.nn.Linear targets, whose weights are (out, in) like ours

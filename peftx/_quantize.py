@@ -121,12 +121,16 @@ def quantize_model(model: Any, config: QuantizationConfig) -> Any:
         return model
     dtype = config.bnb_4bit_compute_dtype
 
-    def quantize(layer: eqx.nn.Linear) -> Any:
+    def quantized(weight: Any) -> Any:
+        if weight.ndim > 2:
+            # a stacked layer (`peftx.models.LayerStack`): each layer quantized on its own
+            return eqx.filter_vmap(quantized)(weight)
         if config.load_in_8bit:
-            q = quantize_int8(layer.weight, dtype=dtype)
-        else:
-            double_quant = config.bnb_4bit_use_double_quant
-            q = quantize_nf4(layer.weight, double_quant=double_quant, dtype=dtype)
+            return quantize_int8(weight, dtype=dtype)
+        return quantize_nf4(weight, double_quant=config.bnb_4bit_use_double_quant, dtype=dtype)
+
+    def quantize(layer: eqx.nn.Linear) -> Any:
+        q = quantized(layer.weight)
         layer = eqx.tree_at(lambda m: m.weight, layer, q)
         if dtype is not None and layer.bias is not None:
             # bitsandbytes' Linear4bit casts its bias to the dtype it computes in

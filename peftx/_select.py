@@ -64,28 +64,54 @@ def path_regex(pattern: str) -> Predicate:
     return Predicate(lambda p, n: compiled.fullmatch(p) is not None, f"path_regex({pattern!r})")
 
 
+def _layer_match(path: str, layers_pattern: str | Sequence[str] | None) -> re.Match | None:
+    span = r"(?P<idx>\d+)(?:-(?P<last>\d+))?\."
+    if not layers_pattern:
+        return re.match(r".*?\.[^.]*\." + span, path)
+    patterns = [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern
+    for pattern in patterns:
+        match = re.match(rf"(?:^|.*?\.){pattern}\." + span, path)
+        if match is not None:
+            return match
+    return None
+
+
 def layer_index(path: str, layers_pattern: str | Sequence[str] | None = None) -> int | None:
     """The layer index of a dotted path as HF PEFT reads it: the first numbered segment
-    that follows another segment (or that follows one of `layers_pattern`)."""
-    if not layers_pattern:
-        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", path)
-    else:
-        patterns = [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern
-        match = None
-        for pattern in patterns:
-            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", path)
-            if match is not None:
-                break
-    return None if match is None else int(match.group("idx"))
+    that follows another segment (or that follows one of `layers_pattern`). None for a
+    path inside a stacked segment of several layers (see `layer_span`)."""
+    match = _layer_match(path, layers_pattern)
+    if match is None or match.group("last") is not None:
+        return None
+    return int(match.group("idx"))
+
+
+def layer_span(
+    path: str, layers_pattern: str | Sequence[str] | None = None
+) -> tuple[int, int] | None:
+    """The layers a dotted path belongs to, first and last: `(3, 3)` for transformers'
+    `layers.3.…`, `(0, 11)` inside a `peftx.models.LayerStack` segment `layers.0-11.…`."""
+    match = _layer_match(path, layers_pattern)
+    if match is None:
+        return None
+    first = int(match.group("idx"))
+    last = match.group("last")
+    return first, first if last is None else int(last)
+
+
+def _within(span: tuple[int, int] | None, wanted: set[int]) -> bool:
+    return span is not None and all(i in wanted for i in range(span[0], span[1] + 1))
 
 
 def in_layers(
     layers: int | Iterable[int] | range, layers_pattern: str | Sequence[str] | None = None
 ) -> Predicate:
-    """Nodes inside the given layers (PEFT's `layers_to_transform`/`layers_pattern`)."""
+    """Nodes inside the given layers (PEFT's `layers_to_transform`/`layers_pattern`); a
+    stacked segment is inside when all its layers are."""
     wanted = {layers} if isinstance(layers, int) else set(layers)
     return Predicate(
-        lambda p, n: layer_index(p, layers_pattern) in wanted, f"in_layers({sorted(wanted)})"
+        lambda p, n: _within(layer_span(p, layers_pattern), wanted),
+        f"in_layers({sorted(wanted)})",
     )
 
 
@@ -258,7 +284,9 @@ def peft_targets(
 
     A string is a regex that must match the whole path; a list matches a path equal to an
     entry or ending in `"." + entry`. `exclude_modules` (same rules) wins over the targets.
-    `layers_to_transform` keeps only paths whose layer index (see `layer_index`) is listed.
+    `layers_to_transform` keeps only paths whose layer index (see `layer_index`) is listed;
+    a stacked segment's path is kept when all its layers are (`peftx.targets` and
+    `get_peft_model` first split stacks where the listed layers start and stop).
     """
 
     def matches(rule: str | Sequence[str], path: str) -> bool:
@@ -278,7 +306,7 @@ def peft_targets(
             if isinstance(layers_to_transform, int)
             else set(layers_to_transform)
         )
-        return not wanted or layer_index(path, layers_pattern) in wanted
+        return not wanted or _within(layer_span(path, layers_pattern), wanted)
 
     return Predicate(test, f"peft_targets({target_modules!r})")
 

@@ -2,6 +2,8 @@
 output head that `"all-linear"` leaves alone, and the checks on layer indices."""
 
 import dataclasses
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -11,12 +13,13 @@ from ._errors import UnsupportedTargetError
 from ._select import (
     Predicate,
     Selection,
-    layer_index,
+    layer_span,
     of_type,
     peft_targets,
     require_matches,
     select,
 )
+from .models._stack import LayerStack, split_stack
 
 # PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
 # architectures peftx users load; tests compare them with PEFT's own tables.
@@ -147,6 +150,7 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Select
     """
     config = with_defaults(config, model, model_type)
     check_layers(config, model)
+    model = split_stacks(model, config)
     target = config.target_modules
     wanted = [target] if isinstance(target, str) else list(target or ())
     chosen = require_matches(
@@ -188,6 +192,30 @@ def _adaptable(chosen: Selection, config: Any) -> list[str]:
     return layers
 
 
+def split_stacks(model: Any, config: Any) -> Any:
+    """`model` with each `LayerStack` (of `layers_pattern`, if set) split into segments
+    where `layers_to_transform` starts or stops, so an adapter lands on whole segments
+    and untransformed layers get none (PEFT's parameter counts)."""
+    wanted = config.layers_to_transform
+    if wanted is None or isinstance(config.target_modules, str | Predicate):
+        return model
+    wanted = {wanted} if isinstance(wanted, int) else set(wanted)
+    stacks = select(model).at(of_type(LayerStack))
+    if config.layers_pattern:
+        stacks = stacks.at(Predicate(lambda p, n: _is_pattern(p, config.layers_pattern), ""))
+
+    def split(stack: LayerStack) -> LayerStack:
+        cuts = [i for i in range(1, len(stack)) if (i in wanted) != (i - 1 in wanted)]
+        return split_stack(stack, cuts)
+
+    return stacks.apply(split)
+
+
+def _is_pattern(path: str, layers_pattern: str | Sequence[str]) -> bool:
+    patterns = [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern
+    return any(re.fullmatch(p, path.rsplit(".", 1)[-1]) for p in patterns)
+
+
 def check_layers(config: Any, model: Any) -> None:
     """Raise if `layers_to_transform` names a layer index the model does not have."""
     wanted = config.layers_to_transform
@@ -195,7 +223,8 @@ def check_layers(config: Any, model: Any) -> None:
         return
     wanted = {wanted} if isinstance(wanted, int) else set(wanted)
     paths = select(model).paths()
-    present = {i for p in paths if (i := layer_index(p, config.layers_pattern)) is not None}
+    spans = {s for p in paths if (s := layer_span(p, config.layers_pattern)) is not None}
+    present = {i for first, last in spans for i in range(first, last + 1)}
     missing = sorted(wanted - present)
     if missing:
         where = f" after {config.layers_pattern!r}" if config.layers_pattern else ""
