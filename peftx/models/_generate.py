@@ -1,0 +1,304 @@
+"""Text generation for the decoder models: greedy decoding and sampling over a KV cache,
+with adapters (one per prompt if asked), compiled once per shape.
+
+One prefill runs over the whole left-padded prompt and fills a cache preallocated for
+`prompt + max_new_tokens` slots; then one token per step inside `lax.while_loop`, which
+stops as soon as every row has produced an end-of-sequence token.
+"""
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Int, PRNGKeyArray
+
+from ..implicit import is_implicit, use_implicit_args
+from ._common import KVCache
+from ._gpt2 import GPT2LMHeadModel
+from ._llama import LlamaForCausalLM
+
+_MODELS = (LlamaForCausalLM, GPT2LMHeadModel)
+
+
+class _Spec(NamedTuple):
+    """Everything static about one compiled generation."""
+
+    max_new_tokens: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    do_sample: bool
+    top_k: int | None
+    use_top_p: bool
+    eos: tuple[int, ...]
+    pad: int
+
+
+def generate(
+    model: Any,
+    input_ids: Int[Array | np.ndarray, "batch prompt"],
+    max_new_tokens: int,
+    *,
+    attention_mask: Int[Array | np.ndarray, "batch prompt"] | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    key: PRNGKeyArray | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    adapter_names: Sequence[str] | None = None,
+) -> Int[Array, "batch total"]:
+    """Continue each prompt by `max_new_tokens` tokens, as transformers' `generate` does.
+
+    **Arguments:**
+
+    - `model`: a `LlamaForCausalLM` (Llama, Mistral, Qwen2) or `GPT2LMHeadModel`, or a
+      `PeftModel` around one (adapters unmerged, on a dense or quantized base).
+    - `input_ids`: the prompts, `(batch, prompt)`, left-padded when their lengths differ.
+    - `max_new_tokens`: how many tokens to add (at least 1).
+    - `attention_mask`: 1 for real tokens, 0 for padding (default: all real). Padding
+      must be on the left: a right-padded prompt would continue after its padding.
+      New tokens take positions that continue each row's count of real tokens.
+    - `do_sample`: sample (with `key`) instead of taking the most likely token.
+    - `temperature`, `top_k`, `top_p`: applied to the logits in transformers' order
+      (temperature, then top-k, then the nucleus) when sampling; ignored otherwise.
+    - `key`: PRNG key, required when sampling. Token `i` (counted from 0 after the
+      prompt) is drawn with `jax.random.categorical(jax.random.fold_in(key, i), ...)`.
+    - `eos_token_id`: one id or several; a row that produces one is finished and gets
+      `pad_token_id` from then on. Default: the model config's `eos_token_id`.
+    - `pad_token_id`: default the config's, else the first end-of-sequence id.
+    - `adapter_names`: with a `PeftModel`, one adapter name per prompt (`"__base__"` for
+      none): each row generates with its own adapter, all in one batch.
+
+    **Returns:**
+
+    `(batch, prompt + max_new_tokens)` ids: the prompts, then the new tokens. Once every
+    row has finished, the remaining columns hold `pad_token_id` (transformers returns
+    the shorter array instead).
+
+    Compiled with `eqx.filter_jit`: shapes, `max_new_tokens`, `do_sample`, `top_k`, the
+    special ids and the model's structure are static; a new value of any recompiles.
+    """
+    from .._peft_model import PeftModel  # peftx.models is imported before PeftModel's module
+
+    base = model.base_model if isinstance(model, PeftModel) else model
+    if not isinstance(base, _MODELS):
+        raise TypeError(
+            f"generate runs a causal language model ({', '.join(c.__name__ for c in _MODELS)}"
+            f", or a PeftModel around one), got {type(base).__name__}."
+        )
+    config = base.config
+    ids = jnp.asarray(input_ids)
+    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(
+            f"input_ids must be integer ids of shape (batch, prompt), got dtype {ids.dtype} "
+            f"and shape {tuple(ids.shape)}."
+        )
+    batch, prompt = ids.shape
+    if prompt == 0:
+        raise ValueError("input_ids has no tokens; every prompt needs at least one.")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
+    mask = _checked_mask(attention_mask, ids.shape)
+    layers, kv_heads, head_dim, max_positions = _cache_dims(config)
+    if max_positions is not None and prompt + max_new_tokens > max_positions:
+        raise ValueError(
+            f"prompt length {prompt} + max_new_tokens {max_new_tokens} exceeds the "
+            f"{max_positions} positions this {type(base).__name__} has embeddings for."
+        )
+
+    if do_sample:
+        if key is None:
+            raise ValueError(
+                "do_sample=True needs a PRNG key: pass key=jax.random.key(seed) (a new "
+                "key draws new tokens)."
+            )
+        if not (isinstance(temperature, int | float) and temperature > 0):
+            raise ValueError(f"temperature must be a number > 0, got {temperature!r}.")
+        if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}.")
+        if top_p is not None and not (isinstance(top_p, int | float) and 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}.")
+    else:
+        key = None
+    vocab = config.vocab_size
+    top_k = None if top_k is None or not do_sample else min(top_k, vocab)
+    use_top_p = do_sample and top_p is not None and top_p < 1.0
+
+    eos = _eos_ids(config if eos_token_id is None else None, eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = config.pad_token_id
+        if pad_token_id is None:
+            pad_token_id = eos[0] if eos else 0
+    if not (isinstance(pad_token_id, int) and 0 <= pad_token_id < vocab):
+        # a finished row feeds its padding back to the model: it must be a token
+        raise ValueError(
+            f"pad_token_id {pad_token_id!r} is not an id of this model's {vocab} tokens; "
+            "pass pad_token_id= (it defaults to the config's, else the first eos id)."
+        )
+
+    route = None
+    if adapter_names is not None:
+        if not isinstance(model, PeftModel):
+            raise TypeError(
+                f"adapter_names routes prompts to adapters of a PeftModel; this model is a "
+                f"{type(model).__name__}, which has none."
+            )
+        if isinstance(adapter_names, str) or len(adapter_names) != batch:
+            raise ValueError(
+                f"adapter_names needs one name per prompt ({batch}), got {adapter_names!r}."
+            )
+        route = model.adapter_ids(list(adapter_names))  # integer ids: one compiled program
+
+    spec = _Spec(
+        max_new_tokens, layers, kv_heads, head_dim, bool(do_sample), top_k, use_top_p, eos,
+        int(pad_token_id),
+    )  # fmt: skip
+    sampling = jnp.asarray([temperature, 1.0 if top_p is None else top_p], jnp.float32)
+    return _generate(model, ids, mask, route, key, sampling, spec)
+
+
+def _checked_mask(mask: Any, shape: tuple[int, int]) -> Array:
+    if mask is None:
+        return jnp.ones(shape, jnp.int32)
+    mask = jnp.asarray(mask)
+    if tuple(mask.shape) != shape:
+        raise ValueError(
+            f"attention_mask has shape {tuple(mask.shape)}; it must match input_ids {shape}."
+        )
+    try:
+        host = np.asarray(mask)
+    except jax.errors.TracerArrayConversionError:
+        return mask.astype(jnp.int32)  # traced under the caller's jit: cannot be checked
+    if not np.isin(host, (0, 1)).all():
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (real tokens) only.")
+    rows = np.flatnonzero(np.diff(host.astype(np.int8), axis=-1).min(axis=-1, initial=0) < 0)
+    if rows.size:
+        raise ValueError(
+            f"prompts {rows.tolist()} are right-padded (a real token before padding); "
+            "generate continues from the last column, so pad on the left (e.g. "
+            "tokenizer.padding_side = 'left')."
+        )
+    empty = np.flatnonzero(host.sum(axis=-1) == 0)
+    if empty.size:
+        raise ValueError(f"prompts {empty.tolist()} are all padding; each needs a real token.")
+    return mask.astype(jnp.int32)
+
+
+def _cache_dims(config: Any) -> tuple[int, int, int, int | None]:
+    """`(layers, kv_heads, head_dim, max_positions)` of the KV cache a config's model fills
+    (`max_positions` where position embeddings are a table, else None)."""
+    if config.model_type == "gpt2":
+        return config.n_layer, config.n_head, config.n_embd // config.n_head, config.n_positions
+    return config.num_hidden_layers, config.num_key_value_heads, config.head_dim, None
+
+
+def _eos_ids(config: Any, eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
+    if config is not None:
+        eos_token_id = config.hf_dict().get("eos_token_id")
+    if eos_token_id is None:
+        return ()
+    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}.")
+    return ids
+
+
+def _has_implicit(tree: Any) -> bool:
+    return any(is_implicit(x) for x in jax.tree.leaves(tree, is_leaf=is_implicit))
+
+
+def _forward(model: Any, route: Array | None) -> Any:
+    """`f(ids, mask, positions, cache) -> CausalLMOutput` for a plain, quantized or
+    adapted model (a `PeftModel` routes each row by `route` when given)."""
+    from .._peft_model import PeftModel
+
+    if isinstance(model, PeftModel):
+        return lambda *args, **kwargs: model(*args, adapter_names=route, **kwargs)
+    if _has_implicit(model):
+        call = use_implicit_args(lambda m, *args, **kwargs: m(*args, **kwargs))
+        return lambda *args, **kwargs: call(model, *args, **kwargs)
+    return model
+
+
+def _choose(
+    logits: Array, step: Array, key: Any, sampling: Array, spec: _Spec
+) -> Int[Array, " batch"]:
+    """The next token of each row from its float32 logits: argmax, or a draw after
+    transformers' warpers (temperature, top-k, top-p)."""
+    if not spec.do_sample:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scores = logits / sampling[0]
+    if spec.top_k is not None:
+        kth = lax.top_k(scores, spec.top_k)[0][:, -1:]
+        scores = jnp.where(scores < kth, -jnp.inf, scores)
+    if spec.use_top_p:
+        # transformers' TopPLogitsWarper: drop the least likely tokens whose cumulative
+        # probability stays within 1 - top_p, keeping at least the most likely one
+        order = jnp.argsort(scores, axis=-1)
+        ascending = jnp.take_along_axis(scores, order, axis=-1)
+        cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+        drop = (cumulative <= 1 - sampling[1]).at[:, -1].set(False)
+        drop = jnp.take_along_axis(drop, jnp.argsort(order, axis=-1), axis=-1)
+        scores = jnp.where(drop, -jnp.inf, scores)
+    draw = jax.random.categorical(jax.random.fold_in(key, step), scores, axis=-1)
+    return draw.astype(jnp.int32)
+
+
+@eqx.filter_jit
+def _generate(
+    model: Any,
+    input_ids: Array,
+    mask: Array,
+    route: Array | None,
+    key: Any,
+    sampling: Array,
+    spec: _Spec,
+) -> Array:
+    batch, prompt = input_ids.shape
+    forward = _forward(model, route)
+    eos = jnp.asarray(spec.eos or (-1,), jnp.int32)
+    real = jnp.sum(mask, axis=-1)  # each row's real tokens: the next position
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+
+    first = jax.eval_shape(lambda: forward(input_ids[:, :1], mask[:, :1], positions[:, :1]))
+    cache = KVCache.empty(
+        spec.layers,
+        batch,
+        prompt + spec.max_new_tokens,
+        spec.kv_heads,
+        spec.head_dim,
+        first.logits.dtype,
+    )
+    out = forward(input_ids, mask, positions, cache=cache)
+
+    def pick(logits: Array, step: Array, done: Array) -> tuple[Array, Array]:
+        token = _choose(logits[:, -1].astype(jnp.float32), step, key, sampling, spec)
+        if spec.eos:
+            token = jnp.where(done, spec.pad, token)
+            done = done | jnp.any(token[:, None] == eos[None, :], axis=-1)
+        return token, done
+
+    token, done = pick(out.logits, jnp.zeros((), jnp.int32), jnp.zeros((batch,), bool))
+    tokens = jnp.full((batch, spec.max_new_tokens), spec.pad, jnp.int32).at[:, 0].set(token)
+
+    def cond(state: tuple) -> Array:
+        step, _, _, _, done = state
+        return (step < spec.max_new_tokens) & ~jnp.all(done)
+
+    def body(state: tuple) -> tuple:
+        step, cache, tokens, token, done = state
+        ones = jnp.ones((batch, 1), jnp.int32)
+        out = forward(token[:, None], ones, (real + step - 1)[:, None], cache=cache)
+        token, done = pick(out.logits, step, done)
+        tokens = lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
+        return step + 1, out.cache, tokens, token, done
+
+    state = (jnp.ones((), jnp.int32), out.cache, tokens, token, done)
+    tokens = lax.while_loop(cond, body, state)[2]
+    return jnp.concatenate([input_ids, tokens.astype(input_ids.dtype)], axis=1)
