@@ -121,7 +121,7 @@ def dot_product_attention(
     k: Float[Array, "batch k kv_heads dim"],
     v: Float[Array, "batch k kv_heads dim"],
     mask: Bool[Array, "batch 1 q k"],
-    scale: float,
+    scale: float | Float[Array, ""],
 ) -> Float[Array, "batch q heads dim"]:
     """Softmax attention (grouped-query when there are fewer key/value heads), softmax in
     float32. A query that sees no key (a padding position) attends uniformly instead of
@@ -216,4 +216,5 @@ def last_token_index(
     if pad_token_id is None:
         return jnp.full(input_ids.shape[:1], seq - 1, jnp.int32)
     positions = jnp.arange(seq, dtype=jnp.int32)
-    return jnp.argmax(positions * (input_ids != pad_token_id), axis=-1).astype(jnp.int32)
+    real = (input_ids != pad_token_id).astype(jnp.int32)
+    return jnp.argmax(positions[None, :] * real, axis=-1).astype(jnp.int32)
