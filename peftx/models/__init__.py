@@ -1,6 +1,13 @@
 """HuggingFace architectures in Equinox, with transformers' module names, and their
 checkpoints in and out."""
 
+from ._bert import (
+    BertConfig as BertConfig,
+    BertForMaskedLM as BertForMaskedLM,
+    BertForSequenceClassification as BertForSequenceClassification,
+    BertLayer as BertLayer,
+    BertModel as BertModel,
+)
 from ._checkpoint import from_pretrained as from_pretrained, save_pretrained as save_pretrained
 from ._common import (
     BaseModelOutput as BaseModelOutput,

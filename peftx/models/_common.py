@@ -40,7 +40,7 @@ class LayerNorm(eqx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        dtype = jnp.promote_types(x.dtype, jnp.float32)
+        dtype = x.dtype if jnp.finfo(x.dtype).bits > 32 else jnp.dtype(jnp.float32)
         h = x.astype(dtype)
         mean = jnp.mean(h, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
@@ -107,7 +107,8 @@ def attention_mask(
     """Which keys each query sees: valid keys, and with `causal` only those at or before
     the query's slot (within `window` slots when a sliding window is set)."""
     key_slots = jnp.arange(key_valid.shape[-1], dtype=jnp.int32)
-    mask = key_valid[:, None, :]
+    shape = (key_valid.shape[0], query_slots.shape[-1], key_valid.shape[-1])
+    mask = jnp.broadcast_to(key_valid[:, None, :], shape)  # (batch, q, k) even when not causal
     if causal:
         distance = query_slots[:, :, None] - key_slots[None, None, :]
         mask = mask & (distance >= 0)
