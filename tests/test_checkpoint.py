@@ -1,0 +1,690 @@
+"""HF checkpoints in and out (`peftx.from_pretrained`, `peftx.save_pretrained`), against
+transformers in PyTorch on the same weights: tiny random-init models saved by
+transformers' own `save_pretrained` and read back by transformers' own `from_pretrained`."""
+
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+import peftx
+import peftx.models as pm
+from peftx import CheckpointError
+from peftx.models import _checkpoint
+
+VOCAB = 97
+
+
+def hf_config(model_type="llama", **overrides):
+    """A tiny transformers config of the Llama family."""
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+    }[model_type]
+    return cls(**kwargs)
+
+
+def save_hf(path, model_cls=transformers.LlamaForCausalLM, config=None, seed=0, **kwargs):
+    """A random-init transformers model, saved to `path`; returns the model."""
+    torch.manual_seed(seed)
+    model = model_cls(config or hf_config()).eval()
+    model.save_pretrained(path, **kwargs)
+    return model
+
+
+def inputs(seq=7):
+    """Two rows of token ids, the first left-padded by two."""
+    ids = np.random.RandomState(1).randint(3, VOCAB, (2, seq))
+    mask = np.ones_like(ids)
+    mask[0, :2] = 0
+    return ids, mask
+
+
+def torch_out(model, ids, mask):
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    field = "last_hidden_state" if hasattr(out, "last_hidden_state") else "logits"
+    return getattr(out, field).float().numpy()
+
+
+def jax_out(model, ids, mask):
+    out = model(jnp.asarray(ids), jnp.asarray(mask))
+    field = "last_hidden_state" if hasattr(out, "last_hidden_state") else "logits"
+    return np.asarray(getattr(out, field), np.float32)
+
+
+def assert_same(ours, theirs, mask, atol):
+    """Outputs equal within `atol`; per-token outputs only at real tokens (at a padding
+    position transformers and peftx compute different, unused values)."""
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    assert ours.shape == theirs.shape
+    if ours.ndim == 3:
+        real = np.asarray(mask).astype(bool)
+        ours, theirs = ours[real], theirs[real]
+    np.testing.assert_allclose(ours, theirs, atol=atol, rtol=0)
+
+
+def randomized(model, key):
+    """`model` with every floating leaf drawn at random (norm scales around 1), so a
+    tensor saved under the wrong name or transposed cannot go unnoticed."""
+    arrays, static = eqx.partition(model, eqx.is_inexact_array)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(arrays)
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for k, (path, x) in zip(keys, flat):
+        noise = 0.1 * jax.random.normal(k, x.shape)
+        leaves.append(
+            (1.0 + noise if "norm" in jax.tree_util.keystr(path) else noise).astype(x.dtype)
+        )
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A LlamaForCausalLM in one model.safetensors, and the torch model."""
+    path = tmp_path_factory.mktemp("llama")
+    return path, save_hf(path)
+
+
+# --- loading --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+@pytest.mark.parametrize("shards", [False, True])
+def test_loads_like_transformers(tmp_path, layout, shards):
+    torch_model = save_hf(tmp_path, **({"max_shard_size": "20KB"} if shards else {}))
+    files = sorted(os.listdir(tmp_path))
+    weights = [f for f in files if f.endswith(".safetensors")]
+    if shards:
+        assert "model.safetensors.index.json" in files and len(weights) > 3
+    else:
+        assert weights == ["model.safetensors"]
+    model = peftx.from_pretrained(tmp_path, layout=layout)
+    assert type(model) is pm.LlamaForCausalLM
+    assert isinstance(model.model.layers, pm.LayerStack) == (layout == "stacked")
+    ids, mask = inputs()
+    assert_same(jax_out(model, ids, mask), torch_out(torch_model, ids, mask), mask, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "model_class, hf_class",
+    [
+        ("LlamaModel", transformers.AutoModel),
+        (pm.LlamaModel, transformers.AutoModel),
+        (pm.LlamaForCausalLM, transformers.AutoModelForCausalLM),
+    ],
+)
+def test_model_class(checkpoint, model_class, hf_class):
+    """A backbone read from a causal-LM checkpoint (its tensors under `model.`)."""
+    path, _ = checkpoint
+    model = peftx.from_pretrained(path, model_class=model_class)
+    want = pm.LlamaModel if model_class != pm.LlamaForCausalLM else pm.LlamaForCausalLM
+    assert type(model) is want
+    ids, mask = inputs()
+    reference = hf_class.from_pretrained(path).eval()
+    assert_same(jax_out(model, ids, mask), torch_out(reference, ids, mask), mask, atol=1e-4)
+
+
+def test_sequence_classification(tmp_path):
+    config = hf_config(num_labels=3, pad_token_id=0)
+    torch_model = save_hf(tmp_path, transformers.LlamaForSequenceClassification, config)
+    model = peftx.from_pretrained(tmp_path)
+    assert type(model) is pm.LlamaForSequenceClassification
+    ids, mask = inputs()
+    ids[0, :2] = 0  # left padding, so the classifier reads each row's last real token
+    assert_same(jax_out(model, ids, mask), torch_out(torch_model, ids, mask), mask, atol=1e-4)
+
+
+def test_fresh_head_warns_and_backbone_loads(checkpoint):
+    path, torch_model = checkpoint
+    with pytest.warns(UserWarning, match=r"no weights for 'score\.weight'.*initialized fresh"):
+        model = peftx.from_pretrained(path, model_class="LlamaForSequenceClassification")
+    backbone = transformers.AutoModel.from_pretrained(path).eval()
+    ids, mask = inputs()
+    assert_same(jax_out(model.model, ids, mask), torch_out(backbone, ids, mask), mask, atol=1e-4)
+
+
+def test_bf16_file(tmp_path):
+    """A bfloat16 checkpoint loads as bfloat16 bit for bit, and into float32 exactly."""
+    torch.manual_seed(0)
+    torch_model = transformers.LlamaForCausalLM(hf_config()).eval().to(torch.bfloat16)
+    torch_model.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
+        assert f.get_slice("lm_head.weight").get_dtype() == "BF16"
+    want = torch_model.model.layers[1].self_attn.k_proj.weight.detach().float().numpy()
+    for dtype, expected in [(None, jnp.bfloat16), (jnp.float32, jnp.float32)]:
+        model = peftx.from_pretrained(tmp_path, dtype=dtype)
+        leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+        assert {x.dtype for x in leaves} == {jnp.dtype(expected)}
+        got = model.model.layers["0-2"].self_attn.k_proj.weight[1]
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+@pytest.mark.parametrize("chunk", [_checkpoint._CHUNK, 100])
+def test_fp32_file_into_bf16(checkpoint, monkeypatch, chunk):
+    """Casting on the way in rounds as torch does, whether a tensor is cast whole or in
+    chunks of a few rows (`_CHUNK`, patched small)."""
+    monkeypatch.setattr(_checkpoint, "_CHUNK", chunk)
+    path, torch_model = checkpoint
+    model = peftx.from_pretrained(path, dtype=jnp.bfloat16, layout="unrolled")
+    pairs = [
+        (model.lm_head.weight, torch_model.lm_head.weight),
+        (
+            model.model.layers[2].mlp.down_proj.weight,
+            torch_model.model.layers[2].mlp.down_proj.weight,
+        ),
+        (model.model.norm.weight, torch_model.model.norm.weight),
+    ]
+    for ours, theirs in pairs:
+        assert ours.dtype == jnp.bfloat16
+        want = theirs.detach().to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(np.asarray(ours, np.float32), want)
+
+
+def test_torch_bin(tmp_path, checkpoint):
+    """A `pytorch_model.bin` (transformers 5 writes safetensors only, so `torch.save` of
+    the state dict, as older transformers wrote it) loads through
+    `torch.load(weights_only=True)`."""
+    _, torch_model = checkpoint
+    torch_model.config.save_pretrained(tmp_path)
+    torch.save(torch_model.state_dict(), tmp_path / "pytorch_model.bin")
+    ids, mask = inputs()
+    for dtype in (None, jnp.bfloat16):
+        model = peftx.from_pretrained(tmp_path, dtype=dtype)
+        want = torch_out(torch_model.to(torch.bfloat16 if dtype else torch.float32), ids, mask)
+        atol = 1e-4 if dtype is None else 0.5  # bf16: only checks the load, not compute
+        assert_same(jax_out(model, ids, mask), want, mask, atol=atol)
+    torch_model.float()
+    w = peftx.from_pretrained(tmp_path, dtype=jnp.bfloat16).model.layers["0-2"]
+    np.testing.assert_array_equal(
+        np.asarray(w.mlp.up_proj.weight[2], np.float32),
+        torch_model.model.layers[2].mlp.up_proj.weight.detach().bfloat16().float().numpy(),
+    )
+
+
+class _Payload:
+    """Unpickling this runs code: it writes `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('the pickle ran')",))
+
+
+def test_malicious_pickle_refused(tmp_path, checkpoint):
+    _, torch_model = checkpoint
+    torch_model.config.save_pretrained(tmp_path)
+    marker = tmp_path / "marker"
+    state = dict(torch_model.state_dict())
+    state["model.norm.weight"] = _Payload(marker)
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model\.bin could not be read with "):
+        peftx.from_pretrained(tmp_path)
+    assert not marker.exists()
+    # the payload is real: an unrestricted unpickler runs it
+    torch.load(tmp_path / "pytorch_model.bin", weights_only=False)
+    assert marker.read_text() == "the pickle ran"
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+def _edit(path, edit):
+    """Rewrite `path/model.safetensors` with `edit(tensors)` applied."""
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _drop(key):
+    return lambda t: t.pop(key)
+
+
+def _add(key, value):
+    return lambda t: t.__setitem__(key, value)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            _drop("model.layers.1.mlp.up_proj.weight"),
+            (
+                r"lacks 1 tensor\(s\) LlamaForCausalLM needs: 'model\.layers\.1\.mlp\.up_proj"
+                r"\.weight'\. Is it a llama checkpoint"
+            ),
+        ),
+        (
+            _drop("lm_head.weight"),
+            r"lacks 1 tensor\(s\) LlamaForCausalLM needs: 'lm_head\.weight'",
+        ),
+        (
+            _add("model.layers.0.self_attn.rotary.weight", np.ones(3, np.float32)),
+            (
+                r"has 1 tensor\(s\) LlamaForCausalLM has no place for: "
+                r"'model\.layers\.0\.self_attn\.rotary\.weight'\. .*strict=False"
+            ),
+        ),
+        (
+            _add("model.layers.2.self_attn.k_proj.weight", np.ones((32, 32), np.float32)),
+            (
+                r"'model\.layers\.2\.self_attn\.k_proj\.weight' in model\.safetensors has shape "
+                r"\(32, 32\); LlamaForCausalLM's model\.layers\.0-2\.self_attn\.k_proj\.weight "
+                r"expects \(16, 32\)"
+            ),
+        ),
+        (
+            _add("model.norm.weight", np.ones(32, np.int32)),
+            (
+                r"'model\.norm\.weight' in model\.safetensors is stored as int32; "
+                r"model\.norm\.weight expects a floating tensor"
+            ),
+        ),
+    ],
+    ids=["missing", "missing-head", "unexpected", "shape", "dtype"],
+)
+def test_bad_tensors(tmp_path, checkpoint, monkeypatch, edit, match):
+    """Each is raised before any of the model's arrays is allocated."""
+    path, torch_model = checkpoint
+    torch_model.save_pretrained(tmp_path)
+    _edit(tmp_path, edit)
+    allocated = []
+    monkeypatch.setattr(_checkpoint, "_empty", lambda *a: allocated.append(a))
+    with pytest.raises(CheckpointError, match=match):
+        peftx.from_pretrained(tmp_path)
+    assert allocated == []
+
+
+def test_unexpected_key_warns_when_not_strict(tmp_path, checkpoint):
+    path, torch_model = checkpoint
+    torch_model.save_pretrained(tmp_path)
+    _edit(tmp_path, _add("model.extra.weight", np.ones(3, np.float32)))
+    with pytest.warns(UserWarning, match=r"no place for: 'model\.extra\.weight'"):
+        model = peftx.from_pretrained(tmp_path, strict=False)
+    ids, mask = inputs()
+    assert_same(jax_out(model, ids, mask), torch_out(torch_model, ids, mask), mask, atol=1e-4)
+
+
+def test_tied_head_in_file_is_ignored_for_a_backbone(checkpoint):
+    """`lm_head.weight` is expected by the causal LM, ignored by the bare backbone."""
+    path, _ = checkpoint
+    with safe_open(str(path / "model.safetensors"), "numpy") as f:
+        assert "lm_head.weight" in f.keys()
+    assert type(peftx.from_pretrained(path, model_class="LlamaModel")) is pm.LlamaModel
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda b: os.urandom(len(b)), r"model\.safetensors is not a readable safetensors file"),
+        (lambda b: b[: len(b) - 1000], r"model\.safetensors is not a readable safetensors file"),
+        (lambda b: b[:5], r"model\.safetensors is not a readable safetensors file"),
+    ],
+    ids=["garbage", "truncated", "no-header"],
+)
+def test_corrupt_file(tmp_path, checkpoint, monkeypatch, damage, match):
+    path, torch_model = checkpoint
+    torch_model.save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(damage(file.read_bytes()))
+    allocated = []
+    monkeypatch.setattr(_checkpoint, "_empty", lambda *a: allocated.append(a))
+    with pytest.raises(CheckpointError, match=match):
+        peftx.from_pretrained(tmp_path)
+    assert allocated == []
+
+
+def test_index_errors(tmp_path, checkpoint):
+    _, torch_model = checkpoint
+    torch_model.save_pretrained(tmp_path, max_shard_size="20KB")
+    index_file = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = index["weight_map"]["model.layers.1.mlp.gate_proj.weight"]
+    other = index["weight_map"]["model.embed_tokens.weight"]
+    assert shard != other
+    # an index that puts a tensor in the wrong shard
+    index["weight_map"]["model.layers.1.mlp.gate_proj.weight"] = other
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(
+        CheckpointError, match=rf"puts 'model\.layers\.1\.mlp\.gate_proj\.weight' in {other}"
+    ):
+        peftx.from_pretrained(tmp_path)
+    index["weight_map"]["model.layers.1.mlp.gate_proj.weight"] = shard
+    index_file.write_text(json.dumps(index))
+    # a missing shard
+    (tmp_path / shard).unlink()
+    with pytest.raises(CheckpointError, match=rf"names shard {shard} \(for .*\), which is missing"):
+        peftx.from_pretrained(tmp_path)
+    # not an index at all
+    index_file.write_text('{"metadata": {}}')
+    with pytest.raises(CheckpointError, match=r"index\.json is not a safetensors index"):
+        peftx.from_pretrained(tmp_path)
+
+
+def test_config_errors(tmp_path, checkpoint):
+    path, torch_model = checkpoint
+    torch_model.save_pretrained(tmp_path)
+    config = tmp_path / "config.json"
+    good = config.read_text()
+    config.unlink()
+    with pytest.raises(CheckpointError, match=r"config\.json is missing"):
+        peftx.from_pretrained(tmp_path)
+    config.write_text(good[:-10])
+    with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):
+        peftx.from_pretrained(tmp_path)
+    config.write_text(json.dumps({**json.loads(good), "model_type": "mamba"}))
+    with pytest.raises(CheckpointError, match=r"model_type 'mamba' is not supported; .*'llama'"):
+        peftx.from_pretrained(tmp_path)
+    config.write_text(good)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"holds no weights: expected model\.safetensors"):
+        peftx.from_pretrained(tmp_path)
+
+
+def test_wrong_model_class(checkpoint):
+    path, _ = checkpoint
+    with pytest.raises(
+        CheckpointError,
+        match=r"model_class 'BertForMaskedLM' is not a llama class; choose one of "
+        r"\['LlamaForCausalLM', 'LlamaForSequenceClassification', 'LlamaModel'\]",
+    ):
+        peftx.from_pretrained(path, model_class="BertForMaskedLM")
+    with pytest.raises(CheckpointError, match=r"model_class Linear does not read 'llama'"):
+        peftx.from_pretrained(path, model_class=eqx.nn.Linear)
+
+
+# --- saving ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model_type, cls, hf_class, overrides",
+    [
+        ("llama", pm.LlamaForCausalLM, transformers.AutoModelForCausalLM, {}),
+        ("llama", pm.LlamaModel, transformers.AutoModel, {}),
+        (
+            "llama",
+            pm.LlamaForSequenceClassification,
+            transformers.AutoModelForSequenceClassification,
+            {"num_labels": 3, "pad_token_id": 0},
+        ),
+        ("mistral", pm.LlamaForCausalLM, transformers.AutoModelForCausalLM, {"sliding_window": 4}),
+        ("qwen2", pm.LlamaForCausalLM, transformers.AutoModelForCausalLM, {}),
+    ],
+    ids=["llama-lm", "llama-backbone", "llama-classifier", "mistral-window", "qwen2-tied"],
+)
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_saved_model_loads_in_transformers(
+    tmp_path, getkey, model_type, cls, hf_class, overrides, layout
+):
+    """A peftx model with random weights (not loaded from transformers), saved and read
+    back by transformers' Auto classes, computes the same outputs."""
+    if model_type == "qwen2":
+        overrides = {"tie_word_embeddings": True}
+    config = pm.LlamaConfig.from_hf_config(hf_config(model_type, **overrides))
+    model = randomized(cls(config, key=getkey(), layout=layout), getkey())
+    peftx.save_pretrained(model, tmp_path)
+    theirs = hf_class.from_pretrained(tmp_path).eval()
+    assert (
+        type(theirs).__name__
+        == json.loads((tmp_path / "config.json").read_text())["architectures"][0]
+    )
+    ids, mask = inputs()
+    if model_type == "mistral":
+        ids, mask = inputs(12)  # longer than the window
+    assert_same(jax_out(model, ids, mask), torch_out(theirs, ids, mask), mask, atol=1e-4)
+    again = peftx.from_pretrained(tmp_path, layout=layout)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sharded_save(tmp_path, getkey):
+    config = pm.LlamaConfig.from_hf_config(hf_config())
+    model = randomized(pm.LlamaForCausalLM(config, key=getkey()), getkey())
+    limit = 20_000
+    peftx.save_pretrained(model, tmp_path, max_shard_size=limit)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors")) == shards
+    assert not (tmp_path / "model.safetensors").exists()
+    total = 0
+    for shard in shards:
+        with safe_open(str(tmp_path / shard), "numpy") as f:
+            assert f.metadata() == {"format": "pt"}
+            sizes = [f.get_tensor(k).nbytes for k in f.keys()]
+            assert all(index["weight_map"][k] == shard for k in f.keys())
+        assert sum(sizes) <= limit or len(sizes) == 1  # a tensor over the limit goes alone
+        total += sum(sizes)
+    assert index["metadata"]["total_size"] == total
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids, mask = inputs()
+    assert_same(jax_out(model, ids, mask), torch_out(theirs, ids, mask), mask, atol=1e-4)
+    # saving again unsharded leaves one checkpoint, not the old shards beside it
+    peftx.save_pretrained(model, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
+        assert f.metadata() == {"format": "pt"}
+
+
+def test_failed_save_leaves_previous_checkpoint(tmp_path, getkey, monkeypatch):
+    small = pm.LlamaConfig.from_hf_config(hf_config())
+    previous = randomized(pm.LlamaForCausalLM(small, key=getkey()), getkey())
+    peftx.save_pretrained(previous, tmp_path, max_shard_size="20KB")
+    before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    assert len(before) > 4
+
+    real = _checkpoint.safetensors.numpy.save_file
+    calls = []
+
+    def crash_on_second_shard(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            with open(filename, "wb") as f:
+                f.write(b"half a shard")
+            raise OSError("disk full")
+        real(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(_checkpoint.safetensors.numpy, "save_file", crash_on_second_shard)
+    bigger = pm.LlamaConfig.from_hf_config(hf_config(hidden_size=48, num_attention_heads=6))
+    model = randomized(pm.LlamaForCausalLM(bigger, key=getkey()), getkey())
+    with pytest.raises(OSError, match="disk full"):
+        peftx.save_pretrained(model, tmp_path, max_shard_size="20KB")
+    assert len(calls) == 2
+    after = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
+    assert after == before  # no temporary file left, nothing replaced
+    monkeypatch.undo()
+    loaded = peftx.from_pretrained(tmp_path)
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(previous), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bf16_save(tmp_path, getkey):
+    config = pm.LlamaConfig.from_hf_config(hf_config())
+    model = randomized(pm.LlamaForCausalLM(config, key=getkey(), dtype=jnp.bfloat16), getkey())
+    peftx.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert theirs.dtype == torch.bfloat16
+    ours = np.asarray(model.model.layers["0-2"].mlp.gate_proj.weight[1])
+    theirs_w = theirs.model.layers[1].mlp.gate_proj.weight.detach()
+    np.testing.assert_array_equal(ours.view(np.int16), theirs_w.view(torch.int16).numpy())
+    again = peftx.from_pretrained(tmp_path)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model), strict=True):
+        assert a.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(a).view(np.int16), np.asarray(b).view(np.int16))
+
+
+def test_save_refuses_adapters(tmp_path, checkpoint):
+    path, _ = checkpoint
+    peft = peftx.get_peft_model(
+        peftx.from_pretrained(path),
+        peftx.LoraConfig(r=2, target_modules=["q_proj"]),
+        key=jax.random.PRNGKey(0),
+    )
+    with pytest.raises(TypeError, match=r"merge_and_unload"):
+        peftx.save_pretrained(peft, tmp_path)
+    assert not os.listdir(tmp_path)
+
+
+# --- LoRA, merged, saved --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_merged_lora_saves_for_transformers(tmp_path, checkpoint, layout):
+    path, _ = checkpoint
+    peft = peftx.get_peft_model(
+        peftx.from_pretrained(path, layout=layout),
+        peftx.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+        key=jax.random.PRNGKey(0),
+    )
+    ids, mask = inputs()
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    before = np.asarray(peft(ids, mask).logits)
+
+    # one training step, so lora_B is no longer zero
+    trainable, frozen = peftx.partition(peft)
+    optimizer = optax.sgd(10.0)
+    state = optimizer.init(trainable)
+
+    def loss(t):
+        logits = eqx.combine(t, frozen)(ids, mask).logits
+        targets = jnp.roll(ids, -1, axis=1)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    grads = eqx.filter_grad(loss)(trainable)
+    updates, _ = optimizer.update(grads, state)
+    peft = eqx.combine(eqx.apply_updates(trainable, updates), frozen)
+    b = [x for p, x in jax.tree.leaves_with_path(peft) if "lora_B" in jax.tree_util.keystr(p)]
+    assert b and all(np.abs(np.asarray(x)).max() > 0 for x in b)
+    tuned = np.asarray(peft(ids, mask).logits)
+    assert np.abs(tuned - before).max() > 1e-3
+
+    merged = peft.merge_and_unload()
+    assert type(merged) is pm.LlamaForCausalLM
+    peftx.save_pretrained(merged, tmp_path / "out")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert_same(torch_out(theirs, np.asarray(ids), np.asarray(mask)), tuned, mask, atol=1e-4)
+
+
+# --- tied embeddings and the config ---------------------------------------------------
+
+
+@pytest.mark.parametrize("head_in_file", [False, True])
+def test_tied_embeddings(tmp_path, head_in_file):
+    """Qwen2 with `tie_word_embeddings`: the model has no lm_head; a checkpoint may or may
+    not carry `lm_head.weight` (a copy of the embeddings), and ours does not."""
+    torch_model = save_hf(
+        tmp_path / "in", transformers.Qwen2ForCausalLM, hf_config("qwen2", tie_word_embeddings=True)
+    )
+    with safe_open(str(tmp_path / "in" / "model.safetensors"), "numpy") as f:
+        written_by_transformers = "lm_head.weight" in f.keys()
+    if head_in_file != written_by_transformers:
+        embed = torch_model.model.embed_tokens.weight.detach().numpy()
+        _edit(
+            tmp_path / "in",
+            _add("lm_head.weight", embed) if head_in_file else _drop("lm_head.weight"),
+        )
+    model = peftx.from_pretrained(tmp_path / "in")
+    assert model.lm_head is None
+    ids, mask = inputs()
+    assert_same(jax_out(model, ids, mask), torch_out(torch_model, ids, mask), mask, atol=1e-4)
+    peftx.save_pretrained(model, tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "numpy") as f:
+        assert "lm_head.weight" not in f.keys()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert theirs.lm_head.weight.data_ptr() == theirs.model.embed_tokens.weight.data_ptr()
+    assert_same(torch_out(theirs, ids, mask), torch_out(torch_model, ids, mask), mask, atol=1e-6)
+
+
+def test_config_round_trip(tmp_path):
+    """Every field of transformers' config.json survives a load and save, rope scaling,
+    special token ids and fields peftx does not use included."""
+    config = hf_config(
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 50000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        bos_token_id=5,
+        eos_token_id=[6, 7],
+        pad_token_id=0,
+        attention_dropout=0.0,
+    )
+    torch_model = save_hf(tmp_path / "in", config=config)
+    peftx.save_pretrained(peftx.from_pretrained(tmp_path / "in"), tmp_path / "out")
+    original = json.loads((tmp_path / "in" / "config.json").read_text())
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert original["rope_parameters"]["rope_type"] == "llama3"
+    assert {k: saved.get(k) for k in original if k != "transformers_version"} == {
+        k: v for k, v in original.items() if k != "transformers_version"
+    }
+    reloaded = transformers.AutoConfig.from_pretrained(tmp_path / "out").to_dict()
+    expected = transformers.AutoConfig.from_pretrained(tmp_path / "in").to_dict()
+    assert reloaded.pop("_name_or_path") != expected.pop("_name_or_path")
+    assert reloaded == expected
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids, mask = inputs()
+    assert_same(torch_out(theirs, ids, mask), torch_out(torch_model, ids, mask), mask, atol=0)
+
+
+def test_config_made_in_peftx_saves_for_transformers(tmp_path, getkey):
+    """A config built in peftx (no config.json behind it) writes the fields transformers
+    needs: the label count, the pad id, the rope parameters."""
+    config = pm.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_labels=3,
+        pad_token_id=0,
+        rope=(("rope_theta", 500.0), ("rope_type", "default")),
+    )
+    model = randomized(pm.LlamaForSequenceClassification(config, key=getkey()), getkey())
+    peftx.save_pretrained(model, tmp_path)
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    ids, mask = inputs()
+    ids[0, :2] = 0
+    assert_same(jax_out(model, ids, mask), torch_out(theirs, ids, mask), mask, atol=1e-4)
+
+
+def test_bf16_cast_matches_ml_dtypes_rounding():
+    """The cast the loader relies on (numpy assignment into an ml_dtypes bfloat16 array)
+    rounds to nearest even, as torch's `.to(torch.bfloat16)` does."""
+    x = np.random.RandomState(0).standard_normal(10_000).astype(np.float32)
+    x[:4] = [1.00390625, 1.01171875, -1.00390625, 3.4e38]  # ties, and near the top
+    out = np.empty(x.shape, ml_dtypes.bfloat16)
+    out[...] = x
+    want = torch.from_numpy(x).bfloat16().view(torch.int16).numpy()
+    np.testing.assert_array_equal(out.view(np.int16), want)
