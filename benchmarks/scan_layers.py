@@ -4,16 +4,20 @@ compiled step's memory, for full fine-tuning and LoRA on the zoo's Llama.
 For each depth (`--depths`, default 4 and 16 blocks) and each way of running the blocks:
 
 - `unrolled`: a Python loop over a tuple of blocks (one HLO graph, XLA sees all layers);
-- `scan`: `lax.scan` over a `LayerStack`;
-- `scan, remat dots`: the scanned block under `jax.checkpoint` with the policy
-  `dots_with_no_batch_dims_saveable` (matmul outputs saved, elementwise work recomputed);
-- `scan, remat`: the scanned block recomputed whole in the backward pass;
+- `scan, every residual saved`: `lax.scan` over a `LayerStack`, storing every residual
+  the backward pass reads (`remat_policy="everything_saveable"`): a plain scan;
+- `scan (default)`: what a `LayerStack` does by default: matmul outputs saved
+  (`dots_saveable`), elementwise work recomputed in the backward pass;
+- `scan, remat, no batched dots saved`: gradient checkpointing with
+  `dots_with_no_batch_dims_saveable` (attention scores recomputed too);
+- `scan, remat, nothing saved`: the block recomputed whole in the backward pass;
 
 it reports the time to trace and compile one AdamW training step (next-token
-cross-entropy, `jax.jit` donating the parameters and optimizer state), the median step time over `--steps` steps taken
-round-robin (so machine drifts hit every variant alike), and XLA's own memory figures for
-the compiled step (`memory_analysis()`: temporaries, and temporaries plus arguments
-plus outputs minus donated aliases as the peak estimate). Ratios are to `unrolled` at the
+cross-entropy, `jax.jit` donating the parameters and optimizer state), the median
+step time over `--steps` steps taken round-robin (so machine drifts hit every variant
+alike), and XLA's own memory figures for the compiled step (`memory_analysis()`:
+temporaries, and temporaries plus arguments plus outputs minus donated aliases as the
+peak estimate). Ratios are to `unrolled` at the
 same depth and kind.
 
 Run: `python benchmarks/scan_layers.py [--depths 4 16] [--steps 5] [--quick]`.
@@ -82,9 +86,10 @@ def make_step(model, lora: bool):
 
 VARIANTS = {
     "unrolled": ("unrolled", None),
-    "scan": ("stacked", None),
-    "scan, remat dots": ("stacked", "dots_with_no_batch_dims_saveable"),
-    "scan, remat": ("stacked", "full"),
+    "scan, every residual saved": ("stacked", "everything_saveable"),
+    "scan (default: matmul outputs saved)": ("stacked", None),
+    "scan, remat, no batched dots saved": ("stacked", "dots_with_no_batch_dims_saveable"),
+    "scan, remat, nothing saved": ("stacked", "full"),
 }
 
 

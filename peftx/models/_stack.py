@@ -9,6 +9,7 @@ segments when its layers stop being alike, e.g. when `layers_to_transform` adapt
 of them only: each segment is scanned in turn.
 """
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -71,6 +72,9 @@ class LayerStack:
         stack.segments = dict(zip(names, children))
         return stack
 
+    def __getitem__(self, name: str) -> Any:
+        return self.segments[name]
+
     def __repr__(self) -> str:
         return f"LayerStack({', '.join(self.segments)})"
 
@@ -130,17 +134,31 @@ def num_layers(layers: "LayerStack | Sequence[Any]") -> int:
 
 RematPolicy = str | None
 
+# The policies in `jax.checkpoint_policies` that are policies themselves; the rest
+# (`save_only_these_names`, ...) are factories that need arguments a name cannot carry.
+REMAT_POLICIES = tuple(
+    name
+    for name in (
+        "everything_saveable",
+        "nothing_saveable",
+        "dots_saveable",
+        "checkpoint_dots",
+        "dots_with_no_batch_dims_saveable",
+        "checkpoint_dots_with_no_batch_dims",
+    )
+    if hasattr(jax.checkpoint_policies, name)
+)
+
 
 def _policy(name: RematPolicy) -> Any:
     if name is None:
         return None
-    policy = getattr(jax.checkpoint_policies, name, None)
-    if policy is None:
-        known = sorted(n for n in dir(jax.checkpoint_policies) if not n.startswith("_"))
+    if name not in REMAT_POLICIES:
         raise ValueError(
-            f"remat_policy {name!r} is not in jax.checkpoint_policies; choose one of {known}."
+            f"remat_policy {name!r} is not a policy of jax.checkpoint_policies; choose one of "
+            f"{list(REMAT_POLICIES)}, or None to save nothing."
         )
-    return policy
+    return getattr(jax.checkpoint_policies, name)
 
 
 def run_layers(
@@ -159,9 +177,18 @@ def run_layers(
     `lax.scan`; a tuple of blocks runs unrolled. With `gradient_checkpointing`, each
     block's activations are recomputed in the backward pass, keeping what `remat_policy`
     (a name in `jax.checkpoint_policies`; None saves nothing) allows.
+
+    Without it, a scanned block still saves only its matmul outputs (`dots_saveable`)
+    and recomputes the elementwise work in the backward pass. An unrolled graph gets this
+    from XLA, which fuses elementwise residuals into their consumers; a scan must store
+    every residual its backward reads, stacked over the layers, which cost 1.4x the
+    unrolled step's temporaries and 1.2x its time (`benchmarks/scan_layers.py`).
+    `remat_policy="everything_saveable"` with `gradient_checkpointing=True` stores them all.
     """
     if gradient_checkpointing:
         step = eqx.filter_checkpoint(step, policy=_policy(remat_policy))
+    elif isinstance(layers, LayerStack):
+        step = eqx.filter_checkpoint(step, policy=jax.checkpoint_policies.dots_saveable)
 
     def sliced(a: int, b: int) -> Any:
         return jax.tree.map(lambda x: x[a:b], xs)
@@ -184,3 +211,48 @@ def run_layers(
     if len(ys) == 1:
         return carry, ys[0]
     return carry, jax.tree.map(lambda *t: jnp.concatenate(t), *ys)
+
+
+def _has_checkpointing(x: Any) -> bool:
+    return isinstance(x, eqx.Module) and {"gradient_checkpointing", "remat_policy"} <= {
+        f.name for f in dataclasses.fields(x)
+    }
+
+
+def _with_static(module: eqx.Module, **changes: Any) -> Any:
+    """A copy of `module` with static fields changed, without calling its `__init__`
+    (`eqx.tree_at` reaches only leaves)."""
+    new = object.__new__(type(module))
+    for field in dataclasses.fields(module):
+        object.__setattr__(new, field.name, changes.get(field.name, getattr(module, field.name)))
+    return new
+
+
+def gradient_checkpointing(model: Any, enable: bool = True, policy: RematPolicy = None) -> Any:
+    """`model` with gradient checkpointing switched on (or off) in every backbone it holds.
+
+    **Arguments:**
+
+    - `model`: any pytree holding peftx backbones (`LlamaModel`, ...), e.g. a
+      `LlamaForCausalLM` or a `PeftModel` around one.
+    - `enable`: recompute each block's activations in the backward pass (True) or keep them
+      (False).
+    - `policy`: what a checkpointed block may still save: a name in `REMAT_POLICIES`
+      (`jax.checkpoint_policies`, e.g. `"dots_with_no_batch_dims_saveable"`), or None to
+      save nothing.
+
+    **Returns:**
+
+    A new model; `model` is unchanged. The outputs and gradients are the same either way;
+    only memory and compute change.
+    """
+    _policy(policy)
+    return jax.tree.map(
+        lambda x: (
+            _with_static(x, gradient_checkpointing=bool(enable), remat_policy=policy)
+            if _has_checkpointing(x)
+            else x
+        ),
+        model,
+        is_leaf=_has_checkpointing,
+    )
