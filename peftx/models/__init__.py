@@ -33,6 +33,7 @@ from ._llama import (
 )
 from ._stack import (
     LayerStack as LayerStack,
+    gradient_checkpointing as gradient_checkpointing,
     run_layers as run_layers,
     split_stack as split_stack,
     stack_layers as stack_layers,

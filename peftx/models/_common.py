@@ -66,7 +66,8 @@ class RMSNorm(eqx.Module):
         h = x.astype(jnp.float32)
         h = h * lax.rsqrt(jnp.mean(jnp.square(h), axis=-1, keepdims=True) + self.eps)
         dtype = jnp.promote_types(self.weight.dtype, x.dtype)
-        return self.weight.astype(dtype) * h.astype(x.dtype).astype(dtype)
+        row = (1,) * (x.ndim - 1) + (-1,)  # explicit, for rank promotion "raise"
+        return self.weight.astype(dtype).reshape(row) * h.astype(x.dtype).astype(dtype)
 
 
 ACTIVATIONS = {

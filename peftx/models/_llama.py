@@ -28,14 +28,19 @@ from ._common import (
     positions_from_mask,
     write_cache,
 )
-from ._stack import LayerStack, Layout, RematPolicy, run_layers
+from ._stack import LayerStack, Layout, RematPolicy, _policy, run_layers
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(HFConfig):
-    """A Llama, Mistral or Qwen2 `config.json`, as the fields the model uses."""
+    """A Llama, Mistral or Qwen2 `config.json`, as the fields the model uses.
+
+    transformers' `attention_bias` is `qkv_bias` and `o_proj_bias` here (Qwen2 has the
+    first only); `rope` holds the `rope_parameters` as sorted pairs; `sliding_windows` is
+    each layer's window (None: full attention), or `()` when no layer has one.
+    """
 
     model_type: str = "llama"
     vocab_size: int = 32000
@@ -49,11 +54,10 @@ class LlamaConfig(HFConfig):
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
-    rope: tuple[tuple[str, Any], ...] = (("rope_type", "default"), ("rope_theta", 10000.0))
+    rope: tuple[tuple[str, Any], ...] = (("rope_theta", 10000.0), ("rope_type", "default"))
     sliding_windows: tuple[int | None, ...] = ()
     num_labels: int = 2
     pad_token_id: int | None = None
@@ -76,9 +80,8 @@ class LlamaConfig(HFConfig):
         if not rope:
             rope = dict(d.get("rope_scaling") or {})
             rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        rope.setdefault("rope_type", "default")
+        legacy = rope.pop("type", None)  # transformers 4's name, kept by transformers 5
+        rope.setdefault("rope_type", legacy or "default")
         if rope["rope_type"] not in ROPE_TYPES:
             raise ValueError(
                 f"rope type {rope['rope_type']!r} is not supported; supported: {ROPE_TYPES}."
@@ -90,10 +93,14 @@ class LlamaConfig(HFConfig):
                 for i in range(layers)
             ]
             windows = tuple(window if t == "sliding_attention" else None for t in types)
-            qkv_bias, o_bias = True, False
+            qkv_bias, o_bias, mlp_bias = True, False, False  # as transformers' Qwen2 builds it
+        elif model_type == "mistral":
+            windows = (d.get("sliding_window"),) * layers
+            qkv_bias = o_bias = mlp_bias = False  # transformers' Mistral has no biases
         else:
-            windows = (d.get("sliding_window"),) * layers if model_type == "mistral" else ()
+            windows = ()
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
+            mlp_bias = bool(d.get("mlp_bias", False))
         n_labels = len(d["id2label"]) if d.get("id2label") else d.get("num_labels", 2)
         return cls(
             raw=json.dumps(d, sort_keys=True),
@@ -109,12 +116,11 @@ class LlamaConfig(HFConfig):
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", False)),
             qkv_bias=qkv_bias,
             o_proj_bias=o_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
+            mlp_bias=mlp_bias,
             rope=tuple(sorted(rope.items())),
-            sliding_windows=tuple(w if w else None for w in windows),
+            sliding_windows=tuple(w or None for w in windows) if any(windows) else (),
             num_labels=int(n_labels),
             pad_token_id=d.get("pad_token_id"),
             initializer_range=d.get("initializer_range", 0.02),
@@ -140,9 +146,51 @@ class LlamaConfig(HFConfig):
         )
         d.pop("rope_scaling", None)
         d.pop("rope_theta", None)
+        d.update(pad_token_id=self.pad_token_id, initializer_range=self.initializer_range)
+        if len(d.get("id2label") or {}) != self.num_labels:
+            d["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
+            d["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
+        biases = (self.qkv_bias, self.o_proj_bias, self.mlp_bias)
+        windows = {w for w in self.sliding_windows if w is not None}
+        if len(windows) > 1:
+            raise ValueError(
+                f"sliding_windows {self.sliding_windows} mix window sizes; transformers' "
+                f"{self.model_type} config holds one sliding_window."
+            )
+        window = windows.pop() if windows else None
         if self.model_type == "llama":
-            d.update(attention_bias=self.attention_bias, mlp_bias=self.mlp_bias)
+            if window is not None:
+                self._unwritable("a sliding window", "use model_type 'mistral' or 'qwen2'")
+            if self.qkv_bias != self.o_proj_bias:
+                self._unwritable("qkv_bias != o_proj_bias", "attention_bias sets both")
+            d.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
+        elif self.model_type == "mistral":
+            if any(biases):
+                self._unwritable("biases", "transformers' Mistral has none")
+            if window is not None and None in self.sliding_windows:
+                self._unwritable("a window on some layers only", "use model_type 'qwen2'")
+            d.update(sliding_window=window)
+        else:
+            if biases != (True, False, False):
+                self._unwritable(
+                    f"(qkv_bias, o_proj_bias, mlp_bias) = {biases}",
+                    "transformers' Qwen2 has (True, False, False)",
+                )
+            d.update(
+                use_sliding_window=window is not None,
+                sliding_window=window,
+                layer_types=[
+                    "full_attention" if w is None else "sliding_attention"
+                    for w in self.sliding_windows or (None,) * self.num_hidden_layers
+                ],
+            )
         return d
+
+    def _unwritable(self, what: str, why: str) -> None:
+        raise ValueError(
+            f"this {self.model_type} config has {what}, which transformers cannot express "
+            f"({why}); to_hf_config would describe a different model."
+        )
 
     @property
     def rope_parameters(self) -> dict[str, Any]:
@@ -185,7 +233,7 @@ def rope_frequencies(
 
 
 def _yarn(p: dict, dim: int, base: float, max_pos: int) -> tuple[np.ndarray, float]:
-    factor = p.get("factor") or max_pos / p["original_max_position_embeddings"]
+    factor = float(p.get("factor") or max_pos / p["original_max_position_embeddings"])
     original = p.get("original_max_position_embeddings", max_pos)
 
     def mscale(scale: float, m: float = 1.0) -> float:
@@ -194,8 +242,13 @@ def _yarn(p: dict, dim: int, base: float, max_pos: int) -> tuple[np.ndarray, flo
     attention = p.get("attention_factor")
     if attention is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    fast, slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+        attention = (
+            mscale(factor, float(m)) / mscale(factor, float(m_all))
+            if m and m_all
+            else mscale(factor)
+        )
+    # config.json may hold integers; the annotations here are checked at run time in tests
+    fast, slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
 
     def correction_dim(rotations: float) -> float:
         return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
@@ -225,7 +278,7 @@ def rope_tables(
     config: LlamaConfig, position_ids: Int[Array, "batch seq"], dtype: Any
 ) -> tuple[Array, Array]:
     inv_freq, scaling = rope_frequencies(config, jnp.max(position_ids) + 1)
-    freqs = position_ids[..., None].astype(jnp.float32) * inv_freq
+    freqs = position_ids[..., None].astype(jnp.float32) * inv_freq[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos = (jnp.cos(emb) * scaling).astype(dtype)[:, :, None, :]
     sin = (jnp.sin(emb) * scaling).astype(dtype)[:, :, None, :]
@@ -330,6 +383,9 @@ class LlamaModel(eqx.Module):
         self.gradient_checkpointing = gradient_checkpointing
         self.remat_policy = remat_policy
 
+    def __check_init__(self) -> None:
+        _policy(self.remat_policy)  # an unknown policy name fails here, not at the first call
+
     def __call__(
         self,
         input_ids: Int[Array, "batch seq"],
@@ -343,22 +399,27 @@ class LlamaModel(eqx.Module):
 
         `attention_mask` marks real tokens (1) and padding (0), left or right. Without
         `position_ids`, positions count the real tokens (as `generate` does). With a
-        `cache`, the tokens are written at `cache.index` and attend to the cached ones.
+        `cache`, the tokens are written at `cache.index` and attend to the cached ones, and
+        their default positions continue the count of the real tokens in the cache.
         """
         c = self.config
         b, s = input_ids.shape
         valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
-        if position_ids is None:
-            position_ids = positions_from_mask(attention_mask, b, s)
-        h = embed(self.embed_tokens, input_ids)
-        cos, sin = rope_tables(c, position_ids, h.dtype)
         if cache is None:
             slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
             key_valid, index = valid, None
+            if position_ids is None:
+                position_ids = positions_from_mask(attention_mask, b, s)
         else:
             slots = cache.index + jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
             key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, 1)
             index = cache.index
+            if position_ids is None:
+                # the new tokens continue the count of real tokens already in the cache
+                every = positions_from_mask(key_valid.astype(jnp.int32), b, key_valid.shape[1])
+                position_ids = jax.lax.dynamic_slice_in_dim(every, cache.index, s, axis=1)
+        h = embed(self.embed_tokens, input_ids)
+        cos, sin = rope_tables(c, position_ids, h.dtype)
         windows = c.sliding_windows or (None,) * c.num_hidden_layers
         window = jnp.asarray([w or 2**30 for w in windows], jnp.int32)
         scale = c.head_dim**-0.5
@@ -419,7 +480,9 @@ class LlamaForCausalLM(eqx.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else _linear(config.hidden_size, config.vocab_size, False, kh, 0.02, dtype)
+            else _linear(
+                config.hidden_size, config.vocab_size, False, kh, config.initializer_range, dtype
+            )
         )
 
     @property
@@ -461,7 +524,9 @@ class LlamaForSequenceClassification(eqx.Module):
         km, kh = jax.random.split(key)
         self.model = LlamaModel(config, key=km, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
-        self.score = _linear(config.hidden_size, config.num_labels, False, kh, 0.02, dtype)
+        self.score = _linear(
+            config.hidden_size, config.num_labels, False, kh, config.initializer_range, dtype
+        )
 
     @property
     def config(self) -> LlamaConfig:
