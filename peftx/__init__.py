@@ -31,6 +31,7 @@ from ._select import (
     dotted as dotted,
     in_layers as in_layers,
     layer_index as layer_index,
+    layer_span as layer_span,
     named as named,
     of_type as of_type,
     path_glob as path_glob,
@@ -47,6 +48,10 @@ from .implicit import (
     ImplicitArray as ImplicitArray,
     use_implicit_args as use_implicit_args,
 )
-from .models import from_pretrained as from_pretrained, save_pretrained as save_pretrained
+from .models import (
+    from_pretrained as from_pretrained,
+    generate as generate,
+    save_pretrained as save_pretrained,
+)
 
 __version__ = "0.1.0"

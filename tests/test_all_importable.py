@@ -3,6 +3,7 @@
 import peftx
 import peftx.adapters
 import peftx.implicit
+import peftx.models
 
 PUBLIC = {
     peftx: [
@@ -19,6 +20,7 @@ PUBLIC = {
         "path_regex",
         "in_layers",
         "layer_index",
+        "layer_span",
         "with_shape",
         "with_ndim",
         "where",
@@ -41,6 +43,35 @@ PUBLIC = {
         "QuantizationConfig",
         "quantize_model",
         "targets",
+        "models",
+        "from_pretrained",
+        "save_pretrained",
+        "generate",
+        "CheckpointError",
+    ],
+    peftx.models: [
+        "from_pretrained",
+        "save_pretrained",
+        "generate",
+        "gradient_checkpointing",
+        "LayerStack",
+        "stack_layers",
+        "unstack",
+        "split_stack",
+        "run_layers",
+        "KVCache",
+        "LlamaConfig",
+        "LlamaModel",
+        "LlamaForCausalLM",
+        "LlamaForSequenceClassification",
+        "GPT2Config",
+        "GPT2Model",
+        "GPT2LMHeadModel",
+        "GPT2ForSequenceClassification",
+        "BertConfig",
+        "BertModel",
+        "BertForSequenceClassification",
+        "BertForMaskedLM",
     ],
     peftx.implicit: [
         "ImplicitArray",
