@@ -6,6 +6,7 @@ One prefill runs over the whole left-padded prompt and fills a cache preallocate
 stops as soon as every row has produced an end-of-sequence token.
 """
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -34,8 +35,6 @@ class _Spec(NamedTuple):
     do_sample: bool
     top_k: int | None
     use_top_p: bool
-    eos: tuple[int, ...]
-    pad: int
 
 
 def generate(
@@ -81,8 +80,10 @@ def generate(
     row has finished, the remaining columns hold `pad_token_id` (transformers returns
     the shorter array instead).
 
-    Compiled with `eqx.filter_jit`: shapes, `max_new_tokens`, `do_sample`, `top_k`, the
-    special ids and the model's structure are static; a new value of any recompiles.
+    Compiled with `eqx.filter_jit`: shapes, `max_new_tokens`, `do_sample`, `top_k`,
+    whether `top_p` applies and the model's structure are static (a new value of any
+    recompiles); weights, the key, `temperature`, `top_p`, the special ids (up to 4 EOS
+    ids share a program) and the adapter of each prompt are traced.
     """
     from .._peft_model import PeftModel  # peftx.models is imported before PeftModel's module
 
@@ -155,12 +156,13 @@ def generate(
             )
         route = model.adapter_ids(list(adapter_names))  # integer ids: one compiled program
 
-    spec = _Spec(
-        max_new_tokens, layers, kv_heads, head_dim, bool(do_sample), top_k, use_top_p, eos,
-        int(pad_token_id),
-    )  # fmt: skip
+    spec = _Spec(max_new_tokens, layers, kv_heads, head_dim, bool(do_sample), top_k, use_top_p)
     sampling = jnp.asarray([temperature, 1.0 if top_p is None else top_p], jnp.float32)
-    return _generate(model, ids, mask, route, key, sampling, spec)
+    # traced, so other special ids reuse the compiled program: the pad id, then the EOS
+    # ids filled with -1 (never a token) to a multiple of 4
+    slots = 4 * max(1, math.ceil(len(eos) / 4))
+    special = jnp.asarray([pad_token_id, *eos, *[-1] * (slots - len(eos))], jnp.int32)
+    return _generate(model, ids, mask, route, key, sampling, special, spec)
 
 
 def _checked_mask(mask: Any, shape: tuple[int, int]) -> Array:
@@ -258,11 +260,12 @@ def _generate(
     route: Array | None,
     key: Any,
     sampling: Array,
+    special: Array,
     spec: _Spec,
 ) -> Array:
     batch, prompt = input_ids.shape
     forward = _forward(model, route)
-    eos = jnp.asarray(spec.eos or (-1,), jnp.int32)
+    pad, eos = special[0], special[1:]
     real = jnp.sum(mask, axis=-1)  # each row's real tokens: the next position
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
 
@@ -279,13 +282,12 @@ def _generate(
 
     def pick(logits: Array, step: Array, done: Array) -> tuple[Array, Array]:
         token = _choose(logits[:, -1].astype(jnp.float32), step, key, sampling, spec)
-        if spec.eos:
-            token = jnp.where(done, spec.pad, token)
-            done = done | jnp.any(token[:, None] == eos[None, :], axis=-1)
+        token = jnp.where(done, pad, token)
+        done = done | jnp.any(token[:, None] == eos[None, :], axis=-1)
         return token, done
 
     token, done = pick(out.logits, jnp.zeros((), jnp.int32), jnp.zeros((batch,), bool))
-    tokens = jnp.full((batch, spec.max_new_tokens), spec.pad, jnp.int32).at[:, 0].set(token)
+    tokens = jnp.full((batch, spec.max_new_tokens), pad, jnp.int32).at[:, 0].set(token)
 
     def cond(state: tuple) -> Array:
         step, _, _, _, done = state
