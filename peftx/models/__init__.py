@@ -16,6 +16,7 @@ from ._common import (
     MaskedLMOutput as MaskedLMOutput,
     SequenceClassifierOutput as SequenceClassifierOutput,
 )
+from ._generate import generate as generate
 from ._gpt2 import (
     GPT2Attention as GPT2Attention,
     GPT2Block as GPT2Block,
