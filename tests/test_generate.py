@@ -428,5 +428,5 @@ def test_errors(checkpoints):
 
 def test_gpt2_positions_limit(checkpoints):
     _, _, ours = checkpoints("gpt2")
-    with pytest.raises(ValueError, match="exceeds the 64 positions"):
+    with pytest.raises(ValueError, match="a prompt of 60 tokens .* exceeds the 64 positions"):
         peftx.generate(ours, np.ones((1, 60), np.int32), 5, pad_token_id=PAD)

@@ -8,6 +8,7 @@ stops as soon as every row has produced an end-of-sequence token.
 
 import math
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -105,11 +106,11 @@ def generate(
         raise ValueError("input_ids has no tokens; every prompt needs at least one.")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
-    mask = _checked_mask(attention_mask, ids.shape)
+    mask, longest = _checked_mask(attention_mask, ids.shape)
     layers, kv_heads, head_dim, max_positions = _cache_dims(config)
-    if max_positions is not None and prompt + max_new_tokens > max_positions:
+    if max_positions is not None and longest + max_new_tokens > max_positions:
         raise ValueError(
-            f"prompt length {prompt} + max_new_tokens {max_new_tokens} exceeds the "
+            f"a prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the "
             f"{max_positions} positions this {type(base).__name__} has embeddings for."
         )
 
@@ -136,7 +137,7 @@ def generate(
         pad_token_id = config.pad_token_id
         if pad_token_id is None:
             pad_token_id = eos[0] if eos else 0
-    if not (isinstance(pad_token_id, int) and 0 <= pad_token_id < vocab):
+    if not (isinstance(pad_token_id, Integral) and 0 <= pad_token_id < vocab):
         # a finished row feeds its padding back to the model: it must be a token
         raise ValueError(
             f"pad_token_id {pad_token_id!r} is not an id of this model's {vocab} tokens; "
@@ -161,13 +162,15 @@ def generate(
     # traced, so other special ids reuse the compiled program: the pad id, then the EOS
     # ids filled with -1 (never a token) to a multiple of 4
     slots = 4 * max(1, math.ceil(len(eos) / 4))
-    special = jnp.asarray([pad_token_id, *eos, *[-1] * (slots - len(eos))], jnp.int32)
+    special = jnp.asarray([int(pad_token_id), *eos, *[-1] * (slots - len(eos))], jnp.int32)
     return _generate(model, ids, mask, route, key, sampling, special, spec)
 
 
-def _checked_mask(mask: Any, shape: tuple[int, int]) -> Array:
+def _checked_mask(mask: Any, shape: tuple[int, int]) -> tuple[Array, int]:
+    """The mask as int32, checked for left padding, and the longest prompt's real length
+    (the width when the mask is traced and cannot be read)."""
     if mask is None:
-        return jnp.ones(shape, jnp.int32)
+        return jnp.ones(shape, jnp.int32), shape[1]
     mask = jnp.asarray(mask)
     if tuple(mask.shape) != shape:
         raise ValueError(
@@ -176,7 +179,7 @@ def _checked_mask(mask: Any, shape: tuple[int, int]) -> Array:
     try:
         host = np.asarray(mask)
     except jax.errors.TracerArrayConversionError:
-        return mask.astype(jnp.int32)  # traced under the caller's jit: cannot be checked
+        return mask.astype(jnp.int32), shape[1]  # traced under the caller's jit
     if not np.isin(host, (0, 1)).all():
         raise ValueError("attention_mask must hold 0 (padding) and 1 (real tokens) only.")
     rows = np.flatnonzero(np.diff(host.astype(np.int8), axis=-1).min(axis=-1, initial=0) < 0)
@@ -189,7 +192,7 @@ def _checked_mask(mask: Any, shape: tuple[int, int]) -> Array:
     empty = np.flatnonzero(host.sum(axis=-1) == 0)
     if empty.size:
         raise ValueError(f"prompts {empty.tolist()} are all padding; each needs a real token.")
-    return mask.astype(jnp.int32)
+    return mask.astype(jnp.int32), int(host.sum(axis=-1).max())
 
 
 def _cache_dims(config: Any) -> tuple[int, int, int, int | None]:
@@ -205,10 +208,10 @@ def _eos_ids(config: Any, eos_token_id: int | Sequence[int] | None) -> tuple[int
         eos_token_id = config.hf_dict().get("eos_token_id")
     if eos_token_id is None:
         return ()
-    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    ids = (eos_token_id,) if isinstance(eos_token_id, Integral) else tuple(eos_token_id)
+    if not all(isinstance(i, Integral) and not isinstance(i, bool) for i in ids):
         raise TypeError(f"eos_token_id must be an int or a list of ints, got {eos_token_id!r}.")
-    return ids
+    return tuple(int(i) for i in ids)
 
 
 def _has_implicit(tree: Any) -> bool:
