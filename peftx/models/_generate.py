@@ -85,6 +85,14 @@ def generate(
     whether `top_p` applies and the model's structure are static (a new value of any
     recompiles); weights, the key, `temperature`, `top_p`, the special ids (up to 4 EOS
     ids share a program) and the adapter of each prompt are traced.
+
+    ```python
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
+    batch = tokenizer(["Hello", "The capital of France is"], padding=True, return_tensors="np")
+    model = peftx.from_pretrained(path)
+    ids = peftx.generate(model, batch["input_ids"], 20, attention_mask=batch["attention_mask"])
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    ```
     """
     from .._peft_model import PeftModel  # peftx.models is imported before PeftModel's module
 
