@@ -74,13 +74,6 @@ def minilm_stacked(minilm_path):
     return peftx.models.from_pretrained(minilm_path)
 
 
-@pytest.fixture(scope="module", params=["stacked", "unrolled"])
-def minilm(request, minilm_path, minilm_stacked):
-    if request.param == "stacked":
-        return minilm_stacked
-    return peftx.models.from_pretrained(minilm_path, layout="unrolled")
-
-
 @eqx.filter_jit
 def _run(model, *args):
     """`model(*args)` with the hidden states, jitted: one compilation per model structure and
@@ -89,8 +82,9 @@ def _run(model, *args):
 
 
 @pytest.fixture(scope="module")
-def minilm_out(minilm, batch):
-    return _run(minilm, *_inputs(batch))
+def minilm_out(minilm_stacked, batch):
+    """MiniLM's outputs on the batch (the unrolled layout is compared on tiny models)."""
+    return _run(minilm_stacked, *_inputs(batch))
 
 
 def _inputs(batch):
@@ -163,16 +157,6 @@ def test_minilm_padding_invariance(minilm_stacked, batch):
         diff = np.asarray(alone.hidden_states[layer, 0]) - padded.hidden_states[layer, i, :n]
         assert np.abs(diff).max() <= TOL
     np.testing.assert_allclose(alone.pooler_output[0], padded.pooler_output[i], atol=TOL)
-
-
-def test_minilm_defaults_eager(minilm_stacked, batch, torch_minilm):
-    """Without a mask, token types or positions, transformers' defaults: all tokens real,
-    segment 0, positions 0..seq-1 (run eagerly, unlike the others)."""
-    ids = batch["input_ids"][:1, : batch["attention_mask"][0].sum()]
-    with torch.no_grad():
-        theirs = torch_minilm(torch.tensor(ids)).last_hidden_state.numpy()
-    ours = minilm_stacked(jnp.asarray(ids)).last_hidden_state
-    assert np.abs(np.asarray(ours) - theirs).max() <= TOL
 
 
 def test_minilm_bf16(minilm_path, minilm_stacked, batch, torch_out):
@@ -452,6 +436,17 @@ def test_config_errors(change, match):
         BertConfig.from_hf_config(d)
 
 
+def test_defaults_eager(tiny_checkpoints):
+    """Without a mask, token types or positions, transformers' defaults: all tokens real,
+    segment 0, positions 0..seq-1 (run eagerly, unlike the other tests)."""
+    torch_model, path = tiny_checkpoints["BertForSequenceClassification"]
+    model = peftx.models.from_pretrained(path)
+    ids = _tiny_inputs()[0][:, :6]
+    with torch.no_grad():
+        theirs = torch_model(input_ids=torch.tensor(ids)).logits.numpy()
+    assert np.abs(np.asarray(model(jnp.asarray(ids)).logits) - theirs).max() <= TOL
+
+
 def test_too_long_input_raises(tiny_checkpoints):
     model = peftx.models.from_pretrained(tiny_checkpoints["BertForSequenceClassification"][1])
     with pytest.raises(ValueError, match="max_position_embeddings=40"):
@@ -537,15 +532,19 @@ def test_lora_defaults_match_peft(minilm_classifier, minilm_path, getkey):
     assert total == torch_peft.get_nb_trainable_parameters()[1]
 
 
-def test_lora_step_lowers_loss_and_exports(
-    minilm_classifier, minilm_stacked, batch, getkey, tmp_path
-):
-    """One optax step through `peftx.partition` lowers the loss on a tiny batch; the
+def test_lora_step_lowers_loss_and_exports(minilm_path, minilm_stacked, batch, getkey, tmp_path):
+    """The fine-tuning path: MiniLM with a fresh 3-way classifier, LoRA with PEFT's
+    defaults; one optax step through `peftx.partition` lowers the loss on a tiny batch; the
     merged model saves as a checkpoint transformers runs to the same logits."""
+    with pytest.warns(UserWarning, match="classifier"):
+        classifier = peftx.models.from_pretrained(
+            minilm_path, model_class="BertForSequenceClassification", num_labels=3
+        )
+    assert classifier.classifier.weight.shape == (3, 384) and classifier.config.num_labels == 3
     config = peftx.LoraConfig(r=8, lora_alpha=16, modules_to_save=["classifier"])
-    model = peftx.get_peft_model(minilm_classifier, config, key=getkey())
+    model = peftx.get_peft_model(classifier, config, key=getkey())
     ids, mask, types = _inputs(batch)
-    labels = jnp.asarray([0, 1, 0, 1])
+    labels = jnp.asarray([0, 1, 2, 1])
 
     @eqx.filter_jit
     @eqx.filter_value_and_grad(has_aux=True)
@@ -553,25 +552,32 @@ def test_lora_step_lowers_loss_and_exports(
         logits = eqx.combine(trainable, frozen)(ids, mask, types).logits
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), logits
 
-    trainable, frozen = peftx.partition(model)
     optimizer = optax.adam(1e-2)
-    state = optimizer.init(trainable)
+
+    @eqx.filter_jit
+    def update(grads, state, trainable):
+        with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes types
+            updates, state = optimizer.update(grads, state, trainable)
+        return eqx.apply_updates(trainable, updates), state
+
+    trainable, frozen = peftx.partition(model)
+    state = eqx.filter_jit(optimizer.init)(trainable)
     (loss0, logits0), grads = loss_and_grads(trainable, frozen)
-    # a fresh LoRA (B = 0) leaves the model as it was
-    base = _run(minilm_classifier, ids, mask, types).logits
-    np.testing.assert_allclose(logits0, base, atol=TOL)
+    # a fresh LoRA (B = 0) leaves the model as it was: the classifier on MiniLM's pooler
+    pooled = _run(minilm_stacked, ids, mask, types).pooler_output
+    head = classifier.classifier
+    np.testing.assert_allclose(logits0, pooled @ head.weight.T + head.bias[None], atol=TOL)
     lora_b = [g for g in jax.tree.leaves(grads) if g.shape == (6, 384, 8)]
     assert len(lora_b) == 2 and all(np.abs(g).max() > 0 for g in lora_b)
-    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes int and float
-        updates, state = optimizer.update(grads, state, trainable)
-    trainable = eqx.apply_updates(trainable, updates)
+    trainable, state = update(grads, state, trainable)
     (loss1, logits1), _ = loss_and_grads(trainable, frozen)
     assert loss1 < loss0
 
-    merged = eqx.combine(trainable, frozen).merge_and_unload()
+    merged = eqx.filter_jit(lambda m: m.merge_and_unload())(eqx.combine(trainable, frozen))
     assert type(merged) is BertForSequenceClassification
     peftx.save_pretrained(merged, tmp_path)
     torch_model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert torch_model.config.num_labels == 3
     with torch.no_grad():
         theirs = torch_model.eval()(**{k: torch.tensor(v) for k, v in batch.items()}).logits
     np.testing.assert_allclose(logits1, theirs.numpy(), atol=TOL)

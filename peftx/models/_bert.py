@@ -372,15 +372,30 @@ def attention_mask_fn(slots: Array, key_valid: Array) -> Array:
 
 
 class BertForSequenceClassification(eqx.Module):
-    """`BertModel` with `classifier` on the pooled first token (transformers' head)."""
+    """`BertModel` with `classifier` on the pooled first token (transformers' head).
+
+    `num_labels` overrides the config's, as transformers' `from_pretrained(...,
+    num_labels=3)` does: `peftx.models.from_pretrained(path, model_class=
+    "BertForSequenceClassification", num_labels=3)` puts a fresh 3-way classifier on an
+    encoder checkpoint.
+    """
 
     bert: BertModel
     classifier: eqx.nn.Linear
 
-    def __init__(self, config: BertConfig, *, key: PRNGKeyArray, **kwargs: Any):
+    def __init__(
+        self,
+        config: BertConfig,
+        *,
+        key: PRNGKeyArray,
+        num_labels: int | None = None,
+        **kwargs: Any,
+    ):
         kb, kc = jax.random.split(key)
         if not kwargs.pop("add_pooling_layer", True):
             raise ValueError("BertForSequenceClassification reads the pooler; it needs one.")
+        if num_labels is not None and num_labels != config.num_labels:
+            config = dataclasses.replace(config, num_labels=num_labels)
         self.bert = BertModel(config, key=kb, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
         self.classifier = _linear(
