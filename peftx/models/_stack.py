@@ -237,9 +237,10 @@ def gradient_checkpointing(model: Any, enable: bool = True, policy: RematPolicy 
       `LlamaForCausalLM` or a `PeftModel` around one.
     - `enable`: recompute each block's activations in the backward pass (True) or keep them
       (False).
-    - `policy`: what a checkpointed block may still save: a name in `REMAT_POLICIES`
-      (`jax.checkpoint_policies`, e.g. `"dots_with_no_batch_dims_saveable"`), or None to
-      save nothing.
+    - `policy`: what a checkpointed block may still save: the name of an argument-free
+      policy in `jax.checkpoint_policies` (`"dots_saveable"`,
+      `"dots_with_no_batch_dims_saveable"`, `"everything_saveable"`, ...), or None to
+      save nothing. Another name raises `ValueError` listing the valid ones.
 
     **Returns:**
 
