@@ -123,9 +123,12 @@ def test_greedy_matches_transformers(checkpoints, name):
     which they emit the pad token, as in transformers."""
     theirs, _, ours = checkpoints(name)
     ids, mask = _prompts()
-    free = hf_generate(theirs, ids, mask, pad_token_id=PAD, eos_token_id=None)
-    got = peftx.generate(ours, ids, NEW, attention_mask=mask, eos_token_id=[], pad_token_id=PAD)
-    np.testing.assert_array_equal(got, free)
+    default_eos = theirs.generation_config.eos_token_id  # what transformers stops at
+    free = hf_generate(theirs, ids, mask, pad_token_id=PAD)
+    got = peftx.generate(
+        ours, ids, NEW, attention_mask=mask, eos_token_id=default_eos, pad_token_id=PAD
+    )
+    assert_same_generation(got, free, PAD)
 
     eos = eos_for_some_rows(free, ids.shape[1])
     want = hf_generate(theirs, ids, mask, eos_token_id=[eos, VOCAB - 1], pad_token_id=PAD)
@@ -158,9 +161,9 @@ def test_eos_and_pad_default_to_the_config(checkpoints, tmp_path):
 def test_unpadded_prompts_need_no_mask(checkpoints):
     theirs, _, ours = checkpoints("llama")
     ids = _prompts()[0][:1]  # the full-length prompt
-    got = peftx.generate(ours, ids, NEW, eos_token_id=[], pad_token_id=PAD)
+    got = peftx.generate(ours, ids, NEW, pad_token_id=PAD)  # EOS: the config's, as theirs
     want = hf_generate(theirs, ids, np.ones_like(ids), pad_token_id=PAD)
-    np.testing.assert_array_equal(got, want)
+    assert_same_generation(got, want, PAD)
 
 
 # -- adapters ----------------------------------------------------------------------------
