@@ -6,7 +6,9 @@ then loads it in a fresh subprocess per case:
 
 - `peftx.from_pretrained(dir, dtype=..., layout=...)`, into float32 and bfloat16, stacked
   and unrolled, from the float32 and the bfloat16 file (casting on the way where they
-  differ), and from a sharded copy;
+  differ), from a sharded copy (transformers' writer, 100MB shards) and from a
+  `pytorch_model.bin` (`torch.load(weights_only=True)`, which reads the whole pickle
+  first; the state dict lets go of each tensor once it is copied);
 - as a reference, transformers' own `AutoModelForCausalLM.from_pretrained(dir, dtype=...)`
   in torch, on the same files.
 
@@ -99,6 +101,16 @@ def build(root: Path) -> None:
         config.dtype = "float32" if name == "fp32" else "bfloat16"
         config.save_pretrained(d)
         save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    # a torch pickle of the same float32 weights, as older transformers wrote it
+    import torch
+
+    (root / "fp32-bin").mkdir(exist_ok=True)
+    config.dtype = "float32"
+    config.save_pretrained(root / "fp32-bin")
+    torch.save(
+        {k: torch.from_numpy(v) for k, v in fp32.items()}, root / "fp32-bin" / "pytorch_model.bin"
+    )
+    del fp32
     # the sharded copy: transformers' own writer, from the fp32 directory
     model = transformers.AutoModelForCausalLM.from_pretrained(root / "fp32")
     model.save_pretrained(root / "fp32-sharded", max_shard_size="100MB")
@@ -118,6 +130,9 @@ def _child(case: dict) -> dict:
         import jax.numpy as jnp
 
         import peftx
+
+        if case["dir"].endswith("-bin"):
+            import torch  # noqa: F401 - its ~200MB of libraries are no part of the load
 
         jnp.zeros(4).block_until_ready()
     else:
@@ -178,6 +193,7 @@ def main() -> None:
         ("peftx", "bf16", "bfloat16", "stacked"),
         ("peftx", "bf16", "float32", "stacked"),
         ("peftx", "fp32-sharded", "float32", "stacked"),
+        ("peftx", "fp32-bin", "float32", "stacked"),
         ("transformers", "fp32", "float32", "-"),
         ("transformers", "fp32", "bfloat16", "-"),
         ("transformers", "bf16", "bfloat16", "-"),

@@ -4,6 +4,9 @@ transformers' own `save_pretrained` and read back by transformers' own `from_pre
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -87,19 +90,22 @@ def assert_same(ours, theirs, mask, atol):
     np.testing.assert_allclose(ours, theirs, atol=atol, rtol=0)
 
 
-def randomized(model, key):
-    """`model` with every floating leaf drawn at random (norm scales around 1), so a
-    tensor saved under the wrong name or transposed cannot go unnoticed."""
-    arrays, static = eqx.partition(model, eqx.is_inexact_array)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(arrays)
-    keys = jax.random.split(key, len(flat))
+def random_model(cls, config, seed, **kwargs):
+    """A `cls` model with every floating leaf drawn at random (norm scales around 1), so
+    a tensor saved under the wrong name or transposed cannot go unnoticed. (Drawn with
+    numpy into the model's shapes: eager jax.random per leaf compiles many tiny programs.)"""
+    skeleton = eqx.filter_eval_shape(lambda k: cls(config, key=k, **kwargs), jax.random.PRNGKey(0))
+    rng = np.random.default_rng(seed)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
     leaves = []
-    for k, (path, x) in zip(keys, flat):
-        noise = 0.1 * jax.random.normal(k, x.shape)
-        leaves.append(
-            (1.0 + noise if "norm" in jax.tree_util.keystr(path) else noise).astype(x.dtype)
-        )
-    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+    for path, x in flat:
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            leaves.append(x)
+            continue
+        noise = 0.1 * rng.standard_normal(x.shape, dtype=np.float32)
+        value = 1.0 + noise if "norm" in jax.tree_util.keystr(path) else noise
+        leaves.append(jnp.asarray(value.astype(x.dtype)))
+    return jax.tree.unflatten(treedef, leaves)
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +256,107 @@ def test_malicious_pickle_refused(tmp_path, checkpoint):
     assert marker.read_text() == "the pickle ran"
 
 
+_PEAK = """
+import json, sys
+from pathlib import Path
+import jax, jax.numpy as jnp
+import peftx
+
+def status(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+jnp.zeros(4).block_until_ready()
+Path("/proc/self/clear_refs").write_text("5")  # the peak so far := what is resident now
+base = status("VmHWM")
+model = peftx.from_pretrained(sys.argv[1], dtype=sys.argv[2])
+arrays = [x for x in jax.tree.leaves(model) if isinstance(x, jax.Array)]
+jax.block_until_ready(arrays)
+print(json.dumps({"peak": status("VmHWM") - base, "model": sum(x.nbytes for x in arrays)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def large_checkpoint(tmp_path_factory):
+    """A ~60MB float32 Llama checkpoint, random weights written with safetensors."""
+    path = tmp_path_factory.mktemp("large")
+    config = hf_config(
+        vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(path)
+    skeleton = eqx.filter_eval_shape(
+        lambda k: pm.LlamaForCausalLM(
+            pm.LlamaConfig.from_hf_config(config), key=k, layout="unrolled"
+        ),
+        jax.random.PRNGKey(0),
+    )
+    rng = np.random.default_rng(0)
+    tensors = {
+        peftx.dotted(p): rng.standard_normal(x.shape, dtype=np.float32)
+        for p, x in jax.tree_util.tree_flatten_with_path(skeleton)[0]
+        if isinstance(x, jax.ShapeDtypeStruct)
+    }
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _load_in_fresh_process(path, dtype):
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(path), dtype],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_peak_memory(checkpoint, large_checkpoint, dtype):
+    """Loading (in a fresh process) never holds much more than the model: the file is not
+    memory-mapped (its pages would count as resident), a stack is not built from
+    per-layer copies, and a bfloat16 load of a float32 file casts in small chunks.
+
+    The peak is taken above what loading the tiny checkpoint costs (tracing the model's
+    shapes, JAX's own first transfers: a few MB whatever the size), so the bound is on
+    what grows with the model."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pytest.skip("this kernel does not let a process reset its peak RSS")
+    fixed = _load_in_fresh_process(checkpoint[0], dtype)
+    result = _load_in_fresh_process(large_checkpoint, dtype)
+    stored = sum(x.nbytes for x in load_file(large_checkpoint / "model.safetensors").values())
+    size = stored // (1 if dtype == "float32" else 2)
+    assert result["model"] == size > 25e6
+    assert fixed["peak"] < 16e6, fixed
+    assert result["peak"] - fixed["peak"] < 1.3 * size, (result, fixed)
+
+
+def test_arrays_adopt_their_buffers(checkpoint, monkeypatch):
+    """Each array is allocated once and handed to JAX without a copy (on CPU), which
+    is what keeps the peak at the model's size."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("on an accelerator device_put copies to the device by design")
+    path, _ = checkpoint
+    buffers = []
+    real = _checkpoint._empty
+
+    def recording(shape, dtype):
+        buffers.append(real(shape, dtype))
+        return buffers[-1]
+
+    monkeypatch.setattr(_checkpoint, "_empty", recording)
+    model = peftx.from_pretrained(path)
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    assert len(buffers) == len(leaves)
+    assert sum(b.nbytes for b in buffers) == sum(x.nbytes for x in leaves)
+    addresses = {b.ctypes.data for b in buffers}
+    assert {x.unsafe_buffer_pointer() for x in leaves} == addresses
+
+
 # --- errors ---------------------------------------------------------------------------
 
 
@@ -379,6 +486,15 @@ def test_index_errors(tmp_path, checkpoint):
     (tmp_path / shard).unlink()
     with pytest.raises(CheckpointError, match=rf"names shard {shard} \(for .*\), which is missing"):
         peftx.from_pretrained(tmp_path)
+    # a shard outside the directory
+    index["weight_map"]["model.norm.weight"] = "../elsewhere.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(
+        CheckpointError,
+        match=r"puts 'model\.norm\.weight' in '\.\./elsewhere\.safetensors', which is not the "
+        r"name of a file beside the index",
+    ):
+        peftx.from_pretrained(tmp_path)
     # not an index at all
     index_file.write_text('{"metadata": {}}')
     with pytest.raises(CheckpointError, match=r"index\.json is not a safetensors index"):
@@ -437,15 +553,13 @@ def test_wrong_model_class(checkpoint):
     ids=["llama-lm", "llama-backbone", "llama-classifier", "mistral-window", "qwen2-tied"],
 )
 @pytest.mark.parametrize("layout", ["stacked", "unrolled"])
-def test_saved_model_loads_in_transformers(
-    tmp_path, getkey, model_type, cls, hf_class, overrides, layout
-):
+def test_saved_model_loads_in_transformers(tmp_path, model_type, cls, hf_class, overrides, layout):
     """A peftx model with random weights (not loaded from transformers), saved and read
     back by transformers' Auto classes, computes the same outputs."""
     if model_type == "qwen2":
         overrides = {"tie_word_embeddings": True}
     config = pm.LlamaConfig.from_hf_config(hf_config(model_type, **overrides))
-    model = randomized(cls(config, key=getkey(), layout=layout), getkey())
+    model = random_model(cls, config, 1, layout=layout)
     peftx.save_pretrained(model, tmp_path)
     theirs = hf_class.from_pretrained(tmp_path).eval()
     assert (
@@ -461,9 +575,9 @@ def test_saved_model_loads_in_transformers(
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_sharded_save(tmp_path, getkey):
+def test_sharded_save(tmp_path):
     config = pm.LlamaConfig.from_hf_config(hf_config())
-    model = randomized(pm.LlamaForCausalLM(config, key=getkey()), getkey())
+    model = random_model(pm.LlamaForCausalLM, config, 2)
     limit = 20_000
     peftx.save_pretrained(model, tmp_path, max_shard_size=limit)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -490,9 +604,9 @@ def test_sharded_save(tmp_path, getkey):
         assert f.metadata() == {"format": "pt"}
 
 
-def test_failed_save_leaves_previous_checkpoint(tmp_path, getkey, monkeypatch):
+def test_failed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     small = pm.LlamaConfig.from_hf_config(hf_config())
-    previous = randomized(pm.LlamaForCausalLM(small, key=getkey()), getkey())
+    previous = random_model(pm.LlamaForCausalLM, small, 3)
     peftx.save_pretrained(previous, tmp_path, max_shard_size="20KB")
     before = {f: (tmp_path / f).read_bytes() for f in os.listdir(tmp_path)}
     assert len(before) > 4
@@ -510,7 +624,7 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, getkey, monkeypatch):
 
     monkeypatch.setattr(_checkpoint.safetensors.numpy, "save_file", crash_on_second_shard)
     bigger = pm.LlamaConfig.from_hf_config(hf_config(hidden_size=48, num_attention_heads=6))
-    model = randomized(pm.LlamaForCausalLM(bigger, key=getkey()), getkey())
+    model = random_model(pm.LlamaForCausalLM, bigger, 4)
     with pytest.raises(OSError, match="disk full"):
         peftx.save_pretrained(model, tmp_path, max_shard_size="20KB")
     assert len(calls) == 2
@@ -522,9 +636,9 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, getkey, monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_bf16_save(tmp_path, getkey):
+def test_bf16_save(tmp_path):
     config = pm.LlamaConfig.from_hf_config(hf_config())
-    model = randomized(pm.LlamaForCausalLM(config, key=getkey(), dtype=jnp.bfloat16), getkey())
+    model = random_model(pm.LlamaForCausalLM, config, 5, dtype=jnp.bfloat16)
     peftx.save_pretrained(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
     with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
@@ -656,7 +770,7 @@ def test_config_round_trip(tmp_path):
     assert_same(torch_out(theirs, ids, mask), torch_out(torch_model, ids, mask), mask, atol=0)
 
 
-def test_config_made_in_peftx_saves_for_transformers(tmp_path, getkey):
+def test_config_made_in_peftx_saves_for_transformers(tmp_path):
     """A config built in peftx (no config.json behind it) writes the fields transformers
     needs: the label count, the pad id, the rope parameters."""
     config = pm.LlamaConfig(
@@ -671,7 +785,7 @@ def test_config_made_in_peftx_saves_for_transformers(tmp_path, getkey):
         pad_token_id=0,
         rope=(("rope_theta", 500.0), ("rope_type", "default")),
     )
-    model = randomized(pm.LlamaForSequenceClassification(config, key=getkey()), getkey())
+    model = random_model(pm.LlamaForSequenceClassification, config, 6)
     peftx.save_pretrained(model, tmp_path)
     theirs = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
     ids, mask = inputs()

@@ -123,7 +123,7 @@ _SAFE_DTYPES: dict[str, Any] = {
 
 # A tensor whose dtype changes on the way is read and cast this many bytes at a time,
 # so a bfloat16 load of a float32 file never holds a float32 copy of a whole tensor.
-_CHUNK = 8 * 2**20
+_CHUNK = 2**20
 
 
 @dataclass(frozen=True)
@@ -190,6 +190,12 @@ class _Reader:
                     f"{index} is not a safetensors index (a JSON object with a "
                     f"'weight_map' of tensor name to shard file): {e!r}"
                 ) from None
+            for key, name in weight_map.items():
+                if not isinstance(name, str) or Path(name).name != name or name in ("", ".."):
+                    raise CheckpointError(
+                        f"{index} puts {key!r} in {name!r}, which is not the name of a file "
+                        "beside the index."
+                    )
             for file in sorted(set(shards.values())):
                 if not file.is_file():
                     named = sorted(k for k, f in shards.items() if f == file)
@@ -239,9 +245,11 @@ class _Reader:
         return self.tensors[key].dtype
 
     def read_into(self, key: str, dest: np.ndarray) -> None:
-        """Copy tensor `key` into `dest` (its shape; any dtype, any strides), casting."""
+        """Copy tensor `key` into `dest` (its shape; any dtype, any strides), casting.
+        Each tensor is read once: a torch state dict lets go of it then, so what it holds
+        shrinks as the model grows."""
         if self._torch is not None:
-            dest[...] = _torch_numpy(self._torch[key])
+            dest[...] = _torch_numpy(self._torch.pop(key))
             return
         t = self.tensors[key]
         if t.nbytes == 0:
