@@ -447,6 +447,22 @@ def test_defaults_eager(tiny_checkpoints):
     assert np.abs(np.asarray(model(jnp.asarray(ids)).logits) - theirs).max() <= TOL
 
 
+def test_explicit_positions_and_bool_mask(tiny_checkpoints):
+    """`position_ids` given (here shifted by 2, one row reversed) reach the position
+    embeddings as in transformers; a boolean mask works as the integer one."""
+    torch_model, path = tiny_checkpoints["BertForSequenceClassification"]
+    model = peftx.models.from_pretrained(path)
+    ids, mask, types = _tiny_inputs()
+    positions = np.broadcast_to(np.arange(ids.shape[1]) + 2, ids.shape).copy()
+    positions[0] = positions[0, ::-1]
+    args = [jnp.asarray(x) for x in (ids, mask.astype(bool), types, positions)]
+    ours = _run(model, *args).logits
+    theirs = _torch_run(torch_model, ids, mask, types, position_ids=torch.tensor(positions))
+    assert np.abs(np.asarray(ours) - theirs.logits.numpy()).max() <= TOL
+    default = _torch_run(torch_model, ids, mask, types).logits.numpy()
+    assert np.abs(np.asarray(ours) - default).max() > 100 * TOL  # the positions mattered
+
+
 def test_too_long_input_raises(tiny_checkpoints):
     model = peftx.models.from_pretrained(tiny_checkpoints["BertForSequenceClassification"][1])
     with pytest.raises(ValueError, match="max_position_embeddings=40"):

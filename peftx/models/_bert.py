@@ -9,7 +9,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ._checkpoint import Architecture, register
 from ._common import (
@@ -310,7 +310,7 @@ class BertModel(eqx.Module):
     def __call__(
         self,
         input_ids: Int[Array, "batch seq"],
-        attention_mask: Int[Array, "batch seq"] | None = None,
+        attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
         token_type_ids: Int[Array, "batch seq"] | None = None,
         position_ids: Int[Array, "batch seq"] | None = None,
         *,
@@ -409,7 +409,7 @@ class BertForSequenceClassification(eqx.Module):
     def __call__(
         self,
         input_ids: Int[Array, "batch seq"],
-        attention_mask: Int[Array, "batch seq"] | None = None,
+        attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
         token_type_ids: Int[Array, "batch seq"] | None = None,
         position_ids: Int[Array, "batch seq"] | None = None,
         *,
@@ -484,7 +484,7 @@ class BertForMaskedLM(eqx.Module):
     def __call__(
         self,
         input_ids: Int[Array, "batch seq"],
-        attention_mask: Int[Array, "batch seq"] | None = None,
+        attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
         token_type_ids: Int[Array, "batch seq"] | None = None,
         position_ids: Int[Array, "batch seq"] | None = None,
         *,
