@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import peft
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from helpers import all_eqns
@@ -378,6 +379,41 @@ def test_bare_model_reads_head_checkpoints(tiny):
         {"attention_mask": mask}, ref.last_hidden_state
     )
     assert np.abs(diff).max() <= TOL
+
+
+def test_legacy_pretraining_checkpoint(tmp_path):
+    """A checkpoint laid out as bert-base-uncased's: BertForPreTraining's keys (the NSP
+    head, the decoder's copies), LayerNorm's parameters named gamma/beta. BertForMaskedLM
+    reads its MLM head and BertModel its encoder, as transformers does."""
+    torch.manual_seed(0)
+    torch_model = _randomize(transformers.BertForPreTraining(transformers.BertConfig(**TINY)), 2)
+    torch_model.save_pretrained(tmp_path)
+    tensors = safetensors.numpy.load_file(tmp_path / "model.safetensors")
+    legacy = {
+        k.replace("LayerNorm.weight", "LayerNorm.gamma").replace(
+            "LayerNorm.bias", "LayerNorm.beta"
+        ): v
+        for k, v in tensors.items()
+    }
+    legacy["cls.predictions.decoder.bias"] = tensors["cls.predictions.bias"]
+    assert "bert.embeddings.LayerNorm.gamma" in legacy and "cls.seq_relationship.weight" in legacy
+    safetensors.numpy.save_file(legacy, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids, mask, types = _tiny_inputs()
+    ref = _torch_run(torch_model, ids, mask, types)
+    mlm = peftx.models.from_pretrained(tmp_path, model_class="BertForMaskedLM")
+    out = _run(mlm, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types))
+    diff = _logits_on_real("BertForMaskedLM", out.logits, mask) - _logits_on_real(
+        "BertForMaskedLM", ref.prediction_logits, mask
+    )
+    assert np.abs(diff).max() <= TOL
+    bare = peftx.models.from_pretrained(tmp_path, model_class="BertModel")
+    np.testing.assert_array_equal(
+        bare.pooler.dense.weight, torch_model.bert.pooler.dense.weight.detach().numpy()
+    )
+    np.testing.assert_array_equal(
+        bare.embeddings.LayerNorm.weight,
+        torch_model.bert.embeddings.LayerNorm.weight.detach().numpy(),
+    )
 
 
 def test_gradient_checkpointing_reaches_the_blocks(tiny_checkpoints):

@@ -164,6 +164,22 @@ def _safetensors_header(file: Path) -> dict[str, _Tensor]:
     return tensors
 
 
+# transformers' "legacy" renaming, applied to every checkpoint it loads: old BERT
+# checkpoints (bert-base-uncased's model.safetensors among them) name LayerNorm's
+# parameters gamma and beta.
+_LEGACY_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
+
+
+def _legacy_renamed(tensors: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in tensors.items():
+        for old, new in _LEGACY_NAMES.items():
+            if key.endswith(old):
+                key = key[: -len(old)] + new
+        out[key] = value
+    return out
+
+
 class _Reader:
     """The tensors of a checkpoint directory, by key: safetensors (one file, or shards
     under an index) read with plain positioned reads, or a `pytorch_model.bin` read only
@@ -218,6 +234,10 @@ class _Reader:
             raise CheckpointError(
                 f"{path} holds no weights: expected {WEIGHTS_NAME}, {INDEX_NAME} or {TORCH_NAME}."
             )
+        if self._torch is not None:
+            self._torch = _legacy_renamed(self._torch)
+        else:
+            self.tensors = _legacy_renamed(self.tensors)
 
     def __enter__(self) -> "_Reader":
         return self
