@@ -2,6 +2,7 @@
 transformers in PyTorch on the same weights: tiny random-init models saved by
 transformers' own `save_pretrained` and read back by transformers' own `from_pretrained`."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -463,6 +464,18 @@ def test_corrupt_file(tmp_path, checkpoint, monkeypatch, damage, match):
     with pytest.raises(CheckpointError, match=match):
         peftx.from_pretrained(tmp_path)
     assert allocated == []
+
+
+def test_file_shrinking_during_a_load(tmp_path, checkpoint, monkeypatch):
+    """A file cut short after its header was validated fails on the read that runs out
+    (safe_open is patched out here: it would refuse the truncated file up front)."""
+    path, torch_model = checkpoint
+    torch_model.save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-1000])
+    monkeypatch.setattr(_checkpoint, "safe_open", lambda *a, **k: contextlib.nullcontext())
+    with pytest.raises(CheckpointError, match=r"model\.safetensors ended while reading '"):
+        peftx.from_pretrained(tmp_path)
 
 
 def test_index_errors(tmp_path, checkpoint):
