@@ -633,3 +633,57 @@ def test_lora_step_lowers_loss_and_exports(minilm_path, minilm_stacked, batch, g
     with torch.no_grad():
         theirs = torch_model.eval()(**{k: torch.tensor(v) for k, v in batch.items()}).logits
     np.testing.assert_allclose(logits1, theirs.numpy(), atol=TOL)
+
+
+def test_lora_forward_matches_peft(minilm_classifier, minilm_path, batch, getkey):
+    """Non-zero LoRA factors (init_lora_weights=False) copied into PyTorch PEFT's adapter on
+    transformers' model: the same logits, and the same merged query weight."""
+    config = peftx.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False)
+    model = peftx.get_peft_model(minilm_classifier, config, key=getkey())
+    torch_model = transformers.BertForSequenceClassification.from_pretrained(
+        minilm_path, local_files_only=True
+    )
+    with torch.no_grad():
+        torch_model.classifier.weight.copy_(
+            torch.tensor(np.asarray(model.base_model.classifier.weight))
+        )
+        torch_model.classifier.bias.copy_(
+            torch.tensor(np.asarray(model.base_model.classifier.bias))
+        )
+    torch_peft = peft.get_peft_model(torch_model, peft.LoraConfig(r=4, lora_alpha=8)).eval()
+    stack = model.base_model.bert.encoder.layer["0-5"].attention.self
+    with torch.no_grad():
+        for name in ("query", "value"):
+            adapter = getattr(stack, name).weight.adapters["default"]
+            assert np.abs(np.asarray(adapter.lora_B)).max() > 0
+            for i in range(6):
+                layer = getattr(
+                    torch_peft.base_model.model.bert.encoder.layer[i].attention.self, name
+                )
+                layer.lora_A["default"].weight.copy_(torch.tensor(np.asarray(adapter.lora_A[i])))
+                layer.lora_B["default"].weight.copy_(torch.tensor(np.asarray(adapter.lora_B[i])))
+    ours = _run(model, *_inputs(batch)).logits
+    with torch.no_grad():
+        theirs = torch_peft(**{k: torch.tensor(v) for k, v in batch.items()}).logits
+    base = _run(minilm_classifier, *_inputs(batch)).logits
+    assert np.abs(np.asarray(ours) - np.asarray(base)).max() > 100 * TOL  # LoRA mattered
+    np.testing.assert_allclose(ours, theirs.numpy(), atol=TOL)
+
+
+def test_ia3_defaults_match_peft(minilm_classifier, minilm_path, getkey):
+    """IA3's bert defaults (key, value, output.dense; feed-forward: output.dense) pick the
+    same layers as PEFT, whose suffix match also takes attention.output.dense."""
+    config = peftx.IA3Config(modules_to_save=["classifier"])
+    paths = peftx.targets(minilm_classifier, config).paths()
+    assert sorted(p.rsplit("0-5.", 1)[1] for p in paths) == [
+        "attention.output.dense",
+        "attention.self.key",
+        "attention.self.value",
+        "output.dense",
+    ]
+    model = peftx.get_peft_model(minilm_classifier, config, key=getkey())
+    torch_model = transformers.BertForSequenceClassification.from_pretrained(
+        minilm_path, local_files_only=True
+    )
+    torch_peft = peft.get_peft_model(torch_model, peft.IA3Config(modules_to_save=["classifier"]))
+    assert model.get_nb_trainable_parameters() == torch_peft.get_nb_trainable_parameters()
