@@ -272,9 +272,9 @@ def test_each_arm_changes_the_output(checkpoint, name):
         plain = torch_model(name, **case["plain"])
     plain = copy.deepcopy(plain)
     plain.load_state_dict(state)
-    ours = torch_forward(model, IDS, MASK).logits
-    theirs = torch_forward(plain, IDS, MASK).logits
-    assert real_diff(ours.numpy(), theirs, MASK) > 1000 * TOL
+    with_feature = torch_forward(model, IDS, MASK).logits
+    without = torch_forward(plain, IDS, MASK).logits
+    assert real_diff(with_feature.numpy(), without, MASK) > 1000 * TOL
 
 
 @settings(max_examples=4, deadline=None, derandomize=True)

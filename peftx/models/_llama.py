@@ -372,6 +372,7 @@ class LlamaModel(eqx.Module):
         gradient_checkpointing: bool = False,
         remat_policy: RematPolicy = None,
     ):
+        _policy(remat_policy)  # an unknown name fails here, before any work, not at a call
         ke, kl = jax.random.split(key)
         weight = config.initializer_range * jax.random.normal(
             ke, (config.vocab_size, config.hidden_size), dtype
@@ -382,9 +383,6 @@ class LlamaModel(eqx.Module):
         self.config = config
         self.gradient_checkpointing = gradient_checkpointing
         self.remat_policy = remat_policy
-
-    def __check_init__(self) -> None:
-        _policy(self.remat_policy)  # an unknown policy name fails here, not at the first call
 
     def __call__(
         self,
