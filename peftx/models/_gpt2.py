@@ -313,7 +313,8 @@ class GPT2Model(eqx.Module):
             if kv is not None:
                 k, v = new_kv = write_cache(kv[0], kv[1], k, v, index)
             if upcast:
-                # transformers' reorder_and_upcast_attn: q·k in float32
+                # reorder_and_upcast_attn: q·k in float32, as transformers' eager attention
+                # computes it (its sdpa/flash paths ignore the flag)
                 q, k = q.astype(jnp.float32), k.astype(jnp.float32)
             o = dot_product_attention(q, k, v, mask, scale).reshape(b, s, -1)
             h = h + linear(layer.attn.c_proj, o)
