@@ -250,6 +250,7 @@ class GPT2Model(eqx.Module):
         gradient_checkpointing: bool = False,
         remat_policy: RematPolicy = None,
     ):
+        _policy(remat_policy)  # an unknown name fails here, before any work, not at a call
         kt, kp, kl = jax.random.split(key, 3)
         std, d = config.initializer_range, config.n_embd
         self.wte = eqx.nn.Embedding(
@@ -263,9 +264,6 @@ class GPT2Model(eqx.Module):
         self.config = config
         self.gradient_checkpointing = gradient_checkpointing
         self.remat_policy = remat_policy
-
-    def __check_init__(self) -> None:
-        _policy(self.remat_policy)  # an unknown policy name fails here, not at the first call
 
     def __call__(
         self,
