@@ -311,21 +311,61 @@ def test_kv_cache_steps_match_full_forward(checkpoint, name, layout):
     the sliding window."""
     _, path = checkpoint(name)
     ours = pm.from_pretrained(path, layout=layout)
-    c = ours.config
-    prompt = 5
-    # every row is real after the prompt: right-padded rows would leave holes mid-sequence
-    ids, mask = padded_batch(3, [SEQ, SEQ - 2, SEQ - 4], ["left"] * 3)
+    ids, mask = DECODE_IDS, DECODE_MASK
     full = ours(jnp.asarray(ids), jnp.asarray(mask)).logits
+    assert real_diff(cached_decode(ours, ids, mask), np.asarray(full), mask) <= TOL
+
+
+# every row is real after the prompt: right-padded rows would leave holes mid-sequence
+DECODE_IDS, DECODE_MASK = padded_batch(3, [SEQ, SEQ - 2, SEQ - 4], ["left"] * 3)
+PROMPT = 5
+
+
+def cached_decode(ours, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
+    """Logits of `ids[:, :PROMPT]` prefilled into an empty cache, then of each later token
+    fed alone with the cache, concatenated along the sequence."""
+    c = ours.config
     cache = KVCache.empty(LAYERS, len(ids), SEQ, c.num_key_value_heads, c.head_dim, jnp.float32)
-    out = ours(jnp.asarray(ids[:, :prompt]), jnp.asarray(mask[:, :prompt]), cache=cache)
+    out = ours(jnp.asarray(ids[:, :PROMPT]), jnp.asarray(mask[:, :PROMPT]), cache=cache)
     steps = [out.logits]
     step = eqx.filter_jit(lambda m, i, k, cache: m(i, k, cache=cache))
-    for t in range(prompt, SEQ):
+    for t in range(PROMPT, SEQ):
         out = step(ours, jnp.asarray(ids[:, t : t + 1]), jnp.asarray(mask[:, t : t + 1]), out.cache)
         steps.append(out.logits)
     assert int(out.cache.index) == SEQ
-    cached = jnp.concatenate(steps, axis=1)
-    assert real_diff(cached, np.asarray(full), mask) <= TOL
+    return jnp.concatenate(steps, axis=1)
+
+
+def test_dynamic_rope_decoding_matches_transformers(checkpoint):
+    """With dynamic rope, decoding past max_position_embeddings (8) rotates each new token
+    with the frequencies of its own length, the cached keys keeping theirs, so it differs
+    from a full forward; it matches transformers' decoding with `past_key_values`."""
+    model, path = checkpoint("llama-dynamic")
+    ours = pm.from_pretrained(path)
+    ids, mask = DECODE_IDS, DECODE_MASK
+    positions = torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))
+    tids, tmask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+    with torch.no_grad():
+        out = model(
+            tids[:, :PROMPT],
+            attention_mask=tmask[:, :PROMPT],
+            position_ids=positions[:, :PROMPT],
+            use_cache=True,
+        )
+        steps = [out.logits]
+        for t in range(PROMPT, SEQ):
+            out = model(
+                tids[:, t : t + 1],
+                attention_mask=tmask[:, : t + 1],
+                position_ids=positions[:, t : t + 1],
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+            steps.append(out.logits)
+    theirs = torch.cat(steps, dim=1)
+    assert real_diff(cached_decode(ours, ids, mask), theirs, mask) <= TOL
+    full = torch_forward(model, ids, mask).logits
+    assert real_diff(full.numpy(), theirs, mask) > 1000 * TOL
 
 
 # bfloat16. Along a block, the hidden state is rounded to bfloat16 about ROUNDINGS times
