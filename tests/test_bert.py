@@ -340,6 +340,36 @@ def test_tiny_masked_lm_decoder_is_tied(tiny_checkpoints):
     assert np.abs(model.cls.predictions.bias).max() > 0
 
 
+def test_untied_masked_lm(tmp_path):
+    """With tie_word_embeddings=False the decoder is the model's own, with its own bias
+    (transformers' forward reads decoder.bias, not cls.predictions.bias); the round trip
+    through transformers keeps both."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(**TINY, tie_word_embeddings=False)
+    torch_model = _randomize(transformers.BertForMaskedLM(config), seed=3)
+    decoder = torch_model.cls.predictions.decoder
+    assert not torch.equal(decoder.bias, torch_model.cls.predictions.bias)
+    torch_model.save_pretrained(tmp_path / "theirs")
+    model = peftx.models.from_pretrained(tmp_path / "theirs")
+    np.testing.assert_array_equal(
+        model.cls.predictions.decoder.weight, decoder.weight.detach().numpy()
+    )
+    ids, mask, types = _tiny_inputs()
+    ours = _run(model, jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(types)).logits
+    theirs = _torch_run(torch_model, ids, mask, types).logits
+    diff = _logits_on_real("BertForMaskedLM", ours, mask) - _logits_on_real(
+        "BertForMaskedLM", theirs, mask
+    )
+    assert np.abs(diff).max() <= TOL
+    peftx.save_pretrained(model, tmp_path / "ours")
+    reloaded, info = transformers.AutoModelForMaskedLM.from_pretrained(
+        tmp_path / "ours", output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    again = _torch_run(reloaded.eval(), ids, mask, types).logits
+    np.testing.assert_array_equal(again.numpy(), theirs.numpy())
+
+
 @pytest.mark.parametrize("layout", ["stacked", "unrolled"])
 def test_tiny_round_trip_through_transformers(tiny, layout, tmp_path):
     """peftx.save_pretrained writes what transformers reads back: every key in place,

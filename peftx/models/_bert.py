@@ -438,8 +438,10 @@ class BertPredictionHeadTransform(eqx.Module):
 
 
 class BertLMPredictionHead(eqx.Module):
-    """`transform`, then the decoder: the word embeddings (tied, `decoder` None) or an
-    own `decoder` when `tie_word_embeddings` is False, plus the output-only `bias`."""
+    """`transform`, then the decoder: the word embeddings plus the output-only `bias` when
+    `tie_word_embeddings` (`decoder` None, as transformers ties `decoder.weight` to the
+    embeddings and `decoder.bias` to `bias`), else an own `decoder` with its own bias
+    (`bias` is then kept for the checkpoint only, as in transformers' forward)."""
 
     transform: BertPredictionHeadTransform
     decoder: eqx.nn.Linear | None
@@ -451,9 +453,7 @@ class BertLMPredictionHead(eqx.Module):
         self.transform = BertPredictionHeadTransform(c, key=kt, dtype=dtype)
         self.decoder = None
         if not c.tie_word_embeddings:
-            decoder = eqx.nn.Linear(c.hidden_size, c.vocab_size, use_bias=False, key=kd)
-            weight = c.initializer_range * jax.random.normal(kd, (c.vocab_size, c.hidden_size))
-            self.decoder = eqx.tree_at(lambda m: m.weight, decoder, weight.astype(dtype))
+            self.decoder = _linear(c.hidden_size, c.vocab_size, kd, c.initializer_range, dtype)
         self.bias = jnp.zeros((c.vocab_size,), dtype)
 
 
@@ -500,11 +500,10 @@ class BertForMaskedLM(eqx.Module):
         head = self.cls.predictions
         t = head.transform
         h = t.LayerNorm(activation(self.config.hidden_act)(linear(t.dense, out.last_hidden_state)))
-        if head.decoder is None:
-            w = self.bert.embeddings.word_embeddings.weight
-            logits = jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())))
-        else:
-            logits = linear(head.decoder, h)
+        if head.decoder is not None:
+            return MaskedLMOutput(linear(head.decoder, h), out.hidden_states)
+        w = self.bert.embeddings.word_embeddings.weight
+        logits = jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())))
         bias = head.bias.astype(logits.dtype).reshape((1,) * (logits.ndim - 1) + (-1,))
         return MaskedLMOutput(logits + bias, out.hidden_states)
 
