@@ -341,7 +341,7 @@ class BertModel(eqx.Module):
         mask = attention_mask_fn(slots, valid)
         heads, head_dim = c.num_attention_heads, c.head_dim
         scale = head_dim**-0.5
-        act = activation(c.hidden_act)
+        act = _in_float32(activation(c.hidden_act))
 
         def step(layer: BertLayer, h: Array, _: Any) -> tuple[Array, Any]:
             attn = layer.attention.self
@@ -365,6 +365,17 @@ class BertModel(eqx.Module):
         )
         pooled = None if self.pooler is None else self.pooler(h)
         return BaseModelOutput(h, hidden, pooler_output=pooled)
+
+
+def _in_float32(fn: Any) -> Any:
+    """`fn` computed in float32 and rounded once, as torch computes GELU on half types."""
+
+    def wrapped(x: Array) -> Array:
+        if jnp.finfo(x.dtype).bits >= 32:
+            return fn(x)
+        return fn(x.astype(jnp.float32)).astype(x.dtype)
+
+    return wrapped
 
 
 def attention_mask_fn(slots: Array, key_valid: Array) -> Array:
@@ -499,7 +510,8 @@ class BertForMaskedLM(eqx.Module):
         )
         head = self.cls.predictions
         t = head.transform
-        h = t.LayerNorm(activation(self.config.hidden_act)(linear(t.dense, out.last_hidden_state)))
+        act = _in_float32(activation(self.config.hidden_act))
+        h = t.LayerNorm(act(linear(t.dense, out.last_hidden_state)))
         if head.decoder is not None:
             return MaskedLMOutput(linear(head.decoder, h), out.hidden_states)
         w = self.bert.embeddings.word_embeddings.weight
