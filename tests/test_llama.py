@@ -215,6 +215,12 @@ def test_causal_lm_matches_transformers(checkpoint, name, layout):
     ours = pm.from_pretrained(path, layout=layout)
     assert type(ours) is pm.LlamaForCausalLM
     assert ours.config.model_type == CASES[name]["family"]
+    # the layout arms differ: one scanned segment, or a block per layer
+    layers = ours.model.layers
+    if layout == "stacked":
+        assert isinstance(layers, pm.LayerStack) and list(layers.segments) == [f"0-{LAYERS - 1}"]
+    else:
+        assert isinstance(layers, tuple) and len(layers) == LAYERS
     assert (ours.lm_head is None) == bool(model.config.tie_word_embeddings)
     ref = torch_forward(model, IDS, MASK, output_hidden_states=True)
     out = ours(jnp.asarray(IDS), jnp.asarray(MASK), output_hidden_states=True)
@@ -301,6 +307,11 @@ def test_padding_invariance(checkpoint, rows):
 _logits = eqx.filter_jit(lambda model, ids, mask: model(ids, mask).logits)
 
 
+# every row is real after the prompt: right-padded rows would leave holes mid-sequence
+DECODE_IDS, DECODE_MASK = padded_batch(3, [SEQ, SEQ - 2, SEQ - 4], ["left"] * 3)
+PROMPT = 5
+
+
 @pytest.mark.parametrize(
     "name, layout",
     [("mistral", "stacked"), ("qwen2-sliding", "unrolled"), ("llama-yarn", "stacked")],
@@ -314,11 +325,6 @@ def test_kv_cache_steps_match_full_forward(checkpoint, name, layout):
     ids, mask = DECODE_IDS, DECODE_MASK
     full = ours(jnp.asarray(ids), jnp.asarray(mask)).logits
     assert real_diff(cached_decode(ours, ids, mask), np.asarray(full), mask) <= TOL
-
-
-# every row is real after the prompt: right-padded rows would leave holes mid-sequence
-DECODE_IDS, DECODE_MASK = padded_batch(3, [SEQ, SEQ - 2, SEQ - 4], ["left"] * 3)
-PROMPT = 5
 
 
 def cached_decode(ours, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
