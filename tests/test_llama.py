@@ -542,6 +542,36 @@ def test_old_rope_scaling_form_is_read(checkpoint, tmp_path):
     assert real_diff(out.logits, torch_forward(model, IDS, MASK).logits, MASK) <= TOL
 
 
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {},
+        {"rope_theta": 5e5},
+        {"rope_parameters": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 500.0},
+        {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 500.0},
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+        {
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "rope_parameters": {"rope_type": "linear", "factor": 8.0, "rope_theta": 10.0},
+        },
+    ],
+)
+def test_rope_parameters_read_as_transformers_reads_them(rope):
+    """However a config.json spells its rope (transformers 4 or 5, theta inside or beside
+    the dict, defaults), peftx takes the parameters transformers takes."""
+    d = {k: v for k, v in hf_config("llama").to_dict().items() if k != "rope_parameters"}
+    d.update(copy.deepcopy(rope))
+    ours = LlamaConfig.from_hf_config(copy.deepcopy(d)).rope_parameters
+    theirs = transformers.LlamaConfig(**copy.deepcopy(d)).rope_parameters
+    assert ours == {k: v for k, v in theirs.items() if k != "type"}
+
+
 @pytest.mark.parametrize("rope_type", ["longrope", "proportional", "mrope"])
 def test_unsupported_rope_type_raises(rope_type):
     d = hf_config("llama").to_dict()

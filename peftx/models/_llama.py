@@ -76,10 +76,10 @@ class LlamaConfig(HFConfig):
             )
         heads = d.get("num_attention_heads", 32)
         layers = d.get("num_hidden_layers", 32)
-        rope = dict(d.get("rope_parameters") or {})
-        if not rope:
-            rope = dict(d.get("rope_scaling") or {})
-            rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+        # transformers' precedence: `rope_scaling` (transformers 4) over `rope_parameters`,
+        # and a top-level `rope_theta` where the dict has none
+        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+        rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
         legacy = rope.pop("type", None)  # transformers 4's name, kept by transformers 5
         rope.setdefault("rope_type", legacy or "default")
         if rope["rope_type"] not in ROPE_TYPES:
