@@ -27,6 +27,7 @@ from peftx.models import (
     BertModel,
     LayerStack,
 )
+from peftx.models._common import dropout
 
 TOL = 1e-4  # fp32: a few hundred float32 roundings through 6 blocks, on values of order 1
 BF16_EPS = float(jnp.finfo(jnp.bfloat16).eps)
@@ -717,3 +718,65 @@ def test_ia3_defaults_match_peft(minilm_classifier, minilm_path, getkey):
     )
     torch_peft = peft.get_peft_model(torch_model, peft.IA3Config(modules_to_save=["classifier"]))
     assert model.get_nb_trainable_parameters() == torch_peft.get_nb_trainable_parameters()
+
+
+# ---------------------------------------------------------------- dropout (training mode)
+
+
+def test_dropout_statistics(getkey):
+    """Inverted dropout as torch's nn.Dropout: entries zeroed with probability `rate`
+    (within 5 standard errors on 2**16 draws), the others scaled by exactly 1/(1-rate)."""
+    x = jnp.ones((2**16,), jnp.float32)
+    for rate in (0.1, 0.5):
+        y = np.asarray(dropout(x, rate, getkey()))
+        dropped = np.mean(y == 0)
+        assert abs(dropped - rate) <= 5 * np.sqrt(rate * (1 - rate) / x.size)
+        np.testing.assert_array_equal(y[y != 0], np.float32(1) / np.float32(1 - rate))
+    assert dropout(x, 0.5, None) is x and dropout(x, 0.0, getkey()) is x
+    with pytest.raises(ValueError, match="dropout rate must be in \\[0, 1\\), got 1.0"):
+        dropout(x, 1.0, getkey())
+
+
+def _with_config(path, tmp_path, **changes):
+    """A copy of checkpoint `path` whose config.json has `changes`."""
+    import json
+    import shutil
+
+    shutil.copytree(path, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
+    return tmp_path
+
+
+def test_dropout_in_training_mode(tiny_checkpoints, tmp_path, getkey):
+    """With a `key`, the rates of the config apply (the checkpoint's: 0.1 each); a key is
+    a fixed mask; rates of zero give the eval-mode outputs exactly; attention dropout on its
+    own changes the outputs; a PeftModel passes the key through."""
+    path = tiny_checkpoints["BertForSequenceClassification"][1]
+    model = peftx.models.from_pretrained(path)
+    assert model.config.hidden_dropout_prob == model.config.attention_probs_dropout_prob == 0.1
+    ids, mask, types = (jnp.asarray(x) for x in _tiny_inputs())
+    run = eqx.filter_jit(lambda m, k: m(ids, mask, types, key=k).logits)
+    eval_logits = np.asarray(_run(model, ids, mask, types).logits)
+    k1, k2 = getkey(), getkey()
+    a, b = np.asarray(run(model, k1)), np.asarray(run(model, k2))
+    np.testing.assert_array_equal(a, np.asarray(run(model, k1)))
+    assert np.abs(a - b).max() > 100 * TOL and np.abs(a - eval_logits).max() > 100 * TOL
+
+    zero = peftx.models.from_pretrained(
+        _with_config(
+            path,
+            tmp_path / "zero",
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            classifier_dropout=0.0,
+        )
+    )
+    np.testing.assert_array_equal(np.asarray(run(zero, k1)), eval_logits)
+    attention_only = peftx.models.from_pretrained(
+        _with_config(path, tmp_path / "attention", hidden_dropout_prob=0.0, classifier_dropout=0.0)
+    )
+    assert np.abs(np.asarray(run(attention_only, k1)) - eval_logits).max() > 100 * TOL
+
+    peft_model = peftx.get_peft_model(model, peftx.LoraConfig(r=2), key=getkey())
+    np.testing.assert_allclose(np.asarray(run(peft_model, k1)), a, atol=TOL)  # B = 0

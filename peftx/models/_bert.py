@@ -22,6 +22,7 @@ from ._common import (
     activation,
     attention_mask,
     dot_product_attention,
+    dropout,
     embed,
     linear,
 )
@@ -35,8 +36,7 @@ POSITION_EMBEDDING_TYPES = ("absolute",)
 class BertConfig(HFConfig):
     """A BERT `config.json`, as the fields the model uses (defaults: bert-base-uncased).
 
-    Dropout rates are kept so the config writes back unchanged; the model runs as
-    transformers does in eval mode (no dropout; LoRA has its own `lora_dropout`).
+    The dropout rates apply when a model is called with a `key` (training mode).
     """
 
     model_type: str = "bert"
@@ -315,6 +315,7 @@ class BertModel(eqx.Module):
         position_ids: Int[Array, "batch seq"] | None = None,
         *,
         output_hidden_states: bool = False,
+        key: PRNGKeyArray | None = None,
     ) -> BaseModelOutput:
         """Hidden states for `input_ids` (transformers' argument order).
 
@@ -323,6 +324,11 @@ class BertModel(eqx.Module):
         `0..seq-1` for every row, padding or not, as transformers' BERT does.
         `hidden_states` (with `output_hidden_states`) are each block's output, stacked:
         `hidden_states[i]` is transformers' `hidden_states[i + 1]`.
+
+        Without `key`, the model runs as transformers' does in eval mode. With a `key`,
+        dropout as in training mode: `hidden_dropout_prob` on the embeddings and on both
+        dense outputs of each block (before their residual LayerNorm),
+        `attention_probs_dropout_prob` on the attention weights.
         """
         c = self.config
         b, s = input_ids.shape
@@ -336,30 +342,39 @@ class BertModel(eqx.Module):
             token_type_ids = jnp.zeros((b, s), jnp.int32)
         if position_ids is None:
             position_ids = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        h = self.embeddings(input_ids, token_type_ids, position_ids)
+        p = c.hidden_dropout_prob
+        if key is None:
+            embed_key, layer_keys = None, None
+        else:
+            embed_key, layers_key = jax.random.split(key)
+            layer_keys = jax.random.split(layers_key, c.num_hidden_layers)
+        h = dropout(self.embeddings(input_ids, token_type_ids, position_ids), p, embed_key)
         slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         mask = attention_mask_fn(slots, valid)
         heads, head_dim = c.num_attention_heads, c.head_dim
         scale = head_dim**-0.5
         act = _in_float32(activation(c.hidden_act))
 
-        def step(layer: BertLayer, h: Array, _: Any) -> tuple[Array, Any]:
+        def step(layer: BertLayer, h: Array, layer_key: Any) -> tuple[Array, Any]:
+            ka, ko, kf = (None,) * 3 if layer_key is None else jax.random.split(layer_key, 3)
             attn = layer.attention.self
             q = linear(attn.query, h).reshape(b, s, heads, head_dim)
             k = linear(attn.key, h).reshape(b, s, heads, head_dim)
             v = linear(attn.value, h).reshape(b, s, heads, head_dim)
-            o = dot_product_attention(q, k, v, mask, scale).reshape(b, s, -1)
+            o = dot_product_attention(
+                q, k, v, mask, scale, dropout_rate=c.attention_probs_dropout_prob, dropout_key=ka
+            ).reshape(b, s, -1)
             out = layer.attention.output
-            h = out.LayerNorm(linear(out.dense, o) + h)
+            h = out.LayerNorm(dropout(linear(out.dense, o), p, ko) + h)
             x = act(linear(layer.intermediate.dense, h))
-            h = layer.output.LayerNorm(linear(layer.output.dense, x) + h)
+            h = layer.output.LayerNorm(dropout(linear(layer.output.dense, x), p, kf) + h)
             return h, h if output_hidden_states else None
 
         h, hidden = run_layers(
             self.encoder.layer,
             step,
             h,
-            None,
+            layer_keys,
             gradient_checkpointing=self.gradient_checkpointing,
             remat_policy=self.remat_policy,
         )
@@ -425,17 +440,24 @@ class BertForSequenceClassification(eqx.Module):
         position_ids: Int[Array, "batch seq"] | None = None,
         *,
         output_hidden_states: bool = False,
+        key: PRNGKeyArray | None = None,
     ) -> SequenceClassifierOutput:
+        """Logits from the pooled first token; with a `key`, dropout as in training mode
+        (the backbone's, then `classifier_dropout`, else `hidden_dropout_prob`, on the
+        pooled output)."""
+        kb, kc = (None, None) if key is None else jax.random.split(key)
         out = self.bert(
             input_ids,
             attention_mask,
             token_type_ids,
             position_ids,
             output_hidden_states=output_hidden_states,
+            key=kb,
         )
-        return SequenceClassifierOutput(
-            linear(self.classifier, out.pooler_output), out.hidden_states
-        )
+        c = self.config
+        rate = c.hidden_dropout_prob if c.classifier_dropout is None else c.classifier_dropout
+        pooled = dropout(out.pooler_output, rate, kc)
+        return SequenceClassifierOutput(linear(self.classifier, pooled), out.hidden_states)
 
 
 class BertPredictionHeadTransform(eqx.Module):
@@ -500,13 +522,17 @@ class BertForMaskedLM(eqx.Module):
         position_ids: Int[Array, "batch seq"] | None = None,
         *,
         output_hidden_states: bool = False,
+        key: PRNGKeyArray | None = None,
     ) -> MaskedLMOutput:
+        """Logits over the vocabulary at every position; with a `key`, the backbone's
+        dropout as in training mode."""
         out = self.bert(
             input_ids,
             attention_mask,
             token_type_ids,
             position_ids,
             output_hidden_states=output_hidden_states,
+            key=key,
         )
         head = self.cls.predictions
         t = head.transform

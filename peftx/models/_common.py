@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 
 def linear(layer: eqx.nn.Linear, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
@@ -118,22 +118,41 @@ def attention_mask(
     return mask[:, None, :, :]
 
 
+def dropout(
+    x: Float[Array, "*shape"], rate: float, key: PRNGKeyArray | None
+) -> Float[Array, "*shape"]:
+    """Inverted dropout (torch's `nn.Dropout` in training mode): entries zeroed with
+    probability `rate`, the others scaled by `1 / (1 - rate)`. `x` itself when `key` is
+    None (eval mode) or `rate` is 0."""
+    if key is None or rate == 0:
+        return x
+    if not 0 <= rate < 1:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}.")
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
+
+
 def dot_product_attention(
     q: Float[Array, "batch q heads dim"],
     k: Float[Array, "batch k kv_heads dim"],
     v: Float[Array, "batch k kv_heads dim"],
     mask: Bool[Array, "batch 1 q k"],
     scale: float | Float[Array, ""],
+    *,
+    dropout_rate: float = 0.0,
+    dropout_key: PRNGKeyArray | None = None,
 ) -> Float[Array, "batch q heads dim"]:
     """Softmax attention (grouped-query when there are fewer key/value heads), softmax in
     float32. A query that sees no key (a padding position) attends uniformly instead of
-    giving NaN, as transformers' eager attention does."""
+    giving NaN, as transformers' eager attention does. With a `dropout_key`, the attention
+    weights are dropped at `dropout_rate` (training mode)."""
     b, sq, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, sq, kv, h // kv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k).astype(jnp.float32) * scale
     scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    weights = jax.nn.softmax(scores, axis=-1)
+    weights = dropout(weights, dropout_rate, dropout_key).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v)
     return out.reshape(b, sq, h, v.shape[-1])
 
