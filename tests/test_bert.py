@@ -3,6 +3,8 @@ torch on the same weights: all-MiniLM-L6-v2 (a real checkpoint, real sentences p
 a batch) and tiny random-init models saved with `save_pretrained`; checkpoints written by
 peftx read back by transformers; bf16 loading; LoRA on MiniLM against PyTorch PEFT."""
 
+import json
+import shutil
 import warnings
 
 import equinox as eqx
@@ -739,9 +741,6 @@ def test_dropout_statistics(getkey):
 
 def _with_config(path, tmp_path, **changes):
     """A copy of checkpoint `path` whose config.json has `changes`."""
-    import json
-    import shutil
-
     shutil.copytree(path, tmp_path, dirs_exist_ok=True)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **changes}))
