@@ -296,6 +296,7 @@ class BertModel(eqx.Module):
         gradient_checkpointing: bool = False,
         remat_policy: RematPolicy = None,
     ):
+        _policy(remat_policy)  # an unknown policy name fails before the weights are drawn
         ke, kl, kp = jax.random.split(key, 3)
         self.embeddings = BertEmbeddings(config, key=ke, dtype=dtype)
         self.encoder = BertEncoder(make_layers(BertLayer, config, layout, kl, dtype))
@@ -303,9 +304,6 @@ class BertModel(eqx.Module):
         self.config = config
         self.gradient_checkpointing = gradient_checkpointing
         self.remat_policy = remat_policy
-
-    def __check_init__(self) -> None:
-        _policy(self.remat_policy)  # an unknown policy name fails here, not at the first call
 
     def __call__(
         self,
