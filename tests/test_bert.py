@@ -532,6 +532,12 @@ def test_explicit_positions_and_bool_mask(tiny_checkpoints):
     assert np.abs(np.asarray(ours) - default).max() > 100 * TOL  # the positions mattered
 
 
+def test_unknown_remat_policy_raises(tiny_checkpoints):
+    path = tiny_checkpoints["BertForSequenceClassification"][1]
+    with pytest.raises(ValueError, match="remat_policy 'bogus'"):
+        peftx.models.from_pretrained(path, gradient_checkpointing=True, remat_policy="bogus")
+
+
 def test_too_long_input_raises(tiny_checkpoints):
     model = peftx.models.from_pretrained(tiny_checkpoints["BertForSequenceClassification"][1])
     with pytest.raises(ValueError, match="max_position_embeddings=40"):
