@@ -18,12 +18,12 @@ from ._common import (
 )
 from ._generate import generate as generate
 from ._gpt2 import (
+    GPT2MLP as GPT2MLP,
     GPT2Attention as GPT2Attention,
     GPT2Block as GPT2Block,
     GPT2Config as GPT2Config,
     GPT2ForSequenceClassification as GPT2ForSequenceClassification,
     GPT2LMHeadModel as GPT2LMHeadModel,
-    GPT2MLP as GPT2MLP,
     GPT2Model as GPT2Model,
 )
 from ._llama import (

@@ -26,8 +26,7 @@ from ._common import (
     embed,
     linear,
 )
-from ._llama import make_layers
-from ._stack import LayerStack, Layout, RematPolicy, _policy, run_layers
+from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
 
 POSITION_EMBEDDING_TYPES = ("absolute",)
 

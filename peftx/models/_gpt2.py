@@ -30,8 +30,7 @@ from ._common import (
     linear,
     write_cache,
 )
-from ._llama import make_layers
-from ._stack import LayerStack, Layout, RematPolicy, _policy, run_layers
+from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,7 @@ from ._common import (
     positions_from_mask,
     write_cache,
 )
-from ._stack import LayerStack, Layout, RematPolicy, _policy, run_layers
+from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -337,19 +337,6 @@ class LlamaDecoderLayer(eqx.Module):
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
         )
-
-
-def make_layers(
-    block: Any, config: Any, layout: Layout, key: PRNGKeyArray, dtype: Any
-) -> LayerStack | tuple[Any, ...]:
-    """`config.num_hidden_layers` blocks, stacked or unrolled."""
-    keys = jax.random.split(key, config.num_hidden_layers)
-    if layout == "stacked":
-        stacked = eqx.filter_vmap(lambda k: block(config, key=k, dtype=dtype))(keys)
-        return LayerStack({f"0-{config.num_hidden_layers - 1}": stacked})
-    if layout == "unrolled":
-        return tuple(block(config, key=k, dtype=dtype) for k in keys)
-    raise ValueError(f"layout must be 'stacked' or 'unrolled', got {layout!r}.")
 
 
 class LlamaModel(eqx.Module):

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
+from jaxtyping import PRNGKeyArray
 
 Layout = Literal["stacked", "unrolled"]
 
@@ -100,6 +101,23 @@ def stack_layers(blocks: Sequence[Any]) -> LayerStack:
     static = eqx.filter(blocks[0], eqx.is_array, inverse=True)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *arrays)
     return LayerStack({span_name(0, len(blocks) - 1): eqx.combine(stacked, static)})
+
+
+def make_layers(
+    block: Any, config: Any, layout: Layout, key: PRNGKeyArray, dtype: Any
+) -> "LayerStack | tuple[Any, ...]":
+    """`config.num_hidden_layers` freshly initialized blocks (`block(config, key=...,
+    dtype=...)`), stacked or unrolled. Built under one `jit`, so initializing a deep model
+    compiles once instead of once per distinct array shape."""
+    n = config.num_hidden_layers
+    keys = jax.random.split(key, n)
+    if layout == "stacked":
+        build = eqx.filter_jit(eqx.filter_vmap(lambda k: block(config, key=k, dtype=dtype)))
+        return LayerStack({span_name(0, n - 1): build(keys)})
+    if layout == "unrolled":
+        build = eqx.filter_jit(lambda k: block(config, key=k, dtype=dtype))
+        return tuple(build(k) for k in keys)
+    raise ValueError(f"layout must be 'stacked' or 'unrolled', got {layout!r}.")
 
 
 def _index(block: Any, i: int) -> Any:
