@@ -441,7 +441,7 @@ class PeftModel(eqx.Module):
                 f"this model's adapters are {self.peft_type}; a {config.peft_type} adapter "
                 "cannot join them (as in PEFT). Start from the base model (`unload()`)."
             )
-        config = with_defaults(config, self.base_model, model_type)
+        config = with_classifier(with_defaults(config, self.base_model, model_type))
         selection = targets(self.base_model, config)
         model = selection.model  # stacks split where layers_to_transform starts and stops
         layers = list(zip(selection.paths(), selection.get()))
@@ -472,6 +472,19 @@ class PeftModel(eqx.Module):
             (*self.configs, (adapter_name, config)),
             active,
         )
+
+
+CLASSIFIER_NAMES = ("classifier", "score")
+
+
+def with_classifier(config: Any) -> Any:
+    """PEFT's rule for `task_type="SEQ_CLS"`: the classification head (`classifier` or
+    `score`, whichever the model has) joins `modules_to_save`, so it trains and is saved."""
+    if getattr(config, "task_type", None) != "SEQ_CLS" or not hasattr(config, "modules_to_save"):
+        return config
+    names = list(config.modules_to_save or ())
+    names += [n for n in CLASSIFIER_NAMES if n not in names]
+    return dataclasses.replace(config, modules_to_save=names)
 
 
 def _saved_copies(model: Any, config: Any, adapter_name: str) -> dict[str, dict[str, Any]]:

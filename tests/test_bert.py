@@ -623,6 +623,23 @@ def test_lora_defaults_match_peft(minilm_classifier, minilm_path, getkey):
     assert total == torch_peft.get_nb_trainable_parameters()[1]
 
 
+def test_seq_cls_task_type_trains_the_classifier(minilm_classifier, minilm_path, getkey):
+    """`task_type="SEQ_CLS"` adds the classification head to `modules_to_save`, as PEFT's
+    PeftModelForSequenceClassification does: the same trainable count as PEFT's."""
+    model = peftx.get_peft_model(
+        minilm_classifier, peftx.LoraConfig(r=4, task_type="SEQ_CLS"), key=getkey()
+    )
+    assert list(model.saved_modules["default"]) == ["classifier"]
+    assert list(model.peft_config["default"].modules_to_save) == ["classifier", "score"]
+    torch_model = transformers.BertForSequenceClassification.from_pretrained(
+        minilm_path, local_files_only=True
+    )
+    torch_peft = peft.get_peft_model(torch_model, peft.LoraConfig(r=4, task_type="SEQ_CLS"))
+    assert model.get_nb_trainable_parameters() == torch_peft.get_nb_trainable_parameters()
+    without = peftx.get_peft_model(minilm_classifier, peftx.LoraConfig(r=4), key=getkey())
+    assert without.get_nb_trainable_parameters()[0] < model.get_nb_trainable_parameters()[0]
+
+
 def test_lora_step_lowers_loss_and_exports(minilm_path, minilm_stacked, batch, getkey, tmp_path):
     """The fine-tuning path: MiniLM with a fresh 3-way classifier, LoRA with PEFT's
     defaults; one optax step through `peftx.partition` lowers the loss on a tiny batch; the
