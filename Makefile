@@ -22,6 +22,8 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/implicit_overhead.py
 	$(PY) benchmarks/lora_step.py
 	$(PY) benchmarks/quantized_matmul.py
+	$(PY) benchmarks/scan_layers.py
+	$(PY) benchmarks/load_checkpoint.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check peftx tests examples benchmarks

@@ -445,8 +445,7 @@ def test_gated_set_any_layout(case, seed):
 
     def dense(s):
         deltas = [
-            (m.lora_alpha / m.lora_A.shape[-2]) * (m.lora_B @ m.lora_A)
-            for m in s.adapters.values()
+            (m.lora_alpha / m.lora_A.shape[-2]) * (m.lora_B @ m.lora_A) for m in s.adapters.values()
         ]
         return s.weight + s.gate[0] * deltas[0] + s.gate[1] * deltas[1]
 
