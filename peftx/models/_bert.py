@@ -25,6 +25,7 @@ from ._common import (
     dropout,
     embed,
     linear,
+    tied_logits,
 )
 from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
 
@@ -537,8 +538,7 @@ class BertForMaskedLM(eqx.Module):
         h = t.LayerNorm(act(linear(t.dense, out.last_hidden_state)))
         if head.decoder is not None:
             return MaskedLMOutput(linear(head.decoder, h), out.hidden_states)
-        w = self.bert.embeddings.word_embeddings.weight
-        logits = jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())))
+        logits = tied_logits(self.bert.embeddings.word_embeddings, h)
         bias = head.bias.astype(logits.dtype).reshape((1,) * (logits.ndim - 1) + (-1,))
         return MaskedLMOutput(logits + bias, out.hidden_states)
 

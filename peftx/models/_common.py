@@ -21,6 +21,14 @@ def linear(layer: eqx.nn.Linear, x: Float[Array, "*batch in"]) -> Float[Array, "
     return y
 
 
+def tied_logits(
+    layer: eqx.nn.Embedding, h: Float[Array, "*batch dim"]
+) -> Float[Array, "*batch vocab"]:
+    """`h` against the rows of `layer.weight`: an output head tied to the input
+    embeddings, in one product with the tokens major, as `linear` does."""
+    return lax.dot_general(h, layer.weight, (((h.ndim - 1,), (1,)), ((), ())))
+
+
 def embed(layer: eqx.nn.Embedding, ids: Int[Array, "*batch"]) -> Float[Array, "*batch dim"]:
     """Rows of `layer.weight` for integer `ids`."""
     return jnp.take(layer.weight, ids, axis=0)

@@ -28,6 +28,7 @@ from ._common import (
     embed,
     last_token_index,
     linear,
+    tied_logits,
     write_cache,
 )
 from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
@@ -375,8 +376,7 @@ class GPT2LMHeadModel(eqx.Module):
         )
         h = out.last_hidden_state
         if self.lm_head is None:
-            w = self.transformer.wte.weight
-            logits = jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())))
+            logits = tied_logits(self.transformer.wte, h)
         else:
             logits = linear(self.lm_head, h)
         return CausalLMOutput(logits, out.hidden_states, out.cache)

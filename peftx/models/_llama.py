@@ -26,6 +26,7 @@ from ._common import (
     last_token_index,
     linear,
     positions_from_mask,
+    tied_logits,
     write_cache,
 )
 from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
@@ -492,8 +493,7 @@ class LlamaForCausalLM(eqx.Module):
         )
         h = out.last_hidden_state
         if self.lm_head is None:
-            w = self.model.embed_tokens.weight
-            logits = jax.lax.dot_general(h, w, (((h.ndim - 1,), (1,)), ((), ())))
+            logits = tied_logits(self.model.embed_tokens, h)
         else:
             logits = linear(self.lm_head, h)
         return CausalLMOutput(logits, out.hidden_states, out.cache)
