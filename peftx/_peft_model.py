@@ -3,6 +3,7 @@
 import dataclasses
 import difflib
 import math
+import os
 import re
 import warnings
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._errors import UnknownAdapterError
+from ._peft_io import load_adapter_into, save_adapters, stored_transposed
 from ._select import Predicate, of_type, peft_targets, require_matches, select
 from ._targets import ADAPTABLE, targets, with_defaults
 from .adapters import (
@@ -198,6 +200,13 @@ class PeftModel(eqx.Module):
         (default: the active adapter), the arrays of `modules_to_save`, and biases as
         `bias` asks."""
         names = self._known((self.active_adapter,) if adapters is None else tuple(adapters))
+        frozen = [n for n in names if self.peft_config[n].inference_mode]
+        if adapters is not None and frozen:
+            raise ValueError(
+                f"adapter(s) {frozen} were loaded for inference (is_trainable=False, PEFT's "
+                "inference_mode); load them with is_trainable=True to train them."
+            )
+        names = tuple(n for n in names if n not in frozen)
 
         def set_spec(s: AdapterSet) -> Any:
             flags = jax.tree.map(lambda _: False, s)
@@ -259,6 +268,76 @@ class PeftModel(eqx.Module):
         (PEFT's method of this name)."""
         trainable, _ = partition(self)
         return _count(trainable), _count(self)
+
+    # -- files --------------------------------------------------------------------------
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike[str],
+        selected_adapters: Sequence[str] | None = None,
+        *,
+        save_embedding_layers: bool | Literal["auto"] = "auto",
+    ) -> None:
+        """Write adapters in HF PEFT's format, loadable by `peft.PeftModel.from_pretrained`.
+
+        Each adapter (default: all) gets `adapter_config.json` and
+        `adapter_model.safetensors`: `"default"` in `save_directory`, any other in the
+        subfolder of its name, as PEFT lays them out. Keys are PEFT's
+        (`base_model.model.<module path>.lora_A.weight`, one per layer of a stacked
+        model), tensors keep their dtype, and the config is written as PEFT writes it
+        after placing the adapter (`"all-linear"` or a predicate expanded to module
+        names, `fan_in_fan_out` for GPT-2's Conv1D, `inference_mode: true`).
+        `modules_to_save` copies are written under their module's path.
+
+        `save_embedding_layers`: PEFT's rule; `"auto"` also writes the base weight of an
+        adapted `embed_tokens`/`lm_head` when `target_modules` names one.
+
+        Every file is written under a temporary name and renamed only when all are
+        complete; nothing but JSON and safetensors is written.
+        """
+        save_adapters(self, save_directory, selected_adapters, save_embedding_layers)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: Any,
+        model_id: str | os.PathLike[str],
+        adapter_name: str = "default",
+        is_trainable: bool = False,
+        *,
+        model_type: str | None = None,
+    ) -> "PeftModel":
+        """`model` (a plain Equinox model) with the adapter saved in `model_id`, by
+        peftx or PyTorch PEFT (a directory holding `adapter_config.json`; if it holds
+        none, its subfolder `adapter_name`).
+
+        Strict, unlike PEFT: a missing or unexpected key or a wrong shape raises
+        `CheckpointError` naming the module and shapes, and a corrupt file one naming
+        the file. `is_trainable=False` (PEFT's default) loads the adapter frozen:
+        `partition` trains nothing of it. Config keys peftx does not know are ignored
+        with a warning naming them.
+        """
+        if isinstance(model, PeftModel):
+            raise TypeError(
+                "model is a PeftModel already; add a saved adapter with "
+                "`peft_model.load_adapter(directory, adapter_name)`."
+            )
+        return load_adapter_into(
+            PeftModel(model, {}, (), adapter_name), model_id, adapter_name, is_trainable, model_type
+        )
+
+    def load_adapter(
+        self,
+        model_id: str | os.PathLike[str],
+        adapter_name: str,
+        is_trainable: bool = False,
+        *,
+        model_type: str | None = None,
+    ) -> "PeftModel":
+        """A model with one more adapter, read from `model_id` as `from_pretrained`
+        reads it (the active adapter is unchanged). This model is left as it is; on an
+        error no adapter is added."""
+        return load_adapter_into(self, model_id, adapter_name, is_trainable, model_type)
 
     # -- several adapters ---------------------------------------------------------------
 
@@ -445,7 +524,9 @@ class PeftModel(eqx.Module):
         selection = targets(self.base_model, config)
         model = selection.model  # stacks split where layers_to_transform starts and stops
         layers = list(zip(selection.paths(), selection.get()))
-        if config.fan_in_fan_out:
+        if config.fan_in_fan_out and not all(
+            stored_transposed(self.base_model, p) for p in selection.paths()
+        ):
             # PEFT's rule for torch.nn.Linear targets, whose weights are (out, in) like ours
             warnings.warn(
                 "fan_in_fan_out=True, but eqx.nn.Linear, Conv and Embedding weights are stored "

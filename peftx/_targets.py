@@ -2,8 +2,6 @@
 output head that `"all-linear"` leaves alone, and the checks on layer indices."""
 
 import dataclasses
-import re
-from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -19,7 +17,7 @@ from ._select import (
     require_matches,
     select,
 )
-from .models._stack import LayerStack, split_stack
+from .models._stack import LayerStack, parse_span, split_stack
 
 # PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
 # architectures peftx users load; tests compare them with PEFT's own tables.
@@ -144,22 +142,47 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Select
     """The layers `get_peft_model(model, config)` would adapt, as a `Selection`: print
     `targets(model, config).table()` for a dry run.
 
+    Inside a `LayerStack`, the rule is applied to each layer's own path (`layers.3.mlp`,
+    as transformers names it), and the stack is split where the chosen modules change, so
+    `layers_to_transform`, a regex naming layers, or PEFT's expanded list of module paths
+    select exactly what they select on the unrolled model. `Selection.model` is the model
+    with those splits.
+
     Raises as `get_peft_model` would: `TargetNotFoundError` when nothing matches (with the
     closest module names), `UnsupportedTargetError` for a module the adapter cannot wrap,
     `ValueError` for layer indices the model does not have.
     """
     config = with_defaults(config, model, model_type)
     check_layers(config, model)
-    model = split_stacks(model, config)
+    predicate = target_predicate(config, model)
+    model = split_stacks(model, predicate)
     target = config.target_modules
     wanted = [target] if isinstance(target, str) else list(target or ())
     chosen = require_matches(
         select(model).at(~of_type(jax.Array)),
-        target_predicate(config, model),
+        per_layer(predicate),
         wanted=[w for w in wanted if isinstance(w, str)],
     )
     paths = set(_adaptable(chosen, config))
     return chosen.at(Predicate(lambda p, n: p in paths, "adaptable targets"))
+
+
+def layer_paths(path: str) -> list[str]:
+    """The per-layer paths a path stands for: `layers.0-2.mlp` is `layers.0.mlp`,
+    `layers.1.mlp` and `layers.2.mlp`; any other path is itself."""
+    parts = path.split(".")
+    for j, part in enumerate(parts):
+        if (span := parse_span(part)) is not None:
+            first, last = span
+            return [".".join([*parts[:j], str(i), *parts[j + 1 :]]) for i in range(first, last + 1)]
+    return [path]
+
+
+def per_layer(predicate: Predicate) -> Predicate:
+    """`predicate` on each layer a stacked path stands for: true when true for all."""
+    return Predicate(
+        lambda p, n: all(predicate(q, n) for q in layer_paths(p)), f"per layer: {predicate}"
+    )
 
 
 def _adaptable(chosen: Selection, config: Any) -> list[str]:
@@ -192,28 +215,25 @@ def _adaptable(chosen: Selection, config: Any) -> list[str]:
     return layers
 
 
-def split_stacks(model: Any, config: Any) -> Any:
-    """`model` with each `LayerStack` (of `layers_pattern`, if set) split into segments
-    where `layers_to_transform` starts or stops, so an adapter lands on whole segments
-    and untransformed layers get none (PEFT's parameter counts)."""
-    wanted = config.layers_to_transform
-    if wanted is None or isinstance(config.target_modules, str | Predicate):
-        return model
-    wanted = {wanted} if isinstance(wanted, int) else set(wanted)
+def split_stacks(model: Any, predicate: Predicate) -> Any:
+    """`model` with each `LayerStack` split into segments wherever the modules that
+    `predicate` chooses (tested on each layer's own path) change from one layer to the
+    next, so an adapter lands on whole segments and unchosen layers get none."""
+
+    def split(stack_path: str, stack: LayerStack) -> LayerStack:
+        inner = select(stack).at(~of_type(jax.Array))
+        chosen: dict[int, set[str]] = {}
+        for rel, node in zip(inner.paths(), inner.get()):
+            segment, _, rest = rel.partition(".")
+            first, last = parse_span(segment) or (0, -1)
+            for i in range(first, last + 1):
+                if predicate(f"{stack_path}.{i}.{rest}" if rest else f"{stack_path}.{i}", node):
+                    chosen.setdefault(i, set()).add(rest)
+        cuts = [i for i in range(1, len(stack)) if chosen.get(i) != chosen.get(i - 1)]
+        return split_stack(stack, cuts) if cuts else stack
+
     stacks = select(model).at(of_type(LayerStack))
-    if config.layers_pattern:
-        stacks = stacks.at(Predicate(lambda p, n: _is_pattern(p, config.layers_pattern), ""))
-
-    def split(stack: LayerStack) -> LayerStack:
-        cuts = [i for i in range(1, len(stack)) if (i in wanted) != (i - 1 in wanted)]
-        return split_stack(stack, cuts)
-
-    return stacks.apply(split)
-
-
-def _is_pattern(path: str, layers_pattern: str | Sequence[str]) -> bool:
-    patterns = [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern
-    return any(re.fullmatch(p, path.rsplit(".", 1)[-1]) for p in patterns)
+    return stacks.set([split(p, n) for p, n in zip(stacks.paths(), stacks.get())])
 
 
 def check_layers(config: Any, model: Any) -> None:

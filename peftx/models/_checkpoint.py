@@ -371,11 +371,11 @@ def _leaves(skeleton: Any) -> tuple[list[_Leaf], Any]:
     return leaves, treedef
 
 
-def _is_transposed(arch: Architecture, template: str) -> bool:
+def is_transposed(arch: Architecture, template: str) -> bool:
     return any(re.fullmatch(p, template) for p in arch.transposed)
 
 
-def _key_mapper(arch: Architecture, expected: set[str], present: set[str]) -> Callable:
+def key_mapper(arch: Architecture, expected: set[str], present: set[str]) -> Callable:
     """Map the model's keys to the checkpoint's: a head model's checkpoint has the
     backbone under `arch.prefix`, a bare backbone's checkpoint has it at the top."""
     prefix = arch.prefix + "."
@@ -452,7 +452,7 @@ def from_pretrained(
         arrays, static = eqx.partition(skeleton, lambda x: isinstance(x, jax.ShapeDtypeStruct))
         leaves, treedef = _leaves(arrays)
         expected = {k for leaf in leaves for k in _expected_keys(leaf)}
-        to_ckpt = _key_mapper(arch, expected, present)
+        to_ckpt = key_mapper(arch, expected, present)
         _check(path, hf, arch, cls, reader, leaves, to_ckpt, strict, dtype)
         new = [
             n for n, leaf in enumerate(leaves) if to_ckpt(next(_expected_keys(leaf))) not in present
@@ -500,7 +500,7 @@ def _check(
     missing: list[str] = []
     for leaf in leaves:
         row_shape = leaf.shape[1:] if leaf.span is not None else leaf.shape
-        transposed = _is_transposed(arch, leaf.template)
+        transposed = is_transposed(arch, leaf.template)
         want = tuple(reversed(row_shape)) if transposed else row_shape
         for k in _expected_keys(leaf):
             ck = to_ckpt(k)
@@ -572,7 +572,7 @@ def _load_leaf(
 ) -> jax.Array:
     keys = list(_expected_keys(leaf))
     row_shape = leaf.shape[1:] if leaf.span is not None else leaf.shape
-    transposed = _is_transposed(arch, leaf.template)
+    transposed = is_transposed(arch, leaf.template)
     want_dtype = dtype if _is_float(leaf.dtype) else leaf.dtype
     buffer = _empty((len(keys), *row_shape), want_dtype)
     for row, k in enumerate(keys):
@@ -628,7 +628,7 @@ def save_pretrained(
     shards: list[dict[str, np.ndarray]] = [{}]
     sizes = [0]
     for leaf, value in zip(leaves, values):
-        transposed = _is_transposed(arch, leaf.template)
+        transposed = is_transposed(arch, leaf.template)
         host = np.asarray(value)  # no copy on CPU
         rows = (
             [(leaf.template, host)]
@@ -654,17 +654,17 @@ def save_pretrained(
     written: list[tuple[str, Path]] = []  # (temporary file, final name)
     try:
         for shard, fname in zip(shards, names):
-            written.append((_temporary(path / fname), path / fname))
+            written.append((temporary_file(path / fname), path / fname))
             safetensors.numpy.save_file(shard, written[-1][0], metadata={"format": "pt"})
         if len(shards) > 1:
             index = {
                 "metadata": {"total_size": sum(sizes)},
                 "weight_map": {k: f for shard, f in zip(shards, names) for k in sorted(shard)},
             }
-            written.append((_temporary(path / INDEX_NAME), path / INDEX_NAME))
+            written.append((temporary_file(path / INDEX_NAME), path / INDEX_NAME))
             Path(written[-1][0]).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         # config.json last: it names the architecture of the weights beside it
-        written.append((_temporary(path / CONFIG_NAME), path / CONFIG_NAME))
+        written.append((temporary_file(path / CONFIG_NAME), path / CONFIG_NAME))
         Path(written[-1][0]).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     except BaseException:
         for tmp, _ in written:
@@ -684,7 +684,7 @@ def _weight_files(path: Path) -> list[Path]:
     return [f for f in path.iterdir() if pattern.fullmatch(f.name) or f.name == TORCH_NAME]
 
 
-def _temporary(target: Path) -> str:
+def temporary_file(target: Path) -> str:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     os.close(fd)
     return tmp
@@ -706,3 +706,19 @@ def is_stacked(model: Any) -> bool:
         isinstance(x, LayerStack)
         for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, LayerStack))
     )
+
+
+def read_tensors(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file as a numpy array (a torch pickle only through
+    `torch.load(weights_only=True)`). A corrupt, truncated or empty file is a
+    `CheckpointError` naming it."""
+    if file.suffix == ".bin":
+        return {k: _torch_numpy(v) for k, v in _torch_state_dict(file).items()}
+    tensors = _safetensors_header(file)
+    out = {}
+    with open(file, "rb", buffering=0) as f:
+        for key, t in tensors.items():
+            out[key] = np.empty(t.shape, t.dtype)
+            if t.nbytes:
+                _read_exactly(f, t.offset, out[key].reshape(-1).view(np.uint8), key)
+    return out

@@ -1,0 +1,445 @@
+"""Adapters on disk in HF PEFT's format: `adapter_config.json` beside
+`adapter_model.safetensors`, keyed `base_model.model.<module path>.<PEFT tensor name>`, so a
+file moves between peftx and PyTorch PEFT in both directions."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import safetensors.numpy
+
+from ._config import CONFIG_NAME, load_config
+from ._errors import CheckpointError
+from ._select import Predicate, Selection, select
+from ._targets import layer_paths, model_type_of
+from .adapters import AdapterSet, DoraArray, IA3Array, LoraArray, LoraEmbeddingArray
+from .models._checkpoint import (
+    ARCHITECTURES,
+    Architecture,
+    is_transposed,
+    key_mapper,
+    read_tensors,
+    temporary_file,
+)
+
+WEIGHTS_NAME = "adapter_model.safetensors"
+TORCH_WEIGHTS_NAME = "adapter_model.bin"
+PREFIX = "base_model.model."
+
+# How PEFT names each trained field in its files (the adapter name removed).
+_FILE_NAMES = {
+    "lora_A": "lora_A.weight",
+    "lora_B": "lora_B.weight",
+    "lora_magnitude_vector": "lora_magnitude_vector",
+    "ia3_l": "ia3_l",
+    "lora_embedding_A": "lora_embedding_A",
+    "lora_embedding_B": "lora_embedding_B",
+}
+_FIELDS = {
+    LoraArray: ("lora_A", "lora_B"),
+    DoraArray: ("lora_A", "lora_B", "lora_magnitude_vector"),
+    IA3Array: ("ia3_l",),
+    LoraEmbeddingArray: ("lora_embedding_A", "lora_embedding_B"),
+}
+# PEFT's `EMBEDDING_LAYER_NAMES`: naming one of these in `target_modules` makes PEFT save the
+# base weight of the adapted input and output embeddings beside the adapter.
+_EMBEDDING_TARGETS = ("embed_tokens", "lm_head")
+# The input embedding of each zoo architecture (transformers' `get_input_embeddings()`).
+_INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")
+# PEFT condenses a list of this many target names or more to the shortest suffixes that
+# select the same modules (`MIN_TARGET_MODULES_FOR_OPTIMIZATION`).
+_CONDENSE_FROM = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One array of the adapter and the file keys of its layers: one key, or for a
+    `LayerStack` segment one per layer, along the array's leading axis."""
+
+    keys: tuple[str, ...]
+    where: Callable[[Any], Any]  # the array in the PeftModel
+    value: Any
+    stacked: bool
+    transposed: bool  # stored transposed in the file (GPT-2's Conv1D)
+    optional: bool = False  # read when present (PEFT's saved embedding base weights)
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.value.shape)
+        return shape[1:] if self.stacked else shape
+
+
+def _arch(model: Any) -> Architecture | None:
+    return ARCHITECTURES.get(model_type_of(model) or "")
+
+
+def _adapted(peft_model: Any, name: str) -> Selection:
+    """The layers carrying adapter `name`, selected on the whole PeftModel."""
+    return select(peft_model).at(
+        Predicate(
+            lambda p, n: (
+                p.startswith("base_model.")
+                and isinstance(getattr(n, "weight", None), AdapterSet)
+                and name in n.weight.adapters
+            ),
+            f"layers with adapter {name!r}",
+        )
+    )
+
+
+def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
+    """Every array that adapter `name` saves, with its PEFT keys (without `PREFIX`)."""
+    arch = _arch(peft_model.base_model)
+    config = peft_model.peft_config[name]
+    out: list[_Tensor] = []
+
+    def add(path: str, suffix: str, where: Callable, value: Any, optional: bool = False) -> None:
+        paths = layer_paths(path)
+        keys = tuple(f"{p}.{suffix}" for p in paths)
+        flip = suffix not in _FILE_NAMES.values() and arch is not None
+        flip = flip and is_transposed(arch, keys[0])
+        out.append(_Tensor(keys, where, value, paths != [path], flip, optional))
+
+    layers = _adapted(peft_model, name)
+    get_layers = layers.where_fn()
+    embedding_targeted = _embedding_targeted(config, peft_model)
+    for k, (path, layer) in enumerate(zip(layers.paths(), layers.get())):
+        module = path.removeprefix("base_model.")
+        adapter = layer.weight.adapters[name]
+        for field in _FIELDS[type(adapter)]:
+            add(
+                module,
+                _FILE_NAMES[field],
+                lambda m, k=k, f=field: getattr(get_layers(m)[k].weight.adapters[name], f),
+                getattr(adapter, field),
+            )
+        if getattr(layer, "bias", None) is not None and config_bias(config) != "none":
+            add(module, "base_layer.bias", lambda m, k=k: get_layers(m)[k].bias, layer.bias)
+        last = module.rsplit(".", 1)[-1]
+        if embedding_targeted and last in (*_INPUT_EMBEDDINGS, "lm_head"):
+            add(
+                module,
+                "base_layer.weight",
+                lambda m, k=k: get_layers(m)[k].weight.weight,
+                layer.weight.weight,
+                optional=True,
+            )
+    if config_bias(config) == "all":
+        adapted = set(layers.paths())
+        biased = select(peft_model).at(
+            Predicate(
+                lambda p, n: (
+                    p.startswith("base_model.")
+                    and p not in adapted
+                    and isinstance(getattr(n, "bias", None), jax.Array)
+                ),
+                "biases",
+            )
+        )
+        get_biased = biased.where_fn()
+        for k, (path, node) in enumerate(zip(biased.paths(), biased.get())):
+            add(
+                path.removeprefix("base_model."),
+                "bias",
+                lambda m, k=k: get_biased(m)[k].bias,
+                node.bias,
+            )
+    for path, module in peft_model.saved_modules.get(name, {}).items():
+        flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(module, eqx.is_inexact_array))
+        for j, (keypath, leaf) in enumerate(flat):
+            rel = ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in keypath)
+            add(
+                path,
+                rel,
+                lambda m, p=path, j=j: jax.tree.leaves(
+                    eqx.filter(m.saved_modules[name][p], eqx.is_inexact_array)
+                )[j],
+                leaf,
+            )
+    return out
+
+
+def config_bias(config: Any) -> str:
+    return getattr(config, "bias", "none")
+
+
+def _embedding_targeted(config: Any, peft_model: Any) -> bool:
+    """PEFT's test for saving the base weights of adapted embeddings
+    (`save_embedding_layers="auto"`)."""
+    target = config.target_modules
+    if isinstance(target, str) and target != "all-linear":
+        names = select(peft_model.base_model).paths()
+        return any(
+            re.fullmatch(target, q)
+            for p in names
+            if p.rsplit(".", 1)[-1] in _EMBEDDING_TARGETS
+            for q in layer_paths(p)
+        )
+    if isinstance(target, tuple):
+        return any(t in _EMBEDDING_TARGETS for t in target)
+    return False
+
+
+# -- saving ---------------------------------------------------------------------------------
+
+
+def save_adapters(
+    peft_model: Any,
+    directory: str | os.PathLike[str],
+    selected_adapters: Sequence[str] | None = None,
+    save_embedding_layers: bool | str = "auto",
+) -> None:
+    """`PeftModel.save_pretrained`; see there."""
+    if save_embedding_layers not in (True, False, "auto"):
+        raise ValueError(
+            f"save_embedding_layers must be True, False or 'auto'; got {save_embedding_layers!r}."
+        )
+    names = peft_model._known(
+        peft_model.adapter_names if selected_adapters is None else tuple(selected_adapters)
+    )
+    directory = pathlib.Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(
+            f"{str(directory)!r} is a file; save_pretrained takes a directory to write into."
+        )
+    planned: list[tuple[pathlib.Path, Callable[[str], None]]] = []
+    for name in names:
+        folder = directory if name == "default" else directory / name
+        tensors = _tensors(peft_model, name)
+        arrays = {}
+        for t in tensors:
+            if t.optional and save_embedding_layers is False:
+                continue
+            value = np.asarray(t.value)
+            rows = value if t.stacked else [value]
+            for key, row in zip(t.keys, rows, strict=True):
+                arrays[PREFIX + key] = np.ascontiguousarray(row.T if t.transposed else row)
+        text = json.dumps(_saved_config(peft_model, name), indent=2, sort_keys=True) + "\n"
+        planned.append(
+            (folder / WEIGHTS_NAME, lambda tmp, a=arrays: _save_safetensors(a, tmp))
+        )
+        planned.append((folder / CONFIG_NAME, lambda tmp, t=text: _write_text(t, tmp)))
+    written: list[tuple[str, pathlib.Path]] = []
+    try:
+        for target, write in planned:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            written.append((temporary_file(target), target))
+            write(written[-1][0])
+    except BaseException:
+        for tmp, _ in written:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    for tmp, target in written:
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+
+
+def _save_safetensors(arrays: dict[str, np.ndarray], file: str) -> None:
+    safetensors.numpy.save_file(arrays, file, metadata={"format": "pt"})
+
+
+def _write_text(text: str, file: str) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:
+    """The config as PEFT writes it after injecting the adapter: `"all-linear"` (and a
+    predicate) expanded to the adapted modules' names, a long list condensed to suffixes,
+    `fan_in_fan_out` set for transposed (Conv1D) targets, `inference_mode` true."""
+    config = peft_model.peft_config[name]
+    base = peft_model.disable_adapters()
+    arch = _arch(base)
+    layers = _adapted(peft_model, name)
+    adapted = sorted(
+        q for p in layers.paths() for q in layer_paths(p.removeprefix("base_model."))
+    )
+    changes: dict[str, Any] = {"inference_mode": True}
+    target = config.target_modules
+    if target == "all-linear" or isinstance(target, Predicate):
+        target = tuple(adapted)
+        changes["target_modules"] = target
+    if isinstance(config.exclude_modules, Predicate):
+        changes["exclude_modules"] = None
+    if isinstance(target, tuple) and len(target) >= _CONDENSE_FROM and config.peft_type != "IA3":
+        others = {
+            q for p in select(base).paths() for q in layer_paths(p) if q not in set(target)
+        }
+        others = {o for o in others if not any(o.endswith("." + t) for t in target)}
+        changes["target_modules"] = tuple(sorted(_condensed(target, others)))
+    if config.peft_type == "IA3" and isinstance(config.feedforward_modules, Predicate):
+        changes["feedforward_modules"] = tuple(
+            sorted(
+                q
+                for p, n in zip(layers.paths(), layers.get())
+                if n.weight.adapters[name].is_feedforward
+                for q in layer_paths(p.removeprefix("base_model."))
+            )
+        )
+    if any(stored_transposed(base, p) for p in adapted):
+        changes["fan_in_fan_out"] = True
+    data = dataclasses.replace(config, **changes).to_dict()
+    if isinstance(data.get("target_modules"), list):
+        data["target_modules"] = sorted(data["target_modules"])
+    if arch is not None and config.task_type is None:
+        model_type = model_type_of(base)
+        cls = next((n for n, c in arch.classes.items() if c is type(base)), None)
+        if cls is not None:
+            data["auto_mapping"] = {
+                "base_model_class": cls,
+                "parent_library": f"transformers.models.{model_type}.modeling_{model_type}",
+            }
+    return data
+
+
+def stored_transposed(model: Any, path: str) -> bool:
+    """Whether the checkpoints of `model`'s architecture store the weight of the module at
+    `path` transposed: GPT-2's Conv1D, on which PEFT sets `fan_in_fan_out=True`."""
+    arch = _arch(model)
+    return arch is not None and all(is_transposed(arch, f"{q}.weight") for q in layer_paths(path))
+
+
+def _condensed(targets: Sequence[str], others: set[str]) -> set[str]:
+    """The shortest dotted suffixes that match every name of `targets` and no name of
+    `others` (PEFT's condensed `target_modules`)."""
+    taken = {".".join(o.split(".")[i:]) for o in others for i in range(len(o.split(".")))}
+    chosen: set[str] = set()
+    for name in sorted(targets, key=lambda t: t.split(".")[::-1]):
+        if any(name == c or name.endswith("." + c) for c in chosen):
+            continue
+        parts = name.split(".")
+        for i in range(len(parts) - 1, -1, -1):
+            suffix = ".".join(parts[i:])
+            if suffix not in taken:
+                chosen.add(suffix)
+                break
+        else:
+            chosen.add(name)
+    return chosen
+
+
+# -- loading --------------------------------------------------------------------------------
+
+
+def load_adapter_into(
+    peft_model: Any,
+    directory: str | os.PathLike[str],
+    adapter_name: str,
+    is_trainable: bool,
+    model_type: str | None,
+) -> Any:
+    """`peft_model` (possibly without adapters yet) with the adapter in `directory` added
+    as `adapter_name`; see `PeftModel.load_adapter`."""
+    peft_model._check_new_name(adapter_name)
+    folder = _adapter_folder(pathlib.Path(directory), adapter_name)
+    config = load_config(folder)
+    config = dataclasses.replace(config, inference_mode=not is_trainable)
+    file = folder / WEIGHTS_NAME
+    if not file.is_file() and (folder / TORCH_WEIGHTS_NAME).is_file():
+        file = folder / TORCH_WEIGHTS_NAME
+    if not file.is_file():
+        found = sorted(p.name for p in folder.iterdir())
+        raise CheckpointError(
+            f"{folder} has {CONFIG_NAME} but no {WEIGHTS_NAME} (it holds {found})."
+        )
+    stored = read_tensors(file)
+    # PEFT's initializers that change the base (PiSSA) must not run: the weights come
+    # from the file.
+    init = {"init_lora_weights": True} if hasattr(config, "init_lora_weights") else {}
+    skeleton = peft_model._add(
+        adapter_name,
+        dataclasses.replace(config, **init),
+        jax.random.key(0),
+        model_type,
+    )
+    tensors = _tensors(skeleton, adapter_name)
+    values = _match(tensors, stored, file, _arch(skeleton.base_model))
+    loaded = eqx.tree_at(
+        lambda m: [t.where(m) for t, _ in values],
+        skeleton,
+        [v for _, v in values],
+    )
+    resolved = dataclasses.replace(skeleton.peft_config[adapter_name], **_original(config))
+    return dataclasses.replace(loaded, configs=(*peft_model.configs, (adapter_name, resolved)))
+
+
+def _original(config: Any) -> dict[str, Any]:
+    if hasattr(config, "init_lora_weights"):
+        return {"init_lora_weights": config.init_lora_weights}
+    return {}
+
+
+def _adapter_folder(directory: pathlib.Path, adapter_name: str) -> pathlib.Path:
+    if not directory.is_dir():
+        raise FileNotFoundError(f"No adapter directory {str(directory)!r}.")
+    if not (directory / CONFIG_NAME).is_file() and (
+        directory / adapter_name / CONFIG_NAME
+    ).is_file():
+        return directory / adapter_name
+    return directory
+
+
+def _match(
+    tensors: list[_Tensor],
+    stored: dict[str, np.ndarray],
+    file: pathlib.Path,
+    arch: Architecture | None,
+) -> list[tuple[_Tensor, Any]]:
+    """The value of each tensor from the file's arrays, after checking that the file has
+    exactly the keys and shapes the adapter needs."""
+    unprefixed = {k.removeprefix(PREFIX): k for k in stored if k.startswith(PREFIX)}
+    expected = {k for t in tensors for k in t.keys}
+    required = {k for t in tensors if not t.optional for k in t.keys}
+    to_file = key_mapper(arch, expected, set(unprefixed)) if arch else lambda k: k
+    present = {to_file(k) for k in expected} & set(unprefixed)
+    missing = sorted(PREFIX + k for k in required if to_file(k) not in unprefixed)
+    unexpected = sorted(set(stored) - {unprefixed[k] for k in present})
+    if missing or unexpected:
+        hint = ""
+        if stored and not unprefixed:
+            hint = (
+                f" None of the file's keys starts with {PREFIX!r}, which PEFT puts before "
+                "every module path; PyTorch PEFT would load this file with every adapter "
+                "weight left at its initial value."
+            )
+        raise CheckpointError(
+            f"{file} does not fit the adapter its config describes: "
+            f"missing keys {_listing(missing)}; unexpected keys {_listing(unexpected)}.{hint}"
+        )
+    out = []
+    for t in tensors:
+        keys = [to_file(k) for k in t.keys]
+        if t.optional and keys[0] not in unprefixed:
+            continue
+        want = t.layer_shape
+        rows = []
+        for key in keys:
+            value = stored[unprefixed[key]]
+            value = value.T if t.transposed else value
+            if tuple(value.shape) != want:
+                raise CheckpointError(
+                    f"{unprefixed[key]!r} in {file} has shape {tuple(value.shape)}, but the "
+                    f"module {key.rsplit('.', 1)[0]!r} of this model needs {want}"
+                    f"{' (transposed from the file)' if t.transposed else ''}. Was the "
+                    "adapter made for another model or config?"
+                )
+            rows.append(value)
+        array = np.stack(rows) if t.stacked else rows[0]
+        out.append((t, jax.numpy.asarray(array, dtype=t.value.dtype)))
+    return out
+
+
+def _listing(keys: list[str], limit: int = 6) -> str:
+    if not keys:
+        return "none"
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
