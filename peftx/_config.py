@@ -79,6 +79,9 @@ _HARMLESS = frozenset(
 )
 # Keys PEFT never saves (PEFT itself drops them on load).
 _NEVER_SAVED = frozenset({"runtime_config"})
+# Keys dropped without a warning whatever their value: `auto_mapping` names the torch class
+# for PEFT's `AutoPeftModel` and is in most files PEFT writes.
+_SILENT = frozenset({"auto_mapping"})
 
 # The order in which PEFT 0.21.2's `to_dict` lists its keys (`asdict` field order).
 _PEFT_BASE_KEYS = (
@@ -386,7 +389,7 @@ class AbstractAdapterConfig:
                 _check_field(key, value)
                 kwargs[key] = value
             elif key in cls._PEFT_ONLY:
-                if _is_default(value, cls._PEFT_ONLY[key]):
+                if key in _SILENT or _is_default(value, cls._PEFT_ONLY[key]):
                     continue
                 if key not in _HARMLESS:
                     raise ValueError(
