@@ -17,7 +17,7 @@ import safetensors.numpy
 
 from ._config import CONFIG_NAME, load_config
 from ._errors import CheckpointError
-from ._select import Predicate, Selection, select
+from ._select import Predicate, Selection, dotted, select
 from ._targets import layer_paths, model_type_of
 from .adapters import AdapterSet, DoraArray, IA3Array, LoraArray, LoraEmbeddingArray
 from .models._checkpoint import (
@@ -152,18 +152,28 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
                 node.bias,
             )
     for path, module in peft_model.saved_modules.get(name, {}).items():
-        flat, _ = jax.tree_util.tree_flatten_with_path(eqx.filter(module, eqx.is_inexact_array))
-        for j, (keypath, leaf) in enumerate(flat):
-            rel = ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in keypath)
-            add(
-                path,
-                rel,
-                lambda m, p=path, j=j: jax.tree.leaves(
-                    eqx.filter(m.saved_modules[name][p], eqx.is_inexact_array)
-                )[j],
-                leaf,
-            )
+        flat, _ = jax.tree_util.tree_flatten_with_path(module)
+        for keypath, leaf in flat:
+            if eqx.is_inexact_array(leaf):
+                add(
+                    path,
+                    dotted(keypath),
+                    lambda m, p=path, kp=keypath: _at(m.saved_modules[name][p], kp),
+                    leaf,
+                )
     return out
+
+
+def _at(node: Any, keypath: tuple) -> Any:
+    """The node at `keypath` below `node`."""
+    for k in keypath:
+        if isinstance(k, jax.tree_util.GetAttrKey):
+            node = getattr(node, k.name)
+        elif isinstance(k, jax.tree_util.DictKey):
+            node = node[k.key]
+        else:
+            node = node[k.idx]
+    return node
 
 
 def config_bias(config: Any) -> str:
