@@ -144,13 +144,19 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
             )
         )
         get_biased = biased.where_fn()
+        saved = peft_model.saved_modules.get(name, {})
         for k, (path, node) in enumerate(zip(biased.paths(), biased.get())):
-            add(
-                path.removeprefix("base_model."),
-                "bias",
-                lambda m, k=k: get_biased(m)[k].bias,
-                node.bias,
-            )
+            module = path.removeprefix("base_model.")
+            # PEFT's `ModulesToSaveWrapper` holds the original and the copy, both listed
+            suffix = "original_module.bias" if module in saved else "bias"
+            add(module, suffix, lambda m, k=k: get_biased(m)[k].bias, node.bias)
+            if module in saved:
+                add(
+                    module,
+                    "modules_to_save.bias",
+                    lambda m, p=module: m.saved_modules[name][p].bias,
+                    saved[module].bias,
+                )
     for path, module in peft_model.saved_modules.get(name, {}).items():
         flat, _ = jax.tree_util.tree_flatten_with_path(module)
         for keypath, leaf in flat:
