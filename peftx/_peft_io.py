@@ -271,7 +271,9 @@ def _write_text(text: str, file: str) -> None:
 def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:
     """The config as PEFT writes it after injecting the adapter: `"all-linear"` (and a
     predicate) expanded to the adapted modules' names, a long list condensed to suffixes,
-    `fan_in_fan_out` set for transposed (Conv1D) targets, `inference_mode` true."""
+    `fan_in_fan_out` set for transposed (Conv1D) targets, `inference_mode` true. An IA3
+    config with `layers_to_transform` (a peftx extension) names the adapted modules
+    instead, so PEFT adapts the same ones."""
     config = peft_model.peft_config[name]
     base = peft_model.disable_adapters()
     arch = _arch(base)
@@ -281,7 +283,9 @@ def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:
     )
     changes: dict[str, Any] = {"inference_mode": True}
     target = config.target_modules
-    if target == "all-linear" or isinstance(target, Predicate):
+    # PEFT's IA3Config has no layer selection: name the chosen layers' modules instead
+    ia3_layers = config.peft_type == "IA3" and config.layers_to_transform is not None
+    if target == "all-linear" or isinstance(target, Predicate) or ia3_layers:
         target = tuple(adapted)
         changes["target_modules"] = target
     if isinstance(config.exclude_modules, Predicate):
@@ -292,7 +296,11 @@ def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:
         }
         others = {o for o in others if not any(o.endswith("." + t) for t in target)}
         changes["target_modules"] = tuple(sorted(_condensed(target, others)))
-    if config.peft_type == "IA3" and isinstance(config.feedforward_modules, Predicate):
+    if ia3_layers:
+        changes.update(layers_to_transform=None, layers_pattern=None)
+    if config.peft_type == "IA3" and (
+        isinstance(config.feedforward_modules, Predicate) or ia3_layers
+    ):
         changes["feedforward_modules"] = tuple(
             sorted(
                 q
