@@ -24,6 +24,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/quantized_matmul.py
 	$(PY) benchmarks/scan_layers.py
 	$(PY) benchmarks/load_checkpoint.py
+	$(PY) benchmarks/adapter_io.py
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check peftx tests examples benchmarks

@@ -64,7 +64,7 @@ class _Tensor:
     `LayerStack` segment one per layer, along the array's leading axis."""
 
     keys: tuple[str, ...]
-    where: Callable[[Any], Any]  # the array in the PeftModel
+    where: Callable[[Any, dict], Any]  # (PeftModel, memo) -> the array in it
     value: Any
     stacked: bool
     transposed: bool  # stored transposed in the file (GPT-2's Conv1D)
@@ -117,17 +117,24 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
             add(
                 module,
                 _FILE_NAMES[field],
-                lambda m, k=k, f=field: getattr(get_layers(m)[k].weight.adapters[name], f),
+                lambda m, c, k=k, f=field: getattr(
+                    _memo(c, get_layers, m)[k].weight.adapters[name], f
+                ),
                 getattr(adapter, field),
             )
         if getattr(layer, "bias", None) is not None and config_bias(config) != "none":
-            add(module, "base_layer.bias", lambda m, k=k: get_layers(m)[k].bias, layer.bias)
+            add(
+                module,
+                "base_layer.bias",
+                lambda m, c, k=k: _memo(c, get_layers, m)[k].bias,
+                layer.bias,
+            )
         last = module.rsplit(".", 1)[-1]
         if embedding_targeted and last in (*_INPUT_EMBEDDINGS, "lm_head"):
             add(
                 module,
                 "base_layer.weight",
-                lambda m, k=k: get_layers(m)[k].weight.weight,
+                lambda m, c, k=k: _memo(c, get_layers, m)[k].weight.weight,
                 layer.weight.weight,
                 optional=True,
             )
@@ -149,12 +156,12 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
             module = path.removeprefix("base_model.")
             # PEFT's `ModulesToSaveWrapper` holds the original and the copy, both listed
             suffix = "original_module.bias" if module in saved else "bias"
-            add(module, suffix, lambda m, k=k: get_biased(m)[k].bias, node.bias)
+            add(module, suffix, lambda m, c, k=k: _memo(c, get_biased, m)[k].bias, node.bias)
             if module in saved:
                 add(
                     module,
                     "modules_to_save.bias",
-                    lambda m, p=module: m.saved_modules[name][p].bias,
+                    lambda m, c, p=module: m.saved_modules[name][p].bias,
                     saved[module].bias,
                 )
     for path, module in peft_model.saved_modules.get(name, {}).items():
@@ -164,10 +171,18 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
                 add(
                     path,
                     dotted(keypath),
-                    lambda m, p=path, kp=keypath: _at(m.saved_modules[name][p], kp),
+                    lambda m, c, p=path, kp=keypath: _at(m.saved_modules[name][p], kp),
                     leaf,
                 )
     return out
+
+
+def _memo(memo: dict, where: Callable[[Any], Any], model: Any) -> Any:
+    """`where(model)`, computed once per `memo` (a selection's nodes, shared by the
+    tensors of all its layers)."""
+    if id(where) not in memo:
+        memo[id(where)] = where(model)
+    return memo[id(where)]
 
 
 def _at(node: Any, keypath: tuple) -> Any:
@@ -238,9 +253,7 @@ def save_adapters(
             for key, row in zip(t.keys, rows, strict=True):
                 arrays[PREFIX + key] = np.ascontiguousarray(row.T if t.transposed else row)
         text = json.dumps(_saved_config(peft_model, name), indent=2, sort_keys=True) + "\n"
-        planned.append(
-            (folder / WEIGHTS_NAME, lambda tmp, a=arrays: _save_safetensors(a, tmp))
-        )
+        planned.append((folder / WEIGHTS_NAME, lambda tmp, a=arrays: _save_safetensors(a, tmp)))
         planned.append((folder / CONFIG_NAME, lambda tmp, t=text: _write_text(t, tmp)))
     written: list[tuple[str, pathlib.Path]] = []
     try:
@@ -278,9 +291,7 @@ def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:
     base = peft_model.disable_adapters()
     arch = _arch(base)
     layers = _adapted(peft_model, name)
-    adapted = sorted(
-        q for p in layers.paths() for q in layer_paths(p.removeprefix("base_model."))
-    )
+    adapted = sorted(q for p in layers.paths() for q in layer_paths(p.removeprefix("base_model.")))
     changes: dict[str, Any] = {"inference_mode": True}
     target = config.target_modules
     # PEFT's IA3Config has no layer selection: name the chosen layers' modules instead
@@ -291,9 +302,7 @@ def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:
     if isinstance(config.exclude_modules, Predicate):
         changes["exclude_modules"] = None
     if isinstance(target, tuple) and len(target) >= _CONDENSE_FROM and config.peft_type != "IA3":
-        others = {
-            q for p in select(base).paths() for q in layer_paths(p) if q not in set(target)
-        }
+        others = {q for p in select(base).paths() for q in layer_paths(p) if q not in set(target)}
         others = {o for o in others if not any(o.endswith("." + t) for t in target)}
         changes["target_modules"] = tuple(sorted(_condensed(target, others)))
     if ia3_layers:
@@ -388,7 +397,7 @@ def load_adapter_into(
     tensors = _tensors(skeleton, adapter_name)
     values = _match(tensors, stored, file, _arch(skeleton.base_model))
     loaded = eqx.tree_at(
-        lambda m: [t.where(m) for t, _ in values],
+        lambda m: (lambda memo: [t.where(m, memo) for t, _ in values])({}),
         skeleton,
         [v for _, v in values],
     )
@@ -405,9 +414,10 @@ def _original(config: Any) -> dict[str, Any]:
 def _adapter_folder(directory: pathlib.Path, adapter_name: str) -> pathlib.Path:
     if not directory.is_dir():
         raise FileNotFoundError(f"No adapter directory {str(directory)!r}.")
-    if not (directory / CONFIG_NAME).is_file() and (
-        directory / adapter_name / CONFIG_NAME
-    ).is_file():
+    if (
+        not (directory / CONFIG_NAME).is_file()
+        and (directory / adapter_name / CONFIG_NAME).is_file()
+    ):
         return directory / adapter_name
     return directory
 
