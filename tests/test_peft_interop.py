@@ -229,8 +229,7 @@ def randomize_torch_adapters(model, seed, scale=0.3):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not any(
-                s in name
-                for s in ("lora_", "ia3_l", "modules_to_save", "lora_magnitude_vector")
+                s in name for s in ("lora_", "ia3_l", "modules_to_save", "lora_magnitude_vector")
             ):
                 continue
             noise = scale * torch.randn(p.shape, generator=gen)
@@ -268,10 +267,26 @@ def assert_same_files(a, b):
 # id: (checkpoint kind, peft config class name, kwargs, layouts)
 CASES = {
     "gpt2-c_attn": ("gpt2", "LoraConfig", dict(r=4, lora_alpha=8, target_modules=["c_attn"])),
-    "llama-qv": ("llama", "LoraConfig", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
-    "llama-all-linear": ("llama", "LoraConfig", dict(r=2, lora_alpha=4, target_modules="all-linear")),
-    "qwen2-qv": ("qwen2", "LoraConfig", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
-    "qwen2-all-linear": ("qwen2", "LoraConfig", dict(r=2, lora_alpha=4, target_modules="all-linear")),
+    "llama-qv": (
+        "llama",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    ),
+    "llama-all-linear": (
+        "llama",
+        "LoraConfig",
+        dict(r=2, lora_alpha=4, target_modules="all-linear"),
+    ),
+    "qwen2-qv": (
+        "qwen2",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    ),
+    "qwen2-all-linear": (
+        "qwen2",
+        "LoraConfig",
+        dict(r=2, lora_alpha=4, target_modules="all-linear"),
+    ),
     "llama-dora": (
         "llama",
         "LoraConfig",
