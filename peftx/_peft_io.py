@@ -51,8 +51,9 @@ _FIELDS = {
 # PEFT's `EMBEDDING_LAYER_NAMES`: naming one of these in `target_modules` makes PEFT save the
 # base weight of the adapted input and output embeddings beside the adapter.
 _EMBEDDING_TARGETS = ("embed_tokens", "lm_head")
-# The input embedding of each zoo architecture (transformers' `get_input_embeddings()`).
-_INPUT_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings")
+# The input and output embeddings of the zoo's architectures (transformers'
+# `get_input_embeddings()` and `get_output_embeddings()`).
+_EMBEDDINGS = ("embed_tokens", "wte", "word_embeddings", "lm_head")
 # PEFT condenses a list of this many target names or more to the shortest suffixes that
 # select the same modules (`MIN_TARGET_MODULES_FOR_OPTIMIZATION`).
 _CONDENSE_FROM = 20
@@ -68,7 +69,13 @@ class _Tensor:
     value: Any
     stacked: bool
     transposed: bool  # stored transposed in the file (GPT-2's Conv1D)
-    optional: bool = False  # read when present (PEFT's saved embedding base weights)
+    # PEFT's embedding weights (`save_embedding_layers`), None for the adapter's own
+    # tensors. When `target_modules` names `embed_tokens` or `lm_head`, the base weight of
+    # an adapted embedding is "targeted" (written unless False) and other embeddings are
+    # "unadapted" (never written). Otherwise every input and output embedding is
+    # "untargeted" (written when True, as for a resized vocabulary). All are read when
+    # present, and replace the base model's weights, as in PEFT.
+    embedding: str | None = None
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
@@ -100,12 +107,12 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
     config = peft_model.peft_config[name]
     out: list[_Tensor] = []
 
-    def add(path: str, suffix: str, where: Callable, value: Any, optional: bool = False) -> None:
+    def add(path: str, suffix: str, where: Callable, value: Any, embedding: str | None = None):
         paths = layer_paths(path)
         keys = tuple(f"{p}.{suffix}" for p in paths)
         flip = suffix not in _FILE_NAMES.values() and arch is not None
         flip = flip and is_transposed(arch, keys[0])
-        out.append(_Tensor(keys, where, value, paths != [path], flip, optional))
+        out.append(_Tensor(keys, where, value, paths != [path], flip, embedding))
 
     layers = _adapted(peft_model, name)
     get_layers = layers.where_fn()
@@ -129,15 +136,35 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
                 lambda m, c, k=k: _memo(c, get_layers, m)[k].bias,
                 layer.bias,
             )
-        last = module.rsplit(".", 1)[-1]
-        if embedding_targeted and last in (*_INPUT_EMBEDDINGS, "lm_head"):
+        if module.rsplit(".", 1)[-1] in _EMBEDDINGS:
             add(
                 module,
                 "base_layer.weight",
                 lambda m, c, k=k: _memo(c, get_layers, m)[k].weight.weight,
                 layer.weight.weight,
-                optional=True,
+                embedding="targeted" if embedding_targeted else "untargeted",
             )
+    saved = peft_model.saved_modules.get(name, {})
+    embeddings = select(peft_model).at(
+        Predicate(
+            lambda p, n: (
+                p.startswith("base_model.")
+                and p.rsplit(".", 1)[-1] in _EMBEDDINGS
+                and p.removeprefix("base_model.") not in saved
+                and isinstance(getattr(n, "weight", None), jax.Array)
+            ),
+            "embeddings",
+        )
+    )
+    get_embeddings = embeddings.where_fn()
+    for k, (path, node) in enumerate(zip(embeddings.paths(), embeddings.get())):
+        add(
+            path.removeprefix("base_model."),
+            "weight",
+            lambda m, c, k=k: _memo(c, get_embeddings, m)[k].weight,
+            node.weight,
+            embedding="unadapted" if embedding_targeted else "untargeted",
+        )
     if config_bias(config) == "all":
         adapted = set(layers.paths())
         biased = select(peft_model).at(
@@ -151,7 +178,6 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
             )
         )
         get_biased = biased.where_fn()
-        saved = peft_model.saved_modules.get(name, {})
         for k, (path, node) in enumerate(zip(biased.paths(), biased.get())):
             module = path.removeprefix("base_model.")
             # PEFT's `ModulesToSaveWrapper` holds the original and the copy, both listed
@@ -246,7 +272,11 @@ def save_adapters(
         tensors = _tensors(peft_model, name)
         arrays = {}
         for t in tensors:
-            if t.optional and save_embedding_layers is False:
+            if t.embedding == "unadapted":
+                continue
+            if t.embedding == "untargeted" and save_embedding_layers is not True:
+                continue
+            if t.embedding == "targeted" and save_embedding_layers is False:
                 continue
             value = np.asarray(t.value)
             rows = value if t.stacked else [value]
@@ -432,7 +462,7 @@ def _match(
     exactly the keys and shapes the adapter needs."""
     unprefixed = {k.removeprefix(PREFIX): k for k in stored if k.startswith(PREFIX)}
     expected = {k for t in tensors for k in t.keys}
-    required = {k for t in tensors if not t.optional for k in t.keys}
+    required = {k for t in tensors if t.embedding is None for k in t.keys}
     to_file = key_mapper(arch, expected, set(unprefixed)) if arch else lambda k: k
     present = {to_file(k) for k in expected} & set(unprefixed)
     missing = sorted(PREFIX + k for k in required if to_file(k) not in unprefixed)
@@ -452,7 +482,7 @@ def _match(
     out = []
     for t in tensors:
         keys = [to_file(k) for k in t.keys]
-        if t.optional and keys[0] not in unprefixed:
+        if t.embedding and keys[0] not in unprefixed:
             continue
         want = t.layer_shape
         rows = []

@@ -289,8 +289,11 @@ class PeftModel(eqx.Module):
         names, `fan_in_fan_out` for GPT-2's Conv1D, `inference_mode: true`).
         `modules_to_save` copies are written under their module's path.
 
-        `save_embedding_layers`: PEFT's rule; `"auto"` also writes the base weight of an
-        adapted `embed_tokens`/`lm_head` when `target_modules` names one.
+        `save_embedding_layers`: PEFT's rule for the base weight of an adapted input or
+        output embedding: `"auto"` writes it when `target_modules` names `embed_tokens` or
+        `lm_head`, `True` always, `False` never. Loading reads such weights when present
+        (also a resized vocabulary's embedding that PEFT saved) in place of the base
+        model's.
 
         Every file is written under a temporary name and renamed only when all are
         complete; nothing but JSON and safetensors is written.
@@ -522,12 +525,15 @@ class PeftModel(eqx.Module):
             )
         config = with_classifier(with_defaults(config, self.base_model, model_type))
         selection = targets(self.base_model, config)
-        model = selection.model  # stacks split where layers_to_transform starts and stops
+        model = selection.model  # stacks split where the chosen modules change
         layers = list(zip(selection.paths(), selection.get()))
         if config.fan_in_fan_out and not all(
-            stored_transposed(self.base_model, p) for p in selection.paths()
+            stored_transposed(self.base_model, p)
+            for p, layer in layers
+            if isinstance(layer, eqx.nn.Linear)
         ):
-            # PEFT's rule for torch.nn.Linear targets, whose weights are (out, in) like ours
+            # PEFT's rule for torch.nn.Linear targets, whose weights are (out, in) like
+            # ours; GPT-2's Conv1D weights are transposed on loading, so the flag holds
             warnings.warn(
                 "fan_in_fan_out=True, but eqx.nn.Linear, Conv and Embedding weights are stored "
                 "(out, in); it is ignored (as PEFT ignores it for torch.nn.Linear).",
