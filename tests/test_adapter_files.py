@@ -1,0 +1,693 @@
+"""The files of an adapter saved in HF PEFT's format: what peftx writes (keys, shapes, dtypes,
+metadata, `adapter_config.json`) against what PyTorch PEFT writes for the same model and
+config; stacked and unrolled models writing the same bytes; and loading that refuses
+damaged or mismatched files (with errors naming the culprit) while leaving the model it
+was given as it was. Tiny random-init transformers checkpoints, fp32 unless said."""
+
+import json
+import os
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import safetensors.numpy
+import safetensors.torch
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+import peftx
+import peftx.models as pm
+
+VOCAB = 97
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+PREFIX = "base_model.model."
+# keys of adapter_config.json that legitimately differ between the two writers
+BOOKKEEPING = {"peft_version", "auto_mapping", "base_model_name_or_path"}
+
+
+def _llama_config(**overrides):
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return transformers.LlamaConfig(**kwargs)
+
+
+BUILDERS = {
+    "llama": lambda: transformers.LlamaForCausalLM(_llama_config()),
+    "llama-cls": lambda: transformers.LlamaForSequenceClassification(_llama_config(num_labels=3)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=3, n_head=4)
+    ),
+}
+AUTO = {
+    "llama": transformers.AutoModelForCausalLM,
+    "llama-cls": transformers.AutoModelForSequenceClassification,
+    "gpt2": transformers.AutoModelForCausalLM,
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    built = {}
+
+    def get(kind):
+        if kind not in built:
+            torch.manual_seed(sorted(BUILDERS).index(kind))
+            path = tmp_path_factory.mktemp(kind)
+            BUILDERS[kind]().eval().save_pretrained(path)
+            built[kind] = path
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def base(checkpoint):
+    built = {}
+
+    def get(kind, layout="stacked"):
+        if (kind, layout) not in built:
+            built[kind, layout] = pm.from_pretrained(checkpoint(kind), layout=layout)
+        return built[kind, layout]
+
+    return get
+
+
+def randomized(peft_model, seed, adapters=None, scale=0.3):
+    """Every trainable leaf of `adapters` drawn at random (IA3 scales around one)."""
+    trainable, frozen = peftx.partition(peft_model, adapters)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(trainable)
+    rng = np.random.default_rng(seed)
+    leaves = []
+    for path, x in flat:
+        noise = scale * rng.standard_normal(x.shape).astype(np.float32)
+        if "ia3_l" in jax.tree_util.keystr(path):
+            noise = 1.0 + noise
+        leaves.append(jnp.asarray(noise, x.dtype))
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), frozen)
+
+
+def layout_of(path):
+    """`{key: (shape, dtype)}` of a safetensors file, and its metadata."""
+    with safe_open(str(path), "numpy") as f:
+        return {
+            k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()
+        }, f.metadata()
+
+
+def tree_files(directory, suffixes=None):
+    """Every file under `directory` (with `suffixes`, only those), relative paths."""
+    return sorted(
+        str(p.relative_to(directory))
+        for p in directory.rglob("*")
+        if p.is_file() and (suffixes is None or p.suffix in suffixes)
+    )
+
+
+@eqx.filter_jit
+def _logits(model, ids, mask):
+    return model(ids, mask).logits
+
+
+def batch():
+    ids = np.random.RandomState(1).randint(3, VOCAB, (2, 7))
+    mask = np.ones_like(ids)
+    mask[0, :2] = 0
+    return jnp.asarray(np.where(mask == 1, ids, 0)), jnp.asarray(mask)
+
+
+def array_leaves(tree):
+    return [x for x in jax.tree.leaves(tree) if eqx.is_array(x)]
+
+
+def assert_same_leaves(a, b):
+    la, lb = array_leaves(a), array_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---------------------------------------------------------------- same files as PEFT
+
+CASES = {
+    "llama-qv": (
+        "llama",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    ),
+    "llama-all-linear": ("llama", "LoraConfig", dict(r=2, target_modules="all-linear")),
+    "gpt2-c_attn": ("gpt2", "LoraConfig", dict(r=4, target_modules=["c_attn"])),
+    "llama-ia3": (
+        "llama",
+        "IA3Config",
+        dict(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    ),
+    "llama-dora": (
+        "llama",
+        "LoraConfig",
+        dict(r=4, target_modules=["q_proj", "v_proj"], use_dora=True),
+    ),
+    "llama-embedding": (
+        "llama",
+        "LoraConfig",
+        dict(r=4, target_modules=["embed_tokens", "q_proj"]),
+    ),
+    "llama-seq-cls": (
+        "llama-cls",
+        "LoraConfig",
+        dict(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"),
+    ),
+    "llama-layers-rank-pattern": (
+        "llama",
+        "LoraConfig",
+        dict(
+            r=2,
+            target_modules=["q_proj", "v_proj"],
+            layers_to_transform=[1, 2],
+            rank_pattern={"q_proj": 4},
+        ),
+    ),
+    # 21 full module paths: PEFT condenses them to minimal suffixes, and saves those
+    "llama-21-full-paths": (
+        "llama",
+        "LoraConfig",
+        dict(
+            r=2,
+            target_modules=[
+                f"model.layers.{i}.{m}"
+                for i in range(3)
+                for m in (
+                    "self_attn.q_proj",
+                    "self_attn.k_proj",
+                    "self_attn.v_proj",
+                    "self_attn.o_proj",
+                    "mlp.gate_proj",
+                    "mlp.up_proj",
+                    "mlp.down_proj",
+                )
+            ],
+        ),
+    ),
+}
+SECOND = dict(r=2, lora_alpha=2, target_modules=["k_proj", "o_proj", "up_proj"])
+
+
+def assert_same_adapter_dir(ours, theirs):
+    """peftx's files in `ours` are PEFT's in `theirs`: keys, shapes, dtypes, metadata;
+    and the configs agree on every key PEFT writes (bookkeeping aside)."""
+    our_layout, our_meta = layout_of(ours / WEIGHTS)
+    their_layout, their_meta = layout_of(theirs / WEIGHTS)
+    assert sorted(our_layout) == sorted(their_layout)
+    assert our_layout == their_layout
+    assert our_meta == their_meta == {"format": "pt"}
+    mine = json.loads((ours / CONFIG).read_text())
+    peft_dict = json.loads((theirs / CONFIG).read_text())
+    assert sorted(set(mine) - BOOKKEEPING) == sorted(set(peft_dict) - BOOKKEEPING)
+    for key, value in peft_dict.items():
+        if key in BOOKKEEPING:
+            continue
+        if key in ("target_modules", "feedforward_modules") and isinstance(value, list):
+            # PEFT keeps these as sets: its list order is arbitrary
+            assert sorted(mine[key]) == sorted(value), key
+        else:
+            assert mine[key] == value, key
+    assert mine["inference_mode"] is True
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_same_files_as_peft(case, checkpoint, base, tmp_path):
+    kind, cls, kwargs = CASES[case]
+    ours = peftx.get_peft_model(base(kind), getattr(peftx, cls)(**kwargs), key=jax.random.key(0))
+    ours.save_pretrained(tmp_path / "ours")
+    theirs = peft.get_peft_model(
+        AUTO[kind].from_pretrained(checkpoint(kind)), getattr(peft, cls)(**kwargs)
+    )
+    theirs.save_pretrained(tmp_path / "theirs")
+    assert_same_adapter_dir(tmp_path / "ours", tmp_path / "theirs")
+    assert tree_files(tmp_path / "ours") == [CONFIG, WEIGHTS]
+
+
+def test_gpt2_conv1d_targets_are_fan_in_fan_out(base, tmp_path):
+    ours = peftx.get_peft_model(
+        base("gpt2"), peftx.LoraConfig(r=4, target_modules=["c_attn"]), key=jax.random.key(0)
+    )
+    ours.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / CONFIG).read_text())["fan_in_fan_out"] is True
+
+
+def test_two_adapters_same_files_as_peft(checkpoint, base, tmp_path):
+    first = dict(r=4, target_modules=["q_proj", "v_proj"])
+    ours = peftx.get_peft_model(base("llama"), peftx.LoraConfig(**first), key=jax.random.key(0))
+    ours = ours.add_adapter("other", peftx.LoraConfig(**SECOND), key=jax.random.key(1))
+    ours.save_pretrained(tmp_path / "ours")
+    theirs = peft.get_peft_model(
+        AUTO["llama"].from_pretrained(checkpoint("llama")), peft.LoraConfig(**first)
+    )
+    theirs.add_adapter("other", peft.LoraConfig(**SECOND))
+    theirs.save_pretrained(tmp_path / "theirs")
+    # PEFT also writes a README.md model card; the adapter files are the same
+    assert tree_files(tmp_path / "ours") == tree_files(
+        tmp_path / "theirs", {".json", ".safetensors"}
+    )
+    assert_same_adapter_dir(tmp_path / "ours", tmp_path / "theirs")
+    assert_same_adapter_dir(tmp_path / "ours" / "other", tmp_path / "theirs" / "other")
+
+
+def test_selected_adapters(base, tmp_path):
+    ours = peftx.get_peft_model(
+        base("llama"), peftx.LoraConfig(r=4, target_modules=["q_proj"]), key=jax.random.key(0)
+    )
+    ours = ours.add_adapter("other", peftx.LoraConfig(**SECOND), key=jax.random.key(1))
+    ours.save_pretrained(tmp_path, selected_adapters=["other"])
+    assert tree_files(tmp_path) == [f"other/{CONFIG}", f"other/{WEIGHTS}"]
+
+
+def test_bf16_factors_written_in_bf16(base, tmp_path):
+    ours = randomized(
+        peftx.get_peft_model(
+            base("llama"), peftx.LoraConfig(r=4, target_modules=["q_proj"]), key=jax.random.key(0)
+        ),
+        seed=1,
+    )
+    trainable, frozen = peftx.partition(ours)
+    trainable = jax.tree.map(lambda x: x.astype(jnp.bfloat16), trainable)
+    ours = eqx.combine(trainable, frozen)
+    ours.save_pretrained(tmp_path)
+    tensors, _ = layout_of(tmp_path / WEIGHTS)
+    assert len(tensors) == 2 * 3
+    assert {dtype for _, dtype in tensors.values()} == {"BF16"}
+    # the bits are ours: layer 1's lora_A is the second slice of the stacked factor
+    with safe_open(str(tmp_path / WEIGHTS), "pt") as f:
+        saved = f.get_tensor(PREFIX + "model.layers.1.self_attn.q_proj.lora_A.weight")
+    stacked = [
+        x
+        for p, x in jax.tree_util.tree_flatten_with_path(trainable)[0]
+        if "lora_A" in jax.tree_util.keystr(p)
+    ]
+    assert len(stacked) == 1 and stacked[0].shape == (3, 4, 32)
+    np.testing.assert_array_equal(
+        saved.view(torch.int16).numpy(), np.asarray(stacked[0][1]).view(np.int16)
+    )
+
+
+# ---------------------------------------------------------------- stacked == unrolled
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(r=4, target_modules=["q_proj", "v_proj"]),
+        dict(
+            r=2,
+            target_modules=["q_proj", "down_proj"],
+            layers_to_transform=[1, 2],
+            rank_pattern={"q_proj": 4},
+        ),
+    ],
+    ids=["whole-stack", "split-stack"],
+)
+def test_stacked_and_unrolled_write_the_same_bytes(kwargs, base, tmp_path):
+    config = peftx.LoraConfig(**kwargs)
+    stacked = randomized(peftx.get_peft_model(base("llama"), config, key=jax.random.key(0)), seed=2)
+    stacked.save_pretrained(tmp_path / "stacked")
+    unrolled = peftx.PeftModel.from_pretrained(base("llama", "unrolled"), tmp_path / "stacked")
+    unrolled.save_pretrained(tmp_path / "unrolled")
+    for name in (WEIGHTS, CONFIG):
+        assert (tmp_path / "stacked" / name).read_bytes() == (
+            tmp_path / "unrolled" / name
+        ).read_bytes()
+    # and back: a fresh stacked model loading the unrolled files writes them again
+    again = peftx.PeftModel.from_pretrained(base("llama"), tmp_path / "unrolled")
+    again.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / WEIGHTS).read_bytes() == (
+        tmp_path / "stacked" / WEIGHTS
+    ).read_bytes()
+    ids, mask = batch()
+    np.testing.assert_allclose(
+        np.asarray(_logits(unrolled, ids, mask)), np.asarray(_logits(stacked, ids, mask)), atol=1e-5
+    )
+
+
+# ---------------------------------------------------------------- is_trainable
+
+
+@pytest.fixture(scope="module")
+def saved(base, tmp_path_factory):
+    """A Llama LoRA (q_proj, v_proj) with random factors, saved; and the model."""
+    path = tmp_path_factory.mktemp("adapter")
+    model = randomized(
+        peftx.get_peft_model(
+            base("llama"),
+            peftx.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+            key=jax.random.key(0),
+        ),
+        seed=3,
+    )
+    model.save_pretrained(path)
+    return path, model
+
+
+def test_loaded_equals_saved(saved, base):
+    path, model = saved
+    loaded = peftx.PeftModel.from_pretrained(base("llama"), path)
+    assert loaded.adapter_names == ("default",)
+    # the adapter's arrays are the saved model's, leaf for leaf
+    assert_same_leaves(loaded, model)
+
+
+def test_not_trainable_by_default(saved, base):
+    path, _ = saved
+    loaded = peftx.PeftModel.from_pretrained(base("llama"), path)
+    assert loaded.peft_config["default"].inference_mode is True
+    trainable, _ = peftx.partition(loaded)
+    assert array_leaves(trainable) == []
+
+
+def test_is_trainable(saved, base):
+    path, model = saved
+    loaded = peftx.PeftModel.from_pretrained(base("llama"), path, is_trainable=True)
+    trainable, frozen = peftx.partition(loaded)
+    want, _ = peftx.partition(model)
+    assert len(array_leaves(trainable)) == len(array_leaves(want)) > 0
+    assert_same_leaves(trainable, want)
+    ids, mask = batch()
+
+    def loss(t):
+        return jnp.sum(jnp.square(eqx.combine(t, frozen)(ids, mask).logits))
+
+    grads = jax.grad(loss)(trainable)
+    assert all(float(jnp.abs(g).max()) > 0 for g in array_leaves(grads))
+
+
+def test_load_adapter_is_trainable(saved, base):
+    path, _ = saved
+    loaded = peftx.PeftModel.from_pretrained(base("llama"), path)
+    both = loaded.load_adapter(path, "second", is_trainable=True)
+    assert both.adapter_names == ("default", "second")
+    assert loaded.adapter_names == ("default",)  # functional: the input is unchanged
+    assert len(array_leaves(peftx.partition(both, ["second"])[0])) > 0
+    # an adapter loaded for inference refuses to train
+    with pytest.raises(ValueError, match="is_trainable"):
+        peftx.partition(both.load_adapter(path, "third"), ["third"])
+
+
+def test_subfolder_is_read(saved, base, tmp_path):
+    path, model = saved
+    shutil.copytree(path, tmp_path / "other")
+    loaded = peftx.PeftModel.from_pretrained(base("llama"), tmp_path, adapter_name="other")
+    assert loaded.adapter_names == ("other",)
+    both = peftx.PeftModel.from_pretrained(base("llama"), path).load_adapter(tmp_path, "other")
+    assert both.adapter_names == ("default", "other")
+    ids, mask = batch()
+    want = np.asarray(_logits(model, ids, mask))
+    np.testing.assert_array_equal(np.asarray(_logits(loaded, ids, mask)), want)
+    np.testing.assert_array_equal(np.asarray(_logits(both.set_adapter("other"), ids, mask)), want)
+
+
+# ---------------------------------------------------------------- faults
+
+
+def _broken(saved, tmp_path, edit):
+    """A copy of the saved adapter whose tensors `edit` changed (re-saved with
+    safetensors, PEFT's metadata kept)."""
+    path, _ = saved
+    target = tmp_path / "broken"
+    shutil.copytree(path, target)
+    tensors = load_file(str(target / WEIGHTS))
+    save_file(edit(tensors), str(target / WEIGHTS), metadata={"format": "pt"})
+    return target
+
+
+Q1 = PREFIX + "model.layers.1.self_attn.q_proj"
+
+
+def _expect_load_error(base, directory, match, error=peftx.CheckpointError):
+    """Loading fails with `error` matching `match`, and the model given (and a PeftModel's
+    adapters) come out as they went in."""
+    model = base("llama")
+    ids, mask = batch()
+    before = np.asarray(_logits(model, ids, mask))
+    leaves = [np.array(x) for x in array_leaves(model)]
+    with pytest.raises(error, match=match) as info:
+        peftx.PeftModel.from_pretrained(model, directory)
+    for x, y in zip(array_leaves(model), leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)
+    np.testing.assert_array_equal(np.asarray(_logits(model, ids, mask)), before)
+
+    other = peftx.get_peft_model(
+        model, peftx.LoraConfig(r=2, target_modules=["k_proj"]), key=jax.random.key(9)
+    )
+    snapshot = [np.array(x) for x in array_leaves(other)]
+    with pytest.raises(error, match=match):
+        other.load_adapter(directory, "new")
+    assert other.adapter_names == ("default",)
+    for x, y in zip(array_leaves(other), snapshot, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    return str(info.value)
+
+
+def test_missing_key(saved, base, tmp_path):
+    def drop(t):
+        del t[Q1 + ".lora_B.weight"]
+        return t
+
+    message = _expect_load_error(
+        base, _broken(saved, tmp_path, drop), r"layers\.1\.self_attn\.q_proj"
+    )
+    assert "lora_B" in message
+
+
+def test_unexpected_key(saved, base, tmp_path):
+    def add(t):
+        t[PREFIX + "model.layers.1.self_attn.k_proj.lora_A.weight"] = np.ones((4, 32), np.float32)
+        return t
+
+    _expect_load_error(base, _broken(saved, tmp_path, add), r"layers\.1\.self_attn\.k_proj")
+
+
+def test_wrong_shape(saved, base, tmp_path):
+    def reshape(t):
+        t[Q1 + ".lora_A.weight"] = np.ones((4, 31), np.float32)
+        return t
+
+    message = _expect_load_error(
+        base, _broken(saved, tmp_path, reshape), r"layers\.1\.self_attn\.q_proj"
+    )
+    assert "(4, 31)" in message and "(4, 32)" in message
+
+
+def test_wrong_rank_in_config(saved, base, tmp_path):
+    """The config says r=2, the file holds rank-4 factors: a shape error, not a silent crop."""
+    path, _ = saved
+    target = tmp_path / "r2"
+    shutil.copytree(path, target)
+    config = json.loads((target / CONFIG).read_text())
+    config["r"] = 2
+    (target / CONFIG).write_text(json.dumps(config))
+    message = _expect_load_error(base, target, r"self_attn\.(q|v)_proj")
+    assert "(2, 32)" in message and "(4, 32)" in message
+
+
+def test_keys_without_prefix(saved, base, tmp_path):
+    def strip(t):
+        return {k.removeprefix(PREFIX): v for k, v in t.items()}
+
+    _expect_load_error(base, _broken(saved, tmp_path, strip), r"self_attn\.(q|v)_proj")
+
+
+def _damaged(saved, tmp_path, damage):
+    path, _ = saved
+    target = tmp_path / "damaged"
+    shutil.copytree(path, target)
+    data = (target / WEIGHTS).read_bytes()
+    (target / WEIGHTS).write_bytes(damage(data))
+    return target
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: b"\x93NUMPY garbage" * 20,
+        lambda data: data[: len(data) // 2],
+        lambda data: b"",
+        lambda data: data[:8],  # the header length alone
+    ],
+    ids=["garbage", "truncated", "empty", "header-length-only"],
+)
+def test_damaged_file(saved, base, tmp_path, damage):
+    _expect_load_error(base, _damaged(saved, tmp_path, damage), WEIGHTS)
+
+
+def test_missing_directory(base, tmp_path):
+    _expect_load_error(base, tmp_path / "nowhere", "", FileNotFoundError)
+
+
+def test_missing_config(saved, base, tmp_path):
+    path, _ = saved
+    (tmp_path / "w").mkdir()
+    shutil.copy(path / WEIGHTS, tmp_path / "w" / WEIGHTS)
+    _expect_load_error(base, tmp_path / "w", CONFIG, FileNotFoundError)
+
+
+def test_missing_weights(saved, base, tmp_path):
+    path, _ = saved
+    (tmp_path / "c").mkdir()
+    shutil.copy(path / CONFIG, tmp_path / "c" / CONFIG)
+    with pytest.raises((FileNotFoundError, peftx.CheckpointError), match=WEIGHTS):
+        peftx.PeftModel.from_pretrained(base("llama"), tmp_path / "c")
+
+
+def test_unknown_config_key_warns_and_loads(saved, base, tmp_path):
+    path, model = saved
+    target = tmp_path / "future"
+    shutil.copytree(path, target)
+    config = json.loads((target / CONFIG).read_text())
+    config["some_future_option"] = 3
+    (target / CONFIG).write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="some_future_option"):
+        loaded = peftx.PeftModel.from_pretrained(base("llama"), target)
+    ids, mask = batch()
+    np.testing.assert_array_equal(
+        np.asarray(_logits(loaded, ids, mask)), np.asarray(_logits(model, ids, mask))
+    )
+
+
+def test_load_adapter_existing_name(saved, base):
+    path, _ = saved
+    loaded = peftx.PeftModel.from_pretrained(base("llama"), path)
+    snapshot = [np.array(x) for x in array_leaves(loaded)]
+    with pytest.raises(ValueError, match="default"):
+        loaded.load_adapter(path, "default")
+    assert loaded.adapter_names == ("default",)
+    for x, y in zip(array_leaves(loaded), snapshot, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_wrong_peft_type_for_load_adapter(saved, base, tmp_path):
+    """An IA3 adapter cannot join LoRA ones (PEFT's rule), and the model is left alone."""
+    ia3 = peftx.get_peft_model(
+        base("llama"), peftx.IA3Config(target_modules=["k_proj"]), key=jax.random.key(0)
+    )
+    ia3.save_pretrained(tmp_path / "ia3")
+    path, _ = saved
+    loaded = peftx.PeftModel.from_pretrained(base("llama"), path)
+    with pytest.raises(ValueError):
+        loaded.load_adapter(tmp_path / "ia3", "ia3")
+    assert loaded.adapter_names == ("default",)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _save_crashing(monkeypatch, ours, directory, patch):
+    import peftx._peft_io as io
+
+    patch(monkeypatch, io)
+    with pytest.raises(OSError, match="disk full"):
+        ours.save_pretrained(directory)
+    monkeypatch.undo()
+
+
+def _crash_in_save_file(monkeypatch, io):
+    real = safetensors.numpy.save_file
+
+    def crash(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("disk full")
+
+    assert real is not None
+    monkeypatch.setattr(safetensors.numpy, "save_file", crash)
+    if hasattr(io, "save_file"):
+        monkeypatch.setattr(io, "save_file", crash)
+
+
+def _crash_in_replace(monkeypatch, io):
+    def crash(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+
+
+@pytest.mark.parametrize(
+    "patch", [_crash_in_save_file, _crash_in_replace], ids=["save_file", "replace"]
+)
+def test_failed_save_leaves_earlier_adapter(saved, base, tmp_path, monkeypatch, patch):
+    path, model = saved
+    shutil.copytree(path, tmp_path / "out")
+    before = {f: (tmp_path / "out" / f).read_bytes() for f in tree_files(tmp_path / "out")}
+    newer = peftx.get_peft_model(
+        base("llama"),
+        peftx.LoraConfig(r=2, target_modules=["k_proj", "o_proj"]),
+        key=jax.random.key(5),
+    )
+    newer = newer.add_adapter("other", peftx.LoraConfig(**SECOND), key=jax.random.key(6))
+    _save_crashing(monkeypatch, newer, tmp_path / "out", patch)
+    after = {f: (tmp_path / "out" / f).read_bytes() for f in tree_files(tmp_path / "out")}
+    assert after == before  # nothing replaced, no temporary file left
+    loaded = peftx.PeftModel.from_pretrained(base("llama"), tmp_path / "out")
+    assert_same_leaves(loaded, model)
+
+
+def test_save_writes_only_json_and_safetensors(base, tmp_path):
+    ours = peftx.get_peft_model(
+        base("llama-cls"),
+        peftx.LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS"),
+        key=jax.random.key(0),
+    )
+    ours = ours.add_adapter(
+        "other",
+        peftx.LoraConfig(r=2, target_modules=["v_proj"], task_type="SEQ_CLS"),
+        key=jax.random.key(1),
+    )
+    ours.save_pretrained(tmp_path)
+    files = tree_files(tmp_path)
+    assert files == sorted([CONFIG, WEIGHTS, f"other/{CONFIG}", f"other/{WEIGHTS}"])
+    for f in files:
+        data = (tmp_path / f).read_bytes()
+        assert not data.startswith(b"\x80"), f  # no pickle
+        assert not data.startswith(b"PK"), f  # no zip (torch.save)
+    json.loads((tmp_path / CONFIG).read_text())
+    # saving again over it leaves the same files, not copies beside them
+    ours.save_pretrained(tmp_path)
+    assert tree_files(tmp_path) == files
+
+
+def test_save_then_load_in_peft_reads_bf16(base, checkpoint, tmp_path):
+    """A bf16 file loads in PEFT too (it casts to the model's dtype): the values are the
+    bf16 ones."""
+    ours = randomized(
+        peftx.get_peft_model(
+            base("llama"), peftx.LoraConfig(r=4, target_modules=["v_proj"]), key=jax.random.key(0)
+        ),
+        seed=4,
+    )
+    trainable, frozen = peftx.partition(ours)
+    ours = eqx.combine(jax.tree.map(lambda x: x.astype(jnp.bfloat16), trainable), frozen)
+    ours.save_pretrained(tmp_path)
+    theirs = peft.PeftModel.from_pretrained(
+        AUTO["llama"].from_pretrained(checkpoint("llama")), tmp_path
+    )
+    state = peft.utils.get_peft_model_state_dict(theirs)
+    file = safetensors.torch.load_file(str(tmp_path / WEIGHTS))
+    assert sorted(state) == sorted(file)
+    for k, v in file.items():
+        assert v.dtype == torch.bfloat16
+        assert float(v.float().abs().max()) > 0
+        np.testing.assert_array_equal(state[k].float().numpy(), v.float().numpy())
