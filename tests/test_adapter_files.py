@@ -243,6 +243,24 @@ def test_same_files_as_peft(case, checkpoint, base, tmp_path):
     assert tree_files(tmp_path / "ours") == [CONFIG, WEIGHTS]
 
 
+@pytest.mark.parametrize("save_embedding_layers", [True, False])
+@pytest.mark.parametrize("case", ["llama-qv", "llama-embedding"])
+def test_save_embedding_layers_as_peft(case, save_embedding_layers, checkpoint, base, tmp_path):
+    kind, cls, kwargs = CASES[case]
+    ours = peftx.get_peft_model(base(kind), getattr(peftx, cls)(**kwargs), key=jax.random.key(0))
+    ours.save_pretrained(tmp_path / "ours", save_embedding_layers=save_embedding_layers)
+    theirs = peft.get_peft_model(
+        AUTO[kind].from_pretrained(checkpoint(kind)), getattr(peft, cls)(**kwargs)
+    )
+    theirs.save_pretrained(tmp_path / "theirs", save_embedding_layers=save_embedding_layers)
+    assert_same_adapter_dir(tmp_path / "ours", tmp_path / "theirs")
+    x = load_file(str(tmp_path / "ours" / WEIGHTS))
+    y = load_file(str(tmp_path / "theirs" / WEIGHTS))
+    for k in x:
+        if "lora" not in k:  # base weights written beside the adapter: the checkpoint's
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
 def test_gpt2_conv1d_targets_are_fan_in_fan_out(base, tmp_path):
     ours = peftx.get_peft_model(
         base("gpt2"), peftx.LoraConfig(r=4, target_modules=["c_attn"]), key=jax.random.key(0)

@@ -377,6 +377,55 @@ def test_peft_to_peftx(case, layout, checkpoint, base, tmp_path):
     assert_same_files(tmp_path / "peft", tmp_path / "again")
 
 
+@pytest.mark.parametrize(
+    "targets, written",
+    [
+        (["embed_tokens", "q_proj"], ["model.embed_tokens.base_layer"]),
+        (["q_proj"], ["model.embed_tokens", "lm_head"]),
+    ],
+    ids=["adapted-embedding", "embeddings-beside"],
+)
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_embedding_base_weights_in_the_file_are_used(
+    layout, targets, written, checkpoint, base, tmp_path
+):
+    """With `save_embedding_layers=True` PEFT writes an adapted embedding's base weight
+    beside its factors, or the input and output embeddings of a model whose embeddings are
+    not adapted (a resized vocabulary, say); loading uses them in place of the
+    checkpoint's, as PEFT does."""
+    path = checkpoint("llama")
+    config = peft.LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+    theirs = randomize_torch_adapters(
+        peft.get_peft_model(torch_base(path, "llama"), config), seed=8
+    ).eval()
+    modules = dict(theirs.base_model.model.named_modules())
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(9)
+        for name in written:
+            weight = modules[name].weight
+            weight.add_(0.5 * torch.randn(weight.shape, generator=gen))
+    theirs.save_pretrained(tmp_path, save_embedding_layers=True)
+    keys = load_file(str(tmp_path / WEIGHTS))
+    assert sorted(k for k in keys if "lora" not in k) == sorted(
+        f"base_model.model.{name}.weight" for name in written
+    )
+    # PEFT itself reads them back into a fresh base model
+    again = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path).eval()
+    ids, mask = batch("llama")
+    want = torch_out(theirs, ids, mask, "llama")
+    assert_same(torch_out(again, ids, mask, "llama"), want, mask)
+
+    model = base("llama", layout)
+    ours = peftx.PeftModel.from_pretrained(model, tmp_path)
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), want, mask, reference)
+    # the base model given is untouched
+    assert_same(jax_out(model, ids, mask), reference, mask)
+    # and peftx writes them out again as PEFT did
+    ours.save_pretrained(tmp_path / "again", save_embedding_layers=True)
+    assert_same_files(tmp_path, tmp_path / "again")
+
+
 # ---------------------------------------------------------------- two adapters
 
 TWO = dict(
