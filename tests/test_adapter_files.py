@@ -586,6 +586,56 @@ def test_unknown_config_key_warns_and_loads(saved, base, tmp_path):
     )
 
 
+def test_adapter_of_another_architecture(base, tmp_path):
+    """A GPT-2 adapter (c_attn) on a Llama: refused, naming what is missing."""
+    gpt2 = peftx.get_peft_model(
+        base("gpt2"), peftx.LoraConfig(r=4, target_modules=["c_attn"]), key=jax.random.key(0)
+    )
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    _expect_load_error(base, tmp_path / "gpt2", "c_attn", (peftx.CheckpointError, KeyError))
+
+
+def test_adapter_saved_under_another_name(saved, base, tmp_path):
+    """A single adapter not named "default" goes to its subfolder (PEFT's layout) and is
+    found there by name."""
+    path, model = saved
+    named = peftx.PeftModel.from_pretrained(base("llama"), path, adapter_name="mine")
+    assert named.adapter_names == ("mine",)
+    named.save_pretrained(tmp_path)
+    assert tree_files(tmp_path) == [f"mine/{CONFIG}", f"mine/{WEIGHTS}"]
+    for f in (CONFIG, WEIGHTS):
+        assert (tmp_path / "mine" / f).read_bytes() == (path / f).read_bytes()
+    again = peftx.PeftModel.from_pretrained(base("llama"), tmp_path, adapter_name="mine")
+    ids, mask = batch()
+    np.testing.assert_array_equal(
+        np.asarray(_logits(again, ids, mask)), np.asarray(_logits(model, ids, mask))
+    )
+    with pytest.raises(FileNotFoundError):
+        peftx.PeftModel.from_pretrained(base("llama"), tmp_path)  # no "default" there
+
+
+def test_modules_to_save_train_when_loaded_trainable(base, tmp_path):
+    ours = randomized(
+        peftx.get_peft_model(
+            base("llama-cls"),
+            peftx.LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS"),
+            key=jax.random.key(0),
+        ),
+        seed=5,
+    )
+    ours.save_pretrained(tmp_path)
+    assert PREFIX + "score.weight" in load_file(str(tmp_path / WEIGHTS))
+    loaded = peftx.PeftModel.from_pretrained(base("llama-cls"), tmp_path, is_trainable=True)
+    assert_same_leaves(peftx.partition(loaded)[0], peftx.partition(ours)[0])
+    score = loaded.saved_modules["default"]["score"]
+    np.testing.assert_array_equal(
+        np.asarray(score.weight), np.asarray(ours.saved_modules["default"]["score"].weight)
+    )
+    assert not np.array_equal(np.asarray(score.weight), np.asarray(base("llama-cls").score.weight))
+    frozen = peftx.PeftModel.from_pretrained(base("llama-cls"), tmp_path)
+    assert array_leaves(peftx.partition(frozen)[0]) == []
+
+
 def test_load_adapter_existing_name(saved, base):
     path, _ = saved
     loaded = peftx.PeftModel.from_pretrained(base("llama"), path)
