@@ -183,6 +183,17 @@ CASES = {
             rank_pattern={"q_proj": 4},
         ),
     ),
+    # per-layer patterns: the stack splits where the rank changes
+    "llama-per-layer-patterns": (
+        "llama",
+        "LoraConfig",
+        dict(
+            r=2,
+            target_modules=["q_proj", "v_proj"],
+            rank_pattern={"model.layers.1.self_attn.q_proj": 4},
+            alpha_pattern={"layers.2.self_attn.v_proj": 16},
+        ),
+    ),
     # 21 full module paths: PEFT condenses them to minimal suffixes, and saves those
     "llama-21-full-paths": (
         "llama",

@@ -323,10 +323,27 @@ CASES = {
             rank_pattern={"q_proj": 4},
         ),
     ),
+    "llama-per-layer-patterns": (
+        "llama",
+        "LoraConfig",
+        dict(
+            r=2,
+            lora_alpha=2,
+            target_modules=["q_proj", "v_proj"],
+            rank_pattern={"model.layers.1.self_attn.q_proj": 4},
+            alpha_pattern={"layers.2.self_attn.v_proj": 16},
+        ),
+    ),
 }
 # these also run on the unrolled layout (the others only on the stacked one, to keep this
 # file quick): whole stacks, split stacks, an embedding, and a head beside the stack
-BOTH_LAYOUTS = {"llama-qv", "llama-embedding", "llama-seq-cls", "llama-layers-rank-pattern"}
+BOTH_LAYOUTS = {
+    "llama-qv",
+    "llama-embedding",
+    "llama-seq-cls",
+    "llama-layers-rank-pattern",
+    "llama-per-layer-patterns",
+}
 PARAMS = [
     pytest.param(case, layout, id=f"{case}-{layout}")
     for case in CASES
