@@ -183,6 +183,16 @@ CASES = {
             rank_pattern={"q_proj": 4},
         ),
     ),
+    "gpt2-ia3": (
+        "gpt2",
+        "IA3Config",
+        dict(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"]),
+    ),
+    "gpt2-dora": (
+        "gpt2",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], use_dora=True),
+    ),
     # per-layer patterns: the stack splits where the rank changes
     "llama-per-layer-patterns": (
         "llama",

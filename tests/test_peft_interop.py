@@ -21,6 +21,7 @@ import peft
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
 import peftx
@@ -323,6 +324,21 @@ CASES = {
             rank_pattern={"q_proj": 4},
         ),
     ),
+    "qwen2-ia3": (
+        "qwen2",
+        "IA3Config",
+        dict(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    ),
+    "gpt2-ia3": (
+        "gpt2",
+        "IA3Config",
+        dict(target_modules=["c_attn", "mlp.c_proj"], feedforward_modules=["mlp.c_proj"]),
+    ),
+    "gpt2-dora": (
+        "gpt2",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], use_dora=True),
+    ),
     "llama-per-layer-patterns": (
         "llama",
         "LoraConfig",
@@ -441,6 +457,27 @@ def test_embedding_base_weights_in_the_file_are_used(
     # and peftx writes them out again as PEFT did
     ours.save_pretrained(tmp_path / "again", save_embedding_layers=True)
     assert_same_files(tmp_path, tmp_path / "again")
+
+
+def test_bf16_file_both_ways(checkpoint, base, tmp_path):
+    """A PEFT adapter saved in bf16 (PEFT keeps the dtype of its tensors) loads into the
+    fp32 peftx model and computes what PEFT computes with it."""
+    path = checkpoint("llama")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    theirs = randomize_torch_adapters(peft.get_peft_model(torch_base(path, "llama"), config), 10)
+    for name, p in theirs.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(torch.bfloat16)
+    theirs.save_pretrained(tmp_path / "peft")
+    with safe_open(str(tmp_path / "peft" / WEIGHTS), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    # PEFT's reference: its fp32 model reading the bf16 file
+    again = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path / "peft").eval()
+    ids, mask = batch("llama")
+    want = torch_out(again, ids, mask, "llama")
+    ours = peftx.PeftModel.from_pretrained(base("llama"), tmp_path / "peft")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), want, mask, reference)
 
 
 # ---------------------------------------------------------------- two adapters
