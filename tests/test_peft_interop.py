@@ -223,13 +223,14 @@ def randomized(peft_model, key, adapters=None, scale=0.3):
 
 
 def randomize_torch_adapters(model, seed, scale=0.3):
-    """Every adapter tensor of a PEFT model (any adapter, active or not) and every
-    `modules_to_save` copy drawn at random."""
+    """Every adapter tensor of a PEFT model (any adapter, active or not), every
+    `modules_to_save` copy, and the biases that train, drawn at random."""
     gen = torch.Generator().manual_seed(seed)
     count = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if not any(
+            trained_bias = name.endswith("bias") and p.requires_grad
+            if not trained_bias and not any(
                 s in name for s in ("lora_", "ia3_l", "modules_to_save", "lora_magnitude_vector")
             ):
                 continue
@@ -328,6 +329,16 @@ CASES = {
         "qwen2",
         "IA3Config",
         dict(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    ),
+    "qwen2-bias-all": (
+        "qwen2",
+        "LoraConfig",
+        dict(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], bias="all"),
+    ),
+    "qwen2-bias-lora-only": (
+        "qwen2",
+        "LoraConfig",
+        dict(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], bias="lora_only"),
     ),
     "gpt2-ia3": (
         "gpt2",
