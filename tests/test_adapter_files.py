@@ -657,6 +657,42 @@ def test_modules_to_save_train_when_loaded_trainable(base, tmp_path):
     assert array_leaves(peftx.partition(frozen)[0]) == []
 
 
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{", CONFIG),
+        ("[]", CONFIG),
+        (json.dumps({"peft_type": "LOHA", "r": 4}), "LOHA"),
+        (json.dumps({"peft_type": "LORA", "r": "four", "target_modules": ["q_proj"]}), "r"),
+    ],
+    ids=["invalid-json", "not-an-object", "unknown-peft-type", "bad-value"],
+)
+def test_bad_config(saved, base, tmp_path, text, match):
+    path, _ = saved
+    target = tmp_path / "bad"
+    shutil.copytree(path, target)
+    (target / CONFIG).write_text(text)
+    _expect_load_error(base, target, match, (ValueError, TypeError))
+
+
+def test_file_without_metadata_loads(saved, base, tmp_path):
+    """PEFT reads safetensors files without the `format` metadata; so does peftx."""
+    path, model = saved
+    target = _broken(saved, tmp_path, lambda t: t)
+    save_file(load_file(str(path / WEIGHTS)), str(target / WEIGHTS))
+    assert layout_of(target / WEIGHTS)[1] is None
+    loaded = peftx.PeftModel.from_pretrained(base("llama"), target)
+    assert_same_leaves(loaded, model)
+
+
+def test_save_into_a_file_path(saved, tmp_path):
+    _, model = saved
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        model.save_pretrained(tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "x"
+
+
 def test_load_adapter_existing_name(saved, base):
     path, _ = saved
     loaded = peftx.PeftModel.from_pretrained(base("llama"), path)
