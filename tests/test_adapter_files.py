@@ -290,15 +290,19 @@ def test_gpt2_conv1d_targets_are_fan_in_fan_out(base, tmp_path):
     assert json.loads((tmp_path / CONFIG).read_text())["fan_in_fan_out"] is True
 
 
-def test_two_adapters_same_files_as_peft(checkpoint, base, tmp_path):
-    first = dict(r=4, target_modules=["q_proj", "v_proj"])
-    ours = peftx.get_peft_model(base("llama"), peftx.LoraConfig(**first), key=jax.random.key(0))
-    ours = ours.add_adapter("other", peftx.LoraConfig(**SECOND), key=jax.random.key(1))
+@pytest.mark.parametrize("kind", ["llama", "llama-cls"])
+def test_two_adapters_same_files_as_peft(kind, checkpoint, base, tmp_path):
+    """Two adapters (for the classifier, each with its own copy of the head)."""
+    task = dict(task_type="SEQ_CLS") if kind == "llama-cls" else {}
+    first = dict(r=4, target_modules=["q_proj", "v_proj"], **task)
+    second = {**SECOND, **task}
+    ours = peftx.get_peft_model(base(kind), peftx.LoraConfig(**first), key=jax.random.key(0))
+    ours = ours.add_adapter("other", peftx.LoraConfig(**second), key=jax.random.key(1))
     ours.save_pretrained(tmp_path / "ours")
     theirs = peft.get_peft_model(
-        AUTO["llama"].from_pretrained(checkpoint("llama")), peft.LoraConfig(**first)
+        AUTO[kind].from_pretrained(checkpoint(kind)), peft.LoraConfig(**first)
     )
-    theirs.add_adapter("other", peft.LoraConfig(**SECOND))
+    theirs.add_adapter("other", peft.LoraConfig(**second))
     theirs.save_pretrained(tmp_path / "theirs")
     # PEFT also writes a README.md model card; the adapter files are the same
     assert tree_files(tmp_path / "ours") == tree_files(

@@ -556,6 +556,44 @@ def test_two_adapters_peft_to_peftx(layout, checkpoint, base, tmp_path):
     assert_same_files(tmp_path / "peft" / "other", tmp_path / "again" / "other")
 
 
+def test_two_classifier_adapters_both_ways(checkpoint, base, tmp_path):
+    """Two SEQ_CLS adapters, each with its own trained copy of the head (`score`)."""
+    kind = "llama-cls"
+    first = dict(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS")
+    second = dict(r=2, target_modules=["o_proj"], task_type="SEQ_CLS")
+    ours = peftx.get_peft_model(base(kind), peftx.LoraConfig(**first), key=jax.random.key(0))
+    ours = ours.add_adapter("other", peftx.LoraConfig(**second), key=jax.random.key(1))
+    ours = randomized(ours, jax.random.key(3), adapters=["default", "other"])
+    ours.save_pretrained(tmp_path / "ours")
+    path = checkpoint(kind)
+    theirs = peft.PeftModel.from_pretrained(torch_base(path, kind), tmp_path / "ours").eval()
+    theirs.load_adapter(tmp_path / "ours" / "other", "other")
+    assert_torch_holds_file(theirs, tmp_path / "ours", "default")
+    assert_torch_holds_file(theirs, tmp_path / "ours" / "other", "other")
+    ids, mask = batch(kind)
+    reference = torch_out(torch_base(path, kind), ids, mask, kind)
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, kind), mask, reference)
+    theirs.set_adapter("other")
+    other = torch_out(theirs, ids, mask, kind)
+    assert_same(jax_out(ours.set_adapter("other"), ids, mask), other, mask, reference)
+
+    # and PEFT's files of these two back into peftx
+    theirs.save_pretrained(tmp_path / "peft")
+    loaded = peftx.PeftModel.from_pretrained(base(kind), tmp_path / "peft")
+    loaded = loaded.load_adapter(tmp_path / "peft" / "other", "other")
+    assert_same(jax_out(loaded.set_adapter("other"), ids, mask), other, mask, reference)
+    assert_same_leaves_of(loaded, ours)
+
+
+def assert_same_leaves_of(a, b):
+    """Two PeftModels hold equal arrays (adapters and `modules_to_save` copies included)."""
+    la = [x for x in jax.tree.leaves(a) if eqx.is_array(x)]
+    lb = [x for x in jax.tree.leaves(b) if eqx.is_array(x)]
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 # ---------------------------------------------------------------- the real MiniLM
 
 
