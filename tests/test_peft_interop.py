@@ -491,6 +491,36 @@ def test_bf16_file_both_ways(checkpoint, base, tmp_path):
     assert_same(jax_out(ours, ids, mask), want, mask, reference)
 
 
+PREDICATES = {
+    "named-or-glob": lambda: peftx.named("q_proj") | peftx.path_glob("*.mlp.down_proj"),
+    "one-layer-regex": lambda: peftx.path_regex(r"model\.layers\.1\.self_attn\.(q|v)_proj"),
+}
+
+
+@pytest.mark.parametrize("predicate", sorted(PREDICATES))
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_predicate_targets_saved_as_names(predicate, layout, checkpoint, base, tmp_path):
+    """A peftx predicate cannot go to JSON: the config is written with the module names it
+    chose (as PEFT expands "all-linear"), and PEFT places the same adapter from it."""
+    config = peftx.LoraConfig(r=4, target_modules=PREDICATES[predicate]())
+    ours = randomized(
+        peftx.get_peft_model(base("llama", layout), config, key=jax.random.key(0)),
+        jax.random.key(1),
+    )
+    ours.save_pretrained(tmp_path)
+    saved = peft.LoraConfig.from_pretrained(tmp_path)
+    assert isinstance(saved.target_modules, set | list | str)
+    path = checkpoint("llama")
+    theirs = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path).eval()
+    assert_torch_holds_file(theirs, tmp_path)
+    ids, mask = batch("llama")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "llama"), mask, reference)
+    # and it loads back into peftx as the same adapter
+    again = peftx.PeftModel.from_pretrained(base("llama", layout), tmp_path)
+    assert_same_leaves_of(again, ours)
+
+
 # ---------------------------------------------------------------- two adapters
 
 TWO = dict(
