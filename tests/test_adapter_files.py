@@ -18,6 +18,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 import transformers
+from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -280,6 +281,39 @@ def test_save_embedding_layers_as_peft(case, save_embedding_layers, checkpoint, 
     for k in x:
         if "lora" not in k:  # base weights written beside the adapter: the checkpoint's
             np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+LLAMA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    r=st.integers(1, 5),
+    targets=st.sets(st.sampled_from(LLAMA_LINEAR), min_size=1, max_size=3),
+    layers=st.sets(st.integers(0, 2), min_size=1),
+    pattern=st.one_of(st.none(), st.tuples(st.sampled_from(LLAMA_LINEAR), st.integers(1, 6))),
+    layout=st.sampled_from(["stacked", "unrolled"]),
+)
+def test_random_configs_same_keys_and_shapes_as_peft(
+    r, targets, layers, pattern, layout, checkpoint, base, tmp_path_factory
+):
+    kwargs = dict(r=r, target_modules=sorted(targets), layers_to_transform=sorted(layers))
+    if pattern is not None:
+        kwargs["rank_pattern"] = {pattern[0]: pattern[1]}
+    tmp = tmp_path_factory.mktemp("random")
+    ours = peftx.get_peft_model(
+        base("llama", layout), peftx.LoraConfig(**kwargs), key=jax.random.key(0)
+    )
+    ours.save_pretrained(tmp / "ours")
+    theirs = peft.get_peft_model(
+        AUTO["llama"].from_pretrained(checkpoint("llama")), peft.LoraConfig(**kwargs)
+    )
+    theirs.save_pretrained(tmp / "theirs")
+    assert_same_adapter_dir(tmp / "ours", tmp / "theirs")
 
 
 def test_gpt2_conv1d_targets_are_fan_in_fan_out(base, tmp_path):
