@@ -788,8 +788,25 @@ def _crash_in_replace(monkeypatch, io):
     monkeypatch.setattr(os, "replace", crash)
 
 
+def _crash_in_second_replace(monkeypatch, io):
+    """The first file is renamed into place, the second rename fails: the directory must
+    not be left holding one new file beside an old one."""
+    real = os.replace
+    calls = []
+
+    def crash(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", crash)
+
+
 @pytest.mark.parametrize(
-    "patch", [_crash_in_save_file, _crash_in_replace], ids=["save_file", "replace"]
+    "patch",
+    [_crash_in_save_file, _crash_in_replace, _crash_in_second_replace],
+    ids=["save_file", "replace", "second-replace"],
 )
 def test_failed_save_leaves_earlier_adapter(saved, base, tmp_path, monkeypatch, patch):
     path, model = saved
