@@ -365,6 +365,7 @@ CASES = {
 # these also run on the unrolled layout (the others only on the stacked one, to keep this
 # file quick): whole stacks, split stacks, an embedding, and a head beside the stack
 BOTH_LAYOUTS = {
+    "gpt2-c_attn",
     "llama-qv",
     "llama-embedding",
     "llama-seq-cls",
@@ -498,13 +499,12 @@ PREDICATES = {
 
 
 @pytest.mark.parametrize("predicate", sorted(PREDICATES))
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
-def test_predicate_targets_saved_as_names(predicate, layout, checkpoint, base, tmp_path):
+def test_predicate_targets_saved_as_names(predicate, checkpoint, base, tmp_path):
     """A peftx predicate cannot go to JSON: the config is written with the module names it
     chose (as PEFT expands "all-linear"), and PEFT places the same adapter from it."""
     config = peftx.LoraConfig(r=4, target_modules=PREDICATES[predicate]())
     ours = randomized(
-        peftx.get_peft_model(base("llama", layout), config, key=jax.random.key(0)),
+        peftx.get_peft_model(base("llama"), config, key=jax.random.key(0)),
         jax.random.key(1),
     )
     ours.save_pretrained(tmp_path)
@@ -517,7 +517,7 @@ def test_predicate_targets_saved_as_names(predicate, layout, checkpoint, base, t
     reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
     assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "llama"), mask, reference)
     # and it loads back into peftx as the same adapter
-    again = peftx.PeftModel.from_pretrained(base("llama", layout), tmp_path)
+    again = peftx.PeftModel.from_pretrained(base("llama"), tmp_path)
     assert_same_leaves_of(again, ours)
 
 
