@@ -731,6 +731,12 @@ def test_save_into_a_file_path(saved, tmp_path):
     assert (tmp_path / "file").read_text() == "x"
 
 
+def test_from_pretrained_wants_a_plain_model(saved):
+    path, model = saved
+    with pytest.raises(TypeError, match="load_adapter"):
+        peftx.PeftModel.from_pretrained(model, path)
+
+
 def test_load_adapter_existing_name(saved, base):
     path, _ = saved
     loaded = peftx.PeftModel.from_pretrained(base("llama"), path)
