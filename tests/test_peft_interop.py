@@ -340,6 +340,12 @@ CASES = {
         "LoraConfig",
         dict(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"], bias="lora_only"),
     ),
+    # GPT-2 ties its head to wte: PEFT's head keeps reading the base weight
+    "gpt2-tied-embedding": (
+        "gpt2",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["wte", "c_attn"]),
+    ),
     "gpt2-ia3": (
         "gpt2",
         "IA3Config",
