@@ -289,6 +289,18 @@ CASES = {
         "LoraConfig",
         dict(r=2, lora_alpha=4, target_modules="all-linear"),
     ),
+    "llama-rslora-dropout": (
+        "llama",
+        "LoraConfig",
+        dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=["v_proj", "up_proj"],
+            use_rslora=True,
+            lora_dropout=0.1,  # inactive at inference, on both sides
+            alpha_pattern={"up_proj": 3},
+        ),
+    ),
     "llama-dora": (
         "llama",
         "LoraConfig",
