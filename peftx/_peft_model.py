@@ -4,7 +4,6 @@ import dataclasses
 import difflib
 import math
 import os
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -18,7 +17,7 @@ from jaxtyping import Array, Int, PRNGKeyArray
 from ._errors import UnknownAdapterError
 from ._peft_io import load_adapter_into, save_adapters, stored_transposed
 from ._select import Predicate, of_type, peft_targets, require_matches, select
-from ._targets import ADAPTABLE, targets, with_defaults
+from ._targets import ADAPTABLE, layer_paths, rank_and_alpha, targets, with_defaults
 from .adapters import (
     AdapterSet,
     DoraArray,
@@ -248,12 +247,11 @@ class PeftModel(eqx.Module):
         )
         if not len(biased):
             return spec
-        flags = [
-            eqx.tree_at(lambda m: m.bias, jax.tree.map(lambda _: False, n), True)
-            for n in biased.get()
-        ]
         where = biased.where_fn()
-        return eqx.tree_at(lambda s: where(s.base_model), spec, flags)
+        # only the bias leaf: the layer's adapter factors keep their own flags
+        return eqx.tree_at(
+            lambda s: [layer.bias for layer in where(s.base_model)], spec, [True] * len(biased)
+        )
 
     def print_trainable_parameters(self) -> None:
         """Print PEFT's line: `trainable params: N || all params: M || trainable%: P`."""
@@ -658,8 +656,7 @@ def _adapter(config: Any, path: str, layer: Any, base: Any, key: PRNGKeyArray) -
         ff = config.feedforward_modules or []
         is_ff = bool(peft_targets(ff)(path, layer)) if ff else False
         return ia3(base, feedforward=is_ff)
-    r = _pattern(config.rank_pattern, path, config.r)
-    alpha = _pattern(config.alpha_pattern, path, config.lora_alpha)
+    r, alpha = rank_and_alpha(config, layer_paths(path)[0])
     init = {True: "default", False: "random"}.get(
         config.init_lora_weights, config.init_lora_weights
     )
@@ -677,14 +674,6 @@ def _adapter(config: Any, path: str, layer: Any, base: Any, key: PRNGKeyArray) -
         key=key,
     )
     return dora(adapter) if config.use_dora else adapter
-
-
-def _pattern(patterns: dict | None, path: str, default: Any) -> Any:
-    """PEFT's `rank_pattern`/`alpha_pattern`: the first key that matches the path's end."""
-    for pattern, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", path):
-            return value
-    return default
 
 
 def _gated(layer: Any, gate: Array, active: tuple[str, ...]) -> Any:

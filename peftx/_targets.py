@@ -2,6 +2,8 @@
 output head that `"all-linear"` leaves alone, and the checks on layer indices."""
 
 import dataclasses
+import re
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import equinox as eqx
@@ -155,9 +157,15 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Select
     config = with_defaults(config, model, model_type)
     check_layers(config, model)
     predicate = target_predicate(config, model)
-    model = split_stacks(model, predicate)
+    model = split_stacks(model, lambda p, n: rank_and_alpha(config, p) if predicate(p, n) else None)
     target = config.target_modules
-    wanted = [target] if isinstance(target, str) else list(target or ())
+    wanted = (
+        [target]
+        if isinstance(target, str)
+        else list(target or ())
+        if isinstance(target, tuple)
+        else []
+    )
     chosen = require_matches(
         select(model).at(~of_type(jax.Array)),
         per_layer(predicate),
@@ -215,20 +223,39 @@ def _adaptable(chosen: Selection, config: Any) -> list[str]:
     return layers
 
 
-def split_stacks(model: Any, predicate: Predicate) -> Any:
-    """`model` with each `LayerStack` split into segments wherever the modules that
-    `predicate` chooses (tested on each layer's own path) change from one layer to the
-    next, so an adapter lands on whole segments and unchosen layers get none."""
+def rank_and_alpha(config: Any, path: str) -> tuple[Any, Any]:
+    """PEFT's `rank_pattern`/`alpha_pattern` for the module at `path` (a layer's own
+    path): the first key that matches the path's end, else `r`/`lora_alpha`. `(None,
+    None)` for a config without ranks (IA3)."""
+
+    def lookup(patterns: dict | None, default: Any) -> Any:
+        for pattern, value in (patterns or {}).items():
+            if re.match(rf"(.*\.)?({pattern})$", path):
+                return value
+        return default
+
+    return (
+        lookup(getattr(config, "rank_pattern", None), getattr(config, "r", None)),
+        lookup(getattr(config, "alpha_pattern", None), getattr(config, "lora_alpha", None)),
+    )
+
+
+def split_stacks(model: Any, choice: Callable[[str, Any], Hashable | None]) -> Any:
+    """`model` with each `LayerStack` split into segments wherever what `choice` says of
+    its modules (None: not adapted; else, say, the rank), tested on each layer's own path,
+    changes from one layer to the next, so an adapter lands on whole segments of one
+    rank and unchosen layers get none."""
 
     def split(stack_path: str, stack: LayerStack) -> LayerStack:
         inner = select(stack).at(~of_type(jax.Array))
-        chosen: dict[int, set[str]] = {}
+        chosen: dict[int, set[tuple[str, Hashable]]] = {}
         for rel, node in zip(inner.paths(), inner.get()):
             segment, _, rest = rel.partition(".")
             first, last = parse_span(segment) or (0, -1)
             for i in range(first, last + 1):
-                if predicate(f"{stack_path}.{i}.{rest}" if rest else f"{stack_path}.{i}", node):
-                    chosen.setdefault(i, set()).add(rest)
+                what = choice(f"{stack_path}.{i}.{rest}" if rest else f"{stack_path}.{i}", node)
+                if what is not None:
+                    chosen.setdefault(i, set()).add((rest, what))
         cuts = [i for i in range(1, len(stack)) if chosen.get(i) != chosen.get(i - 1)]
         return split_stack(stack, cuts) if cuts else stack
 
