@@ -291,13 +291,38 @@ def save_adapters(
             target.parent.mkdir(parents=True, exist_ok=True)
             written.append((temporary_file(target), target))
             write(written[-1][0])
+        _move_into_place(written)
     except BaseException:
         for tmp, _ in written:
             pathlib.Path(tmp).unlink(missing_ok=True)
         raise
-    for tmp, target in written:
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
+
+
+def _move_into_place(written: list[tuple[str, pathlib.Path]]) -> None:
+    """Rename each temporary file onto its target, all or none: the files a failed rename
+    would leave replaced are put back from hard-linked copies of the earlier ones."""
+    backups: list[tuple[str | None, pathlib.Path]] = []
+    try:
+        for tmp, target in written:
+            backup = None
+            if target.exists():
+                backup = temporary_file(target)
+                os.unlink(backup)
+                os.link(target, backup)
+            backups.append((backup, target))
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, target)
+    except BaseException:
+        for backup, target in backups[:-1]:  # the last one was not replaced
+            if backup is None:
+                target.unlink(missing_ok=True)
+            else:
+                os.replace(backup, target)
+        raise
+    finally:
+        for backup, _ in backups:
+            if backup is not None:
+                pathlib.Path(backup).unlink(missing_ok=True)
 
 
 def _save_safetensors(arrays: dict[str, np.ndarray], file: str) -> None:
