@@ -408,8 +408,20 @@ def _configs(name, kwargs):
     return getattr(peftx, name)(**kwargs), getattr(peft, name)(**kwargs)
 
 
+TIED = (
+    "known difference (README): peftx's tied head reads the adapted embedding, PEFT's the "
+    "base one (ensure_weight_tying=False)"
+)
+
+
+def known_difference(request, case):
+    if case == "gpt2-tied-embedding":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=TIED))
+
+
 @pytest.mark.parametrize("case, layout", PARAMS)
-def test_peftx_to_peft(case, layout, checkpoint, base, tmp_path):
+def test_peftx_to_peft(case, layout, checkpoint, base, tmp_path, request):
+    known_difference(request, case)
     kind, cls, kwargs = CASES[case]
     ours_config, _ = _configs(cls, kwargs)
     ours = peftx.get_peft_model(base(kind, layout), ours_config, key=jax.random.key(0))
@@ -425,7 +437,8 @@ def test_peftx_to_peft(case, layout, checkpoint, base, tmp_path):
 
 
 @pytest.mark.parametrize("case, layout", PARAMS)
-def test_peft_to_peftx(case, layout, checkpoint, base, tmp_path):
+def test_peft_to_peftx(case, layout, checkpoint, base, tmp_path, request):
+    known_difference(request, case)
     kind, cls, kwargs = CASES[case]
     _, their_config = _configs(cls, kwargs)
     if cls == "LoraConfig":
