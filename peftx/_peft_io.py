@@ -268,6 +268,14 @@ def save_adapters(
         )
     planned: list[tuple[pathlib.Path, Callable[[str], None]]] = []
     for name in names:
+        if name != "default" and (
+            name in (".", "..") or any(sep in name for sep in ("/", "\\", os.sep))
+        ):
+            raise ValueError(
+                f"adapter {name!r} would be saved outside {str(directory)!r}: a non-default "
+                "adapter goes in a subfolder named after it, so its name cannot be '.', "
+                "'..' or hold a path separator. Rename it (add it under another name)."
+            )
         folder = directory if name == "default" else directory / name
         tensors = _tensors(peft_model, name)
         arrays = {}

@@ -877,3 +877,21 @@ def test_save_then_load_in_peft_reads_bf16(base, checkpoint, tmp_path):
         assert v.dtype == torch.bfloat16
         assert float(v.float().abs().max()) > 0
         np.testing.assert_array_equal(state[k].float().numpy(), v.float().numpy())
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", ".."])
+def test_adapter_name_cannot_leave_the_directory(base, tmp_path, name):
+    ours = peftx.get_peft_model(
+        base("llama"), peftx.LoraConfig(r=2, target_modules=["q_proj"]), key=jax.random.key(0)
+    )
+    ours = ours.add_adapter(
+        name, peftx.LoraConfig(r=2, target_modules=["v_proj"]), key=jax.random.key(1)
+    )
+    with pytest.raises(ValueError, match="outside"):
+        ours.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "escape").exists()
+    assert (
+        not any((tmp_path / "out").glob("**/*.safetensors"))
+        if (tmp_path / "out").exists()
+        else True
+    )

@@ -390,15 +390,8 @@ BOTH_LAYOUTS = {
     "llama-layers-rank-pattern",
     "llama-per-layer-patterns",
 }
-# peftx's tied head reads the adapted embedding, PEFT's the base one (README, "One known
-# difference"); the file itself is PEFT's.
-DIFFERS = {
-    "gpt2-tied-embedding": pytest.mark.xfail(
-        strict=True, reason="peftx's tied head reads the adapted wte; PEFT's the base one"
-    )
-}
 PARAMS = [
-    pytest.param(case, layout, id=f"{case}-{layout}", marks=DIFFERS.get(case, ()))
+    pytest.param(case, layout, id=f"{case}-{layout}")
     for case in CASES
     for layout in (("stacked", "unrolled") if case in BOTH_LAYOUTS else ("stacked",))
 ]
