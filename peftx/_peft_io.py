@@ -25,6 +25,7 @@ from .models._checkpoint import (
     Architecture,
     is_transposed,
     key_mapper,
+    listing,
     read_tensors,
     temporary_file,
 )
@@ -510,7 +511,8 @@ def _match(
             )
         raise CheckpointError(
             f"{file} does not fit the adapter its config describes: "
-            f"missing keys {_listing(missing)}; unexpected keys {_listing(unexpected)}.{hint}"
+            f"missing keys {listing(missing) or 'none'}; unexpected keys "
+            f"{listing(unexpected) or 'none'}.{hint}"
         )
     out = []
     for t in tensors:
@@ -533,10 +535,3 @@ def _match(
         array = np.stack(rows) if t.stacked else rows[0]
         out.append((t, jax.numpy.asarray(array, dtype=t.value.dtype)))
     return out
-
-
-def _listing(keys: list[str], limit: int = 6) -> str:
-    if not keys:
-        return "none"
-    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more

@@ -216,7 +216,7 @@ class _Reader:
                 if not file.is_file():
                     named = sorted(k for k, f in shards.items() if f == file)
                     raise CheckpointError(
-                        f"{index} names shard {file.name} (for {_listing(named, 3)}), "
+                        f"{index} names shard {file.name} (for {listing(named, 3)}), "
                         f"which is missing from {path}."
                     )
                 header = _safetensors_header(file)
@@ -461,7 +461,7 @@ def from_pretrained(
         if new:
             names = [leaves[n].path for n in new]
             warnings.warn(
-                f"{path} has no weights for {_listing(names)}; they are initialized fresh "
+                f"{path} has no weights for {listing(names)}; they are initialized fresh "
                 "(train them, e.g. with modules_to_save).",
                 stacklevel=2,
             )
@@ -525,13 +525,13 @@ def _check(
     if missing:
         raise CheckpointError(
             f"{path} lacks {len(missing)} tensor(s) {cls.__name__} needs: "
-            f"{_listing(missing)}. Is it a {hf['model_type']} checkpoint of this size?"
+            f"{listing(missing)}. Is it a {hf['model_type']} checkpoint of this size?"
         )
     unexpected = sorted(k for k in present - used if not _ignored(arch, k))
     if unexpected:
         message = (
             f"{path} has {len(unexpected)} tensor(s) {cls.__name__} has no place for: "
-            f"{_listing(unexpected)}."
+            f"{listing(unexpected)}."
         )
         if strict:
             raise CheckpointError(
@@ -544,7 +544,7 @@ def _ignored(arch: Architecture, key: str) -> bool:
     return any(re.fullmatch(p, key) for p in arch.ignored)
 
 
-def _listing(keys: list[str], limit: int = 8) -> str:
+def listing(keys: list[str], limit: int = 8) -> str:
     shown = ", ".join(repr(k) for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
