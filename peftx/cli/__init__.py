@@ -1,0 +1,3 @@
+"""The `peftx` command: fine-tune, inspect, merge and generate from the shell."""
+
+from ._main import main as main
