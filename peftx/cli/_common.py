@@ -29,3 +29,27 @@ def model_dir(value: str | None) -> Path:
             f"directory (config.json + model.safetensors), or {BUNDLED_MODEL!r}"
         )
     return path
+
+
+TASKS = {
+    "classification": ("ForSequenceClassification",),
+    "causal-lm": ("ForCausalLM", "LMHeadModel"),
+}
+
+
+def model_class_for(task: str, model_dir: Path) -> str:
+    """The transformers class name (as peftx.models knows it) that runs `task` on the
+    checkpoint in `model_dir`."""
+    from ..models._checkpoint import ARCHITECTURES, _read_config
+
+    if task not in TASKS:
+        raise UsageError(f"unknown task {task!r}: choose one of {sorted(TASKS)}")
+    model_type = _read_config(model_dir)["model_type"]
+    if model_type not in ARCHITECTURES:
+        raise UsageError(
+            f"{model_dir} holds a {model_type!r} model; peftx runs {sorted(ARCHITECTURES)}"
+        )
+    names = [n for n in ARCHITECTURES[model_type].classes if n.endswith(TASKS[task])]
+    if not names:
+        raise UsageError(f"peftx has no {task} model for {model_type!r} checkpoints")
+    return names[0]
