@@ -41,3 +41,16 @@ def test_readme_quickstart_runs(capsys):
 def test_readme_implicit_example_runs(capsys):
     exec(compile(_readme_code("## `peftx.implicit`"), "README.md", "exec"), {})
     assert capsys.readouterr().out.startswith("(8, 3) ")
+
+
+def test_train_loop_example(capsys):
+    with jax.numpy_dtype_promotion("standard"):  # optax under the tests' strict promotion
+        assert _load("train_loop").main(steps=25, batch=8) == 0
+    out = capsys.readouterr().out
+    assert "base weights bit-identical after training: True" in out and "OK" in out
+
+
+def test_implicit_arrays_example(capsys):
+    assert _load("implicit_arrays").main(width=12, rank=2, batch=5) == 0
+    out = capsys.readouterr().out
+    assert "assert_no_dense catches a materialized weight: True" in out and "OK" in out
