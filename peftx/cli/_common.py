@@ -1,6 +1,12 @@
 """What every subcommand shares: the one-line error, and where the bundled model lives."""
 
+import dataclasses
+import difflib
+import re
+import tomllib
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
 
@@ -53,3 +59,96 @@ def model_class_for(task: str, model_dir: Path) -> str:
     if not names:
         raise UsageError(f"peftx has no {task} model for {model_type!r} checkpoints")
     return names[0]
+
+
+# -- the fine-tune job's TOML ---------------------------------------------------------------
+
+JOB_TABLES = ("model", "data", "lora", "ia3", "quantization", "train", "output")
+MODEL_KEYS = {
+    "path": None,
+    "task": tuple(TASKS),
+    "dtype": ("float32", "bfloat16"),
+    "layout": ("stacked", "unrolled"),
+}
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The tables of a TOML file; a missing file or a syntax error is a `UsageError`
+    naming `file:line`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"no such config file: {str(path)!r}")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        line = re.search(r"at line (\d+)", str(e))
+        where = f"{path}:{line.group(1)}" if line else str(path)
+        raise UsageError(f"{where}: invalid TOML: {e}") from None
+
+
+def unknown_key(where: str, key: str, allowed: Iterable[str]) -> UsageError:
+    """The error for `key` in `where`, with the closest allowed name."""
+    allowed = sorted(allowed)
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return UsageError(f"unknown key {key!r} in {where}{hint}; allowed: {', '.join(allowed)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """A job's `[model]` table: the checkpoint directory, task, dtype and layout."""
+
+    path: Path
+    task: str
+    dtype: str
+    layout: str
+
+
+def job_model(job: dict[str, Any], toml_path: str | Path) -> ModelSettings:
+    """The `[model]` table of a fine-tune job read by `read_toml`, checked; a relative
+    `path` is relative to the TOML file. Unknown top-level tables are refused too."""
+    toml_path = Path(toml_path)
+    for name in job:
+        if name not in JOB_TABLES:
+            raise unknown_key(f"{toml_path} (top level)", name, JOB_TABLES)
+    table = job.get("model", {})
+    if not isinstance(table, dict):
+        raise UsageError(f"{toml_path}: 'model' must be a table ([model]), got {table!r}")
+    for key, value in table.items():
+        if key not in MODEL_KEYS:
+            raise unknown_key(f"[model] of {toml_path}", key, MODEL_KEYS)
+        if not isinstance(value, str):
+            raise UsageError(f"{toml_path}: model.{key} must be a string, got {value!r}")
+        choices = MODEL_KEYS[key]
+        if choices is not None and value not in choices:
+            raise UsageError(
+                f"{toml_path}: model.{key} = {value!r} is not one of {', '.join(choices)}"
+            )
+    path = table.get("path")
+    if path is not None and path != BUNDLED_MODEL and not Path(path).expanduser().is_absolute():
+        path = str(toml_path.parent / path)
+    return ModelSettings(
+        path=model_dir(path),
+        task=table.get("task", "classification"),
+        dtype=table.get("dtype", "float32"),
+        layout=table.get("layout", "stacked"),
+    )
+
+
+def adapter_config(toml_path: str | Path) -> Any:
+    """The `[lora]`/`[ia3]` table of a TOML file as a `LoraConfig`/`IA3Config`; a bad key
+    or value is a `UsageError` naming the file."""
+    from .._config import from_toml
+
+    try:
+        return from_toml(toml_path)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"{toml_path}: {e}") from None
+
+
+def hf_config(path: Path) -> dict[str, Any]:
+    """`config.json` of a checkpoint directory, as a dict."""
+    from ..models._checkpoint import _read_config
+
+    return _read_config(path)

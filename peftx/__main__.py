@@ -1,0 +1,7 @@
+"""`python -m peftx`: the `peftx` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

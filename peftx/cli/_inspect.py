@@ -1,0 +1,212 @@
+"""`peftx inspect MODEL_DIR [CONFIG.toml]`: a checkpoint's architecture and, given a config,
+what the adapter would adapt, counted without reading a weight."""
+
+import argparse
+import dataclasses
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._common import (
+    TASKS,
+    UsageError,
+    adapter_config,
+    hf_config,
+    job_model,
+    model_class_for,
+    model_dir,
+    read_toml,
+)
+
+# The adapters' config tables; a TOML holding any other table is a fine-tune job.
+ADAPTER_TABLES = ("lora", "ia3")
+PEFT_TASKS = {"SEQ_CLS": "classification", "CAUSAL_LM": "causal-lm"}
+DEFAULT_TASK_TYPE = {"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL_DIR",
+        help="a transformers checkpoint directory, 'all-MiniLM-L6-v2', or a job's TOML "
+        "(then the model is its [model] path)",
+    )
+    parser.add_argument(
+        "config",
+        nargs="?",
+        metavar="CONFIG.toml",
+        help="a fine-tune job, or a TOML with only a [lora] or [ia3] table",
+    )
+    parser.add_argument(
+        "--num-labels",
+        type=int,
+        help="classes of a classification head (default: the checkpoint's, else 2)",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What to build: the checkpoint, the peftx class name, dtype, layout and adapter."""
+
+    path: Path
+    class_name: str
+    dtype: str
+    layout: str
+    config: Any  # a LoraConfig or IA3Config, or None
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    toml = args.config
+    if toml is None and args.model.endswith(".toml"):
+        toml, model = args.model, None
+    else:
+        model = args.model
+    path = None if model is None else model_dir(model)
+    if toml is None:
+        return _Plan(path, _default_class(path), "float32", "stacked", None)
+    tables = read_toml(toml)
+    config = adapter_config(toml)
+    if set(tables) <= set(ADAPTER_TABLES):  # a bare adapter config
+        task = PEFT_TASKS.get(config.task_type)
+        name = _default_class(path) if task is None else model_class_for(task, path)
+        return _Plan(path, name, "float32", "stacked", config)
+    job = job_model(tables, toml)
+    path = path or job.path
+    if config.task_type is None:
+        config = dataclasses.replace(config, task_type=DEFAULT_TASK_TYPE[job.task])
+    return _Plan(path, model_class_for(job.task, path), job.dtype, job.layout, config)
+
+
+def _default_class(path: Path) -> str:
+    from ..models._checkpoint import architecture
+
+    hf = hf_config(path)
+    arch = architecture(hf["model_type"])
+    names = [n for n in hf.get("architectures") or () if n in arch.classes]
+    return names[0] if names else arch.default
+
+
+def _num_labels(args: argparse.Namespace, hf: dict[str, Any]) -> int:
+    if args.num_labels is not None:
+        if args.num_labels < 1:
+            raise UsageError(f"--num-labels must be at least 1, got {args.num_labels}")
+        return args.num_labels
+    return len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
+
+
+def _stored_dtypes(path: Path) -> str:
+    """The dtypes of the checkpoint's tensors, most common first (headers only)."""
+    from ..models._checkpoint import _Reader
+
+    with _Reader(path) as reader:
+        counts = Counter(str(reader.dtype(k)) for k in reader.keys())
+    return ", ".join(f"{d} ({n} tensors)" for d, n in counts.most_common())
+
+
+def adapter_parameters(config: Any, path: str, layer: Any) -> int:
+    """The adapter parameters `config` puts on `layer` at `path` (each layer of a stack):
+    LoRA `r·(in + out)` (`+ out` for DoRA's magnitude), IA3 `out` (or `in` for a
+    feed-forward module)."""
+    from .._select import peft_targets
+    from .._targets import layer_paths, rank_and_alpha
+
+    total = 0
+    for one in layer_paths(path):
+        if config.peft_type == "IA3":
+            ff = config.feedforward_modules
+            is_ff = bool(ff) and bool(peft_targets(ff)(one, layer))
+            total += layer.in_features if is_ff else layer.out_features
+            continue
+        r, _ = rank_and_alpha(config, one)
+        if isinstance(layer, eqx.nn.Embedding):
+            total += r * (layer.num_embeddings + layer.embedding_size)
+        elif isinstance(layer, eqx.nn.Conv):
+            kernel = math.prod(layer.kernel_size)
+            total += r * (layer.in_channels * kernel + layer.out_channels)
+        else:
+            total += r * (layer.in_features + layer.out_features)
+            total += layer.out_features if config.use_dora else 0
+    return total
+
+
+def survey(plan: _Plan, num_labels: int) -> dict[str, Any]:
+    """Counts for `plan`, traced with `eqx.filter_eval_shape` (no weight is read or
+    built): the model's parameters, and with a config each adapted module's path, base
+    shape and adapter parameters, and PEFT's (trainable, all) pair."""
+    from .._peft_model import get_peft_model
+    from .._targets import targets
+    from ..models._checkpoint import architecture
+
+    hf = hf_config(plan.path)
+    arch = architecture(hf["model_type"])
+    cls = arch.classes[plan.class_name]
+    config = arch.config_class.from_hf_config(hf)
+    if hasattr(config, "num_labels"):
+        config = dataclasses.replace(config, num_labels=num_labels)
+    dtype = jnp.dtype(plan.dtype)
+
+    def build(key: jax.Array) -> dict[str, Any]:
+        model = cls(config, key=key, layout=plan.layout, dtype=dtype)
+        leaves = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
+        out: dict[str, Any] = {"total": sum(x.size for x in leaves)}
+        if plan.config is None:
+            return out
+        peft_model = get_peft_model(model, plan.config, key=key)
+        chosen = targets(model, peft_model.peft_config["default"])
+        out["rows"] = [
+            (p, tuple(n.weight.shape), adapter_parameters(plan.config, p, n))
+            for p, n in zip(chosen.paths(), chosen.get())
+        ]
+        out["saved"] = sorted(peft_model.saved_modules.get("default", {}))
+        out["counts"] = peft_model.get_nb_trainable_parameters()
+        return out
+
+    return eqx.filter_eval_shape(build, jax.random.key(0))
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    hf = hf_config(plan.path)
+    labels = _num_labels(args, hf) if plan.class_name.endswith(TASKS["classification"]) else None
+    found = survey(plan, labels or 2)
+
+    def get(*names: str) -> Any:
+        return next((hf[n] for n in names if n in hf), "?")
+
+    heads = get("num_attention_heads", "n_head")
+    kv = hf.get("num_key_value_heads")
+    info = [
+        ("model", str(plan.path)),
+        ("model_type", hf["model_type"]),
+        ("class", plan.class_name + (f" ({labels} labels)" if labels else "")),
+        ("layers", get("num_hidden_layers", "n_layer")),
+        ("hidden size", get("hidden_size", "n_embd")),
+        ("heads", f"{heads} ({kv} key/value)" if kv and kv != heads else heads),
+        ("vocab", get("vocab_size")),
+        ("dtype stored", _stored_dtypes(plan.path)),
+        ("parameters", f"{found['total']:,}"),
+    ]
+    width = max(len(k) for k, _ in info)
+    for k, v in info:
+        print(f"{k:<{width}}  {v}")
+    if plan.config is None:
+        return 0
+    rows = [(p, "x".join(map(str, s)), f"{n:,}") for p, s, n in found["rows"]]
+    header = ("module", "base shape", f"{plan.config.peft_type} params")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+    print()
+    for row in [header, *rows]:
+        print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:>{widths[2]}}")
+    if found["saved"]:
+        print(f"modules_to_save (trained in full): {', '.join(found['saved'])}")
+    trainable, total = found["counts"]
+    print(
+        f"trainable params: {trainable:,} || all params: {total:,} || "
+        f"trainable%: {100 * trainable / total:.4f}"
+    )
+    return 0
