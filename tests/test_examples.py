@@ -54,3 +54,13 @@ def test_implicit_arrays_example(capsys):
     assert _load("implicit_arrays").main(width=12, rank=2, batch=5) == 0
     out = capsys.readouterr().out
     assert "assert_no_dense catches a materialized weight: True" in out and "OK" in out
+
+
+def test_qlora_example(capsys):
+    with jax.numpy_dtype_promotion("standard"):  # optax under the tests' strict promotion
+        assert _load("qlora").main(steps=15, batch=8) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("NF4 + double quant:"))
+    per_param = float(line.split("(")[1].split()[0])
+    # 4-bit codes (0.5) + one 8-bit absmax code per 64 weights (1/64) + the second level
+    assert 0.5 + 1 / 64 <= per_param < 0.53 and "OK" in out
