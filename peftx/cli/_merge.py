@@ -1,0 +1,112 @@
+"""`peftx merge BASE_DIR ADAPTER_DIR OUT_DIR`: an adapter (peftx's or PEFT's) merged into
+its base, saved as a transformers checkpoint with the base's tokenizer."""
+
+import argparse
+import json
+import re
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ._common import UsageError, hf_config, model_class_for, model_dir
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "merges.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "added_tokens.json",
+)
+PEFT_TASKS = {"CAUSAL_LM": "causal-lm", "SEQ_CLS": "classification"}
+# PEFT's key of a classification head saved with the adapter (modules_to_save)
+_HEAD_KEY = re.compile(r"base_model\.model\.(.*\.)?(classifier|score)\.weight")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("base", metavar="BASE_DIR", help="the base model's checkpoint directory")
+    parser.add_argument(
+        "adapter", metavar="ADAPTER_DIR", help="the adapter (adapter_config.json + weights)"
+    )
+    parser.add_argument("out", metavar="OUT_DIR", help="where to write the merged checkpoint")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="write into OUT_DIR even if it is not empty"
+    )
+
+
+def _head_labels(adapter: Path) -> int | None:
+    """The number of classes of the classification head saved with the adapter, if any."""
+    from .._peft_io import WEIGHTS_NAME
+    from ..models._checkpoint import _safetensors_header
+
+    file = adapter / WEIGHTS_NAME
+    if not file.is_file():
+        return None  # PEFT's .bin adapter: the checkpoint's own num_labels is used
+    shapes = [t.shape for k, t in _safetensors_header(file).items() if _HEAD_KEY.fullmatch(k)]
+    return shapes[0][0] if shapes else None
+
+
+def _with_labels(base: Path, labels: int, scratch: Path) -> Path:
+    """A view of checkpoint `base` in `scratch` (links to its files) whose config.json
+    says `labels` classes."""
+    for f in base.iterdir():
+        if f.name != "config.json":
+            (scratch / f.name).symlink_to(f.resolve())
+    hf = {k: v for k, v in hf_config(base).items() if k not in ("id2label", "label2id")}
+    hf["num_labels"] = labels
+    (scratch / "config.json").write_text(json.dumps(hf))
+    return scratch
+
+
+def _load_base(base: Path, adapter: Path, task_type: str | None, scratch: Path) -> Any:
+    from ..models import from_pretrained
+
+    task = PEFT_TASKS.get(task_type)
+    name = None if task is None else model_class_for(task, base)
+    if task == "classification":
+        hf = hf_config(base)
+        stored = len(hf["id2label"]) if hf.get("id2label") else hf.get("num_labels", 2)
+        labels = _head_labels(adapter)
+        if labels is not None and labels != stored:
+            base = _with_labels(base, labels, scratch)
+        with warnings.catch_warnings():
+            # the adapter's own copy of the head replaces a head the base lacks
+            warnings.filterwarnings("ignore", message=".*initialized fresh")
+            return from_pretrained(base, model_class=name)
+    return from_pretrained(base, model_class=name)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._config import load_config
+    from .._peft_model import PeftModel
+    from ..models import save_pretrained
+
+    base = model_dir(args.base)
+    adapter = Path(args.adapter)
+    if not adapter.is_dir():
+        raise UsageError(f"adapter directory {str(adapter)!r} does not exist")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"OUT_DIR {str(out)!r} is a file; name a directory")
+    if out.resolve() in (base.resolve(), adapter.resolve()):
+        raise UsageError(f"OUT_DIR {str(out)!r} is the base or the adapter directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise UsageError(
+            f"OUT_DIR {str(out)!r} exists and is not empty; pass --overwrite to write into it"
+        )
+    config = load_config(adapter)
+    with tempfile.TemporaryDirectory() as scratch:
+        model = _load_base(base, adapter, config.task_type, Path(scratch))
+        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        save_pretrained(merged, out)
+    copied = [name for name in TOKENIZER_FILES if (base / name).is_file()]
+    for name in copied:
+        shutil.copyfile(base / name, out / name)
+    print(f"merged {adapter} into {base}: wrote {out}")
+    if not copied:
+        print(f"(no tokenizer files in {base} to copy)")
+    return 0
