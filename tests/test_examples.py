@@ -64,3 +64,10 @@ def test_qlora_example(capsys):
     per_param = float(line.split("(")[1].split()[0])
     # 4-bit codes (0.5) + one 8-bit absmax code per 64 weights (1/64) + the second level
     assert 0.5 + 1 / 64 <= per_param < 0.53 and "OK" in out
+
+
+def test_multi_adapter_example(capsys):
+    with jax.numpy_dtype_promotion("standard"):  # optax under the tests' strict promotion
+        assert _load("multi_adapter").main(steps=40) == 0
+    out = capsys.readouterr().out
+    assert "max |mixed batch - each alone|" in out and "OK" in out
