@@ -90,11 +90,11 @@ def bert(request, tmp_path_factory):
         num_labels=3,
     )
     torch.manual_seed(0)
-    cls = {
-        "classifier": transformers.BertForSequenceClassification,
-        "encoder": transformers.BertModel,
-    }
-    cls[request.param](config).save_pretrained(root / "base")
+    if request.param == "classifier":
+        transformers.BertForSequenceClassification(config).save_pretrained(root / "base")
+    else:  # a config of 2 labels: the adapter's 3-class head sets the merged model's size
+        config.num_labels = 2
+        transformers.BertModel(config).save_pretrained(root / "base")
     _tokenizer().save_pretrained(root / "base")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the encoder's fresh classifier
@@ -163,16 +163,41 @@ def test_merge_bert_classifier_matches_peft(bert, tmp_path, capsys):
         base = transformers.AutoModelForSequenceClassification.from_pretrained(
             bert / "base", num_labels=3
         )
-    reference = peft.PeftModel.from_pretrained(base, bert / "adapter").merge_and_unload()
-    merged = transformers.AutoModelForSequenceClassification.from_pretrained(out_dir)
     ids = torch.from_numpy(_ids(1))
     mask = torch.ones_like(ids)
     with torch.no_grad():
+        plain = base(ids, attention_mask=mask).logits.numpy()
+    reference = peft.PeftModel.from_pretrained(base, bert / "adapter").merge_and_unload()
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(out_dir)
+    with torch.no_grad():
         want = reference(ids, attention_mask=mask).logits.numpy()
         got = merged(ids, attention_mask=mask).logits.numpy()
-    assert got.shape == (2, 3)
+    assert got.shape == (2, 3) and merged.config.num_labels == 3
+    assert np.abs(want - plain).max() > 100 * _tolerance(want)
     np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want))
     assert transformers.AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+
+
+def test_merge_llama_classifier_from_a_causal_lm(llama, tmp_path, capsys):
+    """A SEQ_CLS adapter whose 4-class `score` the causal-LM checkpoint lacks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fresh score head
+        base = transformers.AutoModelForSequenceClassification.from_pretrained(
+            llama / "base", num_labels=4
+        )
+    lora = peft.LoraConfig(r=2, target_modules=["k_proj", "o_proj"], task_type="SEQ_CLS")
+    adapted = peft.get_peft_model(base, lora)
+    _randomize_adapter(adapted)
+    adapted.save_pretrained(tmp_path / "adapter")
+    code, _, _ = _run(capsys, "merge", llama / "base", tmp_path / "adapter", tmp_path / "out")
+    assert code == 0
+    merged = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    ids = torch.from_numpy(_ids(2))
+    with torch.no_grad():
+        want = adapted.merge_and_unload()(ids).logits.numpy()
+        got = merged(ids).logits.numpy()
+    assert got.shape == (2, 4)
+    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want))
 
 
 def test_merge_refuses_a_non_empty_out_dir(llama, tmp_path, capsys):
@@ -301,6 +326,29 @@ def test_inspect_counts_match_get_peft_model_and_peft(name, tmp_path, capsys):
     assert rows and "modules_to_save (trained in full): classifier" in out
     classifier = 384 * 3 + 3
     assert sum(int(n.replace(",", "")) for _, n in rows) + classifier == trainable
+
+
+def test_inspect_causal_lm_job(llama, capsys):
+    """A job beside its checkpoint (a relative [model] path), unrolled, on a GQA Llama."""
+    job = llama / "job.toml"
+    job.write_text(
+        '[model]\npath = "base"\ntask = "causal-lm"\nlayout = "unrolled"\n\n'
+        '[lora]\nr = 3\ntarget_modules = "all-linear"\n'
+    )
+    code, out, _ = _run(capsys, "inspect", job)
+    assert code == 0
+    assert "LlamaForCausalLM" in out and "heads         4 (2 key/value)" in out
+    assert "model.layers.1.self_attn.k_proj  16x32  " in out  # GQA: 2 heads of 8
+    assert "lm_head" not in out  # all-linear leaves the output head alone
+    trainable, total = (int(n.replace(",", "")) for n in TOTALS.search(out).groups()[:2])
+    model = peftx.from_pretrained(llama / "base", layout="unrolled")
+    config = peftx.LoraConfig(r=3, target_modules="all-linear", task_type="CAUSAL_LM")
+    real = peftx.get_peft_model(model, config, key=jax.random.key(0))
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
+    reference = peft.get_peft_model(
+        torch_model, peft.LoraConfig(r=3, target_modules="all-linear", task_type="CAUSAL_LM")
+    ).get_nb_trainable_parameters()
+    assert (trainable, total) == real.get_nb_trainable_parameters() == reference
 
 
 def test_inspect_architecture(capsys):
