@@ -71,3 +71,11 @@ def test_multi_adapter_example(capsys):
         assert _load("multi_adapter").main(steps=40) == 0
     out = capsys.readouterr().out
     assert "max |mixed batch - each alone|" in out and "OK" in out
+
+
+def test_merge_export_example(capsys):
+    with jax.numpy_dtype_promotion("standard"):  # optax under the tests' strict promotion
+        assert _load("merge_export").main(steps=10) == 0
+    out = capsys.readouterr().out
+    assert "max |transformers(merged) - peftx(unmerged)| logits" in out
+    assert "max |PyTorch PEFT(adapter) - peftx(unmerged)| logits" in out and "OK" in out
