@@ -79,3 +79,9 @@ def test_merge_export_example(capsys):
     out = capsys.readouterr().out
     assert "max |transformers(merged) - peftx(unmerged)| logits" in out
     assert "max |PyTorch PEFT(adapter) - peftx(unmerged)| logits" in out and "OK" in out
+
+
+def test_structure_editing_example(capsys):
+    assert _load("structure_editing").main() == 0
+    out = capsys.readouterr().out
+    assert "'model.layers.2-3.self_attn.o_proj'" in out and "OK" in out
