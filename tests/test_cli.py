@@ -289,13 +289,15 @@ ADAPTERS = {
             target_modules=("key", "value", "output.dense"), feedforward_modules=("output.dense",)
         ),
     ),
+    # PEFT's defaults for BERT: key, value and output.dense, the last one feed-forward
+    "ia3_defaults": ("init_ia3_weights = true", peft.IA3Config(), peftx.IA3Config()),
 }
 
 
 @pytest.mark.parametrize("name", sorted(ADAPTERS))
 def test_inspect_counts_match_get_peft_model_and_peft(name, tmp_path, capsys):
     text, peft_config, peftx_config = ADAPTERS[name]
-    table = "ia3" if name == "ia3" else "lora"
+    table = "ia3" if name.startswith("ia3") else "lora"
     job = tmp_path / "job.toml"
     job.write_text(
         f'[model]\npath = "all-MiniLM-L6-v2"\ntask = "classification"\n\n'

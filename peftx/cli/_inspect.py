@@ -157,9 +157,10 @@ def survey(plan: _Plan, num_labels: int) -> dict[str, Any]:
         if plan.config is None:
             return out
         peft_model = get_peft_model(model, plan.config, key=key)
-        chosen = targets(model, peft_model.peft_config["default"])
+        resolved = peft_model.peft_config["default"]  # PEFT's defaults filled in
+        chosen = targets(model, resolved)
         out["rows"] = [
-            (p, tuple(n.weight.shape), adapter_parameters(plan.config, p, n))
+            (p, tuple(n.weight.shape), adapter_parameters(resolved, p, n))
             for p, n in zip(chosen.paths(), chosen.get())
         ]
         out["saved"] = sorted(peft_model.saved_modules.get("default", {}))
