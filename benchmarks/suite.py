@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from hand_models import from_peft_bert, from_peft_llama, lora_spec
 
 import peftx
 import peftx.models as pm
-from hand_models import from_peft_bert, from_peft_llama, lora_spec
 from peftx.implicit import strict
 
 Array = jax.Array
@@ -38,15 +38,35 @@ PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16
 # (llama: hidden, intermediate, layers, heads, kv heads, vocab, batch, seq;
 #  bert: layers, hidden, heads, intermediate, vocab, batch, seq; warmup, repeats, compiles)
 SIZES = {
-    "full": dict(llama=(512, 1376, 4, 8, 4, 2048, 8, 128), bert=(6, 384, 12, 1536, 30522, 16, 64),
-                 warmup=2, repeats=10, compiles=3),
-    "quick": dict(llama=(256, 688, 2, 4, 2, 2048, 4, 128), bert=(2, 384, 12, 1536, 30522, 8, 64),
-                  warmup=1, repeats=3, compiles=1),
-    "tiny": dict(llama=(64, 128, 1, 2, 1, 256, 2, 16), bert=(1, 64, 2, 128, 512, 2, 16),
-                 warmup=0, repeats=1, compiles=1),
-    "gpu": dict(llama=(2048, 5632, 16, 16, 8, 32000, 4, 2048),
-                bert=(6, 384, 12, 1536, 30522, 64, 128), warmup=3, repeats=15, compiles=1),
-}  # fmt: skip
+    "full": dict(
+        llama=(512, 1376, 4, 8, 4, 2048, 8, 128),
+        bert=(6, 384, 12, 1536, 30522, 16, 64),
+        warmup=2,
+        repeats=10,
+        compiles=3,
+    ),
+    "quick": dict(
+        llama=(256, 688, 2, 4, 2, 2048, 4, 128),
+        bert=(2, 384, 12, 1536, 30522, 8, 64),
+        warmup=1,
+        repeats=3,
+        compiles=1,
+    ),
+    "tiny": dict(
+        llama=(64, 128, 1, 2, 1, 256, 2, 16),
+        bert=(1, 64, 2, 128, 512, 2, 16),
+        warmup=0,
+        repeats=1,
+        compiles=1,
+    ),
+    "gpu": dict(
+        llama=(2048, 5632, 16, 16, 8, 32000, 4, 2048),
+        bert=(6, 384, 12, 1536, 30522, 64, 128),
+        warmup=3,
+        repeats=15,
+        compiles=1,
+    ),
+}
 
 
 # --------------------------------------------------------------------------------------
@@ -56,8 +76,16 @@ SIZES = {
 class Variant:
     """A jitted function with its arguments; `step=True` feeds `(trainable, state)` back."""
 
-    def __init__(self, name: str, fn: Callable, args: tuple, *, step: bool, flops: float = 0.0,
-                 implicit: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        fn: Callable,
+        args: tuple,
+        *,
+        step: bool,
+        flops: float = 0.0,
+        implicit: bool = False,
+    ):
         self.name, self.args, self.step, self.flops = name, list(args), step, flops
         self.jitted = eqx.filter_jit(fn)
         self.times: list[float] = []
@@ -110,7 +138,7 @@ class TorchVariant:
         loss.backward()
         self.opt.step()
         self.sync()
-        return float(loss)
+        return loss.detach().item()
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -174,25 +202,43 @@ def cls_loss(logits: Array, labels: Array) -> Array:
 
 def llama_config(size: tuple) -> pm.LlamaConfig:
     hidden, inter, layers, heads, kv, vocab, _, _ = size
-    return pm.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                          num_hidden_layers=layers, num_attention_heads=heads,
-                          num_key_value_heads=kv, head_dim=hidden // heads,
-                          max_position_embeddings=4096)  # fmt: skip
+    return pm.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads,
+        max_position_embeddings=4096,
+    )
 
 
 def bert_config(size: tuple) -> pm.BertConfig:
     layers, hidden, heads, inter, vocab, _, _ = size
-    return pm.BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, intermediate_size=inter,
-                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    return pm.BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=inter,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
 
 
 def llama_linears(c: pm.LlamaConfig, tokens: int) -> list[tuple[int, int, int, bool]]:
     """`(tokens, in, out, adapted)` of every linear layer, in the order they run."""
     d, hd = c.hidden_size, c.head_dim
-    block = [(d, c.num_attention_heads * hd), (d, c.num_key_value_heads * hd),
-             (d, c.num_key_value_heads * hd), (c.num_attention_heads * hd, d),
-             (d, c.intermediate_size), (d, c.intermediate_size), (c.intermediate_size, d)]  # fmt: skip
+    block = [
+        (d, c.num_attention_heads * hd),
+        (d, c.num_key_value_heads * hd),
+        (d, c.num_key_value_heads * hd),
+        (c.num_attention_heads * hd, d),
+        (d, c.intermediate_size),
+        (d, c.intermediate_size),
+        (c.intermediate_size, d),
+    ]
     out = [(tokens, i, o, True) for _ in range(c.num_hidden_layers) for i, o in block]
     return out + [(tokens, d, c.vocab_size, False)]
 
@@ -221,8 +267,10 @@ def gemm_floor(linears: list, dtype: Any, key: Array) -> Variant:
     jitted function and nothing else; chained (each consumes the last output of its width)
     so XLA cannot merge independent products into one."""
     keys = jax.random.split(key, len(linears) + 1)
-    weights = [jax.random.normal(k, (o, i), dtype) / (i * o) ** 0.25
-               for k, (_, i, o, _) in zip(keys, linears)]  # fmt: skip
+    weights = [
+        jax.random.normal(k, (o, i), dtype) / (i * o) ** 0.25
+        for k, (_, i, o, _) in zip(keys, linears)
+    ]
     inputs = {(t, i): jax.random.normal(keys[-1], (t, i), dtype) for t, i, _, _ in linears}
 
     def floor(weights: list[Array], acts: dict) -> dict:
@@ -233,8 +281,9 @@ def gemm_floor(linears: list, dtype: Any, key: Array) -> Variant:
             acts[t, i] = y @ w  # (t,o)@(o,i)
         return acts
 
-    return Variant("GEMM floor", floor, (weights, inputs), step=False,
-                   flops=step_flops(linears, 0, "floor"))  # fmt: skip
+    return Variant(
+        "GEMM floor", floor, (weights, inputs), step=False, flops=step_flops(linears, 0, "floor")
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -251,8 +300,15 @@ def torch_available() -> bool:
     return True
 
 
-def torch_variants(kind: str, config: Any, batch: np.ndarray, labels: np.ndarray | None,
-                   targets: list[str], flops: dict[str, float], gpu: bool) -> list[TorchVariant]:  # fmt: skip
+def torch_variants(
+    kind: str,
+    config: Any,
+    batch: np.ndarray,
+    labels: np.ndarray | None,
+    targets: list[str],
+    flops: dict[str, float],
+    gpu: bool,
+) -> list[TorchVariant]:
     """PyTorch PEFT LoRA and PyTorch full fine-tuning of transformers' own model."""
     import peft
     import torch
@@ -263,17 +319,25 @@ def torch_variants(kind: str, config: Any, batch: np.ndarray, labels: np.ndarray
     device = "cuda" if gpu and torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hf = transformers.AutoConfig.for_model(**config.to_hf_config())
-    cls = (transformers.LlamaForCausalLM if kind == "llama"
-           else transformers.BertForSequenceClassification)  # fmt: skip
+    cls = (
+        transformers.LlamaForCausalLM
+        if kind == "llama"
+        else transformers.BertForSequenceClassification
+    )
     ids = torch.as_tensor(np.array(batch, np.int64), device=device)
     if kind == "llama":
         loss = lambda m: m(input_ids=ids, labels=ids).loss  # noqa: E731
     else:
         y = torch.as_tensor(np.array(labels, np.int64), device=device)
         loss = lambda m: m(input_ids=ids, labels=y).loss  # noqa: E731
-    lora_config = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets,
-                                  lora_dropout=0.0, init_lora_weights=False,
-                                  task_type="CAUSAL_LM" if kind == "llama" else "SEQ_CLS")  # fmt: skip
+    lora_config = peft.LoraConfig(
+        r=RANK,
+        lora_alpha=ALPHA,
+        target_modules=targets,
+        lora_dropout=0.0,
+        init_lora_weights=False,
+        task_type="CAUSAL_LM" if kind == "llama" else "SEQ_CLS",
+    )
     lora = peft.get_peft_model(cls(hf), lora_config).to(device, dtype).train()
     full = cls(hf).to(device, dtype).train()
     return [
@@ -306,14 +370,14 @@ def peak_flops() -> float | None:
     return next((f for name, f in PEAK_FLOPS.items() if name in kind), None)
 
 
-def train_table(variants: list[Any], tokens: int, notes: dict[str, str]) -> tuple[str, dict]:
+def train_table(variants: list[Any], tokens: int) -> tuple[str, dict]:
     """Rows with median, ratio to full fine-tuning, multiple of the floor, throughput."""
     by = {v.name: v for v in variants}
     full, floor = by["full fine-tuning"].median, by["GEMM floor"].median
     peak = peak_flops()
     header = ["step", "median ms", "vs full FT", "vs GEMM floor", "tokens/s", "TFLOP/s"]
     header += ["MFU"] if peak else []
-    header += ["XLA temp MiB", "note"]
+    header += ["XLA temp MiB"]
     rows = []
     for v in variants:
         if isinstance(v, str):  # a row that could not run
@@ -321,11 +385,16 @@ def train_table(variants: list[Any], tokens: int, notes: dict[str, str]) -> tupl
             continue
         tflops = v.flops / v.median / 1e12
         temp = mib(v.memory.temp_size_in_bytes) if hasattr(v, "memory") else ""
-        row = [v.name, ms(v.median), f"{v.median / full:.2f}x", f"{v.median / floor:.2f}x",
-               f"{tokens / v.median:,.0f}" if v.name != "GEMM floor" else "",
-               f"{tflops:.3f}"]  # fmt: skip
+        row = [
+            v.name,
+            ms(v.median),
+            f"{v.median / full:.2f}x",
+            f"{v.median / floor:.2f}x",
+            f"{tokens / v.median:,.0f}" if v.name != "GEMM floor" else "",
+            f"{tflops:.3f}",
+        ]
         row += [f"{100 * v.flops / v.median / peak:.0f}%"] if peak else []
-        rows.append(row + [temp, notes.get(v.name, "")])
+        rows.append(row + [temp])
     return md_table(header, rows), {name: v.median for name, v in by.items()}
 
 
@@ -344,8 +413,9 @@ def llama_group(size: tuple, dtype: Any, gpu: bool, use_torch: bool) -> dict:
     kb, kl, kd, kf = jax.random.split(jax.random.key(0), 4)
     ids = jax.random.randint(kd, (b, s), 0, c.vocab_size)
     base = pm.LlamaForCausalLM(c, key=kb, dtype=dtype)
-    lconf = peftx.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=LLAMA_TARGETS,
-                             init_lora_weights=False)  # fmt: skip
+    lconf = peftx.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=LLAMA_TARGETS, init_lora_weights=False
+    )
     peft = peftx.get_peft_model(base, lconf, key=kl)
     hand = from_peft_llama(peft)
     unrolled = pm.LlamaForCausalLM(c, key=kb, dtype=dtype, layout="unrolled")
@@ -359,35 +429,78 @@ def llama_group(size: tuple, dtype: Any, gpu: bool, use_torch: bool) -> dict:
     zoo_loss = lambda m, x: lm_loss(m(x).logits, x)  # noqa: E731
     hand_loss = lambda m, x: lm_loss(m(x), x)  # noqa: E731
     v = [
-        step_variant("peftx LoRA", peft, peft.trainable_spec(), zoo_loss, ids, flops=fl["lora"],
-                     implicit=True),
-        step_variant("hand-written Equinox LoraLinear", hand, lora_spec(hand), hand_loss, ids,
-                     flops=fl["lora"]),
-        step_variant("full fine-tuning", base, eqx.is_inexact_array, zoo_loss, ids,
-                     flops=fl["full"]),
-    ]  # fmt: skip
+        step_variant(
+            "peftx LoRA",
+            peft,
+            peft.trainable_spec(),
+            zoo_loss,
+            ids,
+            flops=fl["lora"],
+            implicit=True,
+        ),
+        step_variant(
+            "hand-written Equinox LoraLinear",
+            hand,
+            lora_spec(hand),
+            hand_loss,
+            ids,
+            flops=fl["lora"],
+        ),
+        step_variant(
+            "full fine-tuning", base, eqx.is_inexact_array, zoo_loss, ids, flops=fl["full"]
+        ),
+    ]
     if use_torch:
         v += torch_variants("llama", c, np.asarray(ids), None, LLAMA_TARGETS, fl, gpu)
     else:
         v += ["PyTorch PEFT LoRA", "PyTorch full fine-tuning"]
     v.append(gemm_floor(linears, dtype, kf))
     extra = [
-        step_variant('peftx LoRA, layout="unrolled"', peft_unrolled,
-                     peft_unrolled.trainable_spec(), zoo_loss, ids, flops=fl["lora"],
-                     implicit=True),
-        step_variant('full fine-tuning, layout="unrolled"', unrolled, eqx.is_inexact_array,
-                     zoo_loss, ids, flops=fl["full"]),
-        step_variant("peftx QLoRA (NF4 + double quant)", qlora, qlora.trainable_spec(),
-                     zoo_loss, ids, flops=fl["lora"], implicit=True),
-    ]  # fmt: skip
+        step_variant(
+            'peftx LoRA, layout="unrolled"',
+            peft_unrolled,
+            peft_unrolled.trainable_spec(),
+            zoo_loss,
+            ids,
+            flops=fl["lora"],
+            implicit=True,
+        ),
+        step_variant(
+            'full fine-tuning, layout="unrolled"',
+            unrolled,
+            eqx.is_inexact_array,
+            zoo_loss,
+            ids,
+            flops=fl["full"],
+        ),
+        step_variant(
+            "peftx QLoRA (NF4 + double quant)",
+            qlora,
+            qlora.trainable_spec(),
+            zoo_loss,
+            ids,
+            flops=fl["lora"],
+            implicit=True,
+        ),
+    ]
     by = {x.name: x for x in v + extra if not isinstance(x, str)}
     loss_peft, loss_hand = float(by["peftx LoRA"].first), float(by[v[1].name].first)
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-4
     if abs(loss_peft - loss_hand) > tol:
         raise SystemExit(f"Llama: hand-written loss {loss_hand} differs from peftx {loss_peft}")
     check = f"first-step loss: peftx {loss_peft:.6f}, hand-written {loss_hand:.6f}"
-    return dict(config=c, batch=(b, s), variants=v, extra=extra, check=check, base=base,
-                peft=peft, ids=ids, qlora=qlora, forward=zoo_loss)  # fmt: skip
+    return dict(
+        config=c,
+        batch=(b, s),
+        variants=v,
+        extra=extra,
+        check=check,
+        base=base,
+        peft=peft,
+        ids=ids,
+        qlora=qlora,
+        forward=zoo_loss,
+    )
 
 
 def bert_group(size: tuple, dtype: Any, gpu: bool, use_torch: bool) -> dict:
@@ -397,8 +510,13 @@ def bert_group(size: tuple, dtype: Any, gpu: bool, use_torch: bool) -> dict:
     ids = jax.random.randint(kd, (b, s), 1, c.vocab_size)
     labels = jax.random.randint(ky, (b,), 0, c.num_labels)
     base = pm.BertForSequenceClassification(c, key=kb, dtype=dtype)
-    lconf = peftx.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=BERT_TARGETS,
-                             init_lora_weights=False, task_type="SEQ_CLS")  # fmt: skip
+    lconf = peftx.LoraConfig(
+        r=RANK,
+        lora_alpha=ALPHA,
+        target_modules=BERT_TARGETS,
+        init_lora_weights=False,
+        task_type="SEQ_CLS",
+    )
     peft = peftx.get_peft_model(base, lconf, key=kl)
     hand = from_peft_bert(peft)
     linears = bert_linears(c, b, s)
@@ -408,13 +526,27 @@ def bert_group(size: tuple, dtype: Any, gpu: bool, use_torch: bool) -> dict:
     hand_loss = lambda m, x: cls_loss(m(x[0]), x[1])  # noqa: E731
     batch = (ids, labels)
     v = [
-        step_variant("peftx LoRA", peft, peft.trainable_spec(), zoo_loss, batch,
-                     flops=fl["lora"], implicit=True),
-        step_variant("hand-written Equinox LoraLinear", hand, lora_spec(hand), hand_loss, batch,
-                     flops=fl["lora"]),
-        step_variant("full fine-tuning", base, eqx.is_inexact_array, zoo_loss, batch,
-                     flops=fl["full"]),
-    ]  # fmt: skip
+        step_variant(
+            "peftx LoRA",
+            peft,
+            peft.trainable_spec(),
+            zoo_loss,
+            batch,
+            flops=fl["lora"],
+            implicit=True,
+        ),
+        step_variant(
+            "hand-written Equinox LoraLinear",
+            hand,
+            lora_spec(hand),
+            hand_loss,
+            batch,
+            flops=fl["lora"],
+        ),
+        step_variant(
+            "full fine-tuning", base, eqx.is_inexact_array, zoo_loss, batch, flops=fl["full"]
+        ),
+    ]
     if use_torch:
         v += torch_variants("bert", c, np.asarray(ids), np.asarray(labels), BERT_TARGETS, fl, gpu)
     else:
@@ -425,8 +557,9 @@ def bert_group(size: tuple, dtype: Any, gpu: bool, use_torch: bool) -> dict:
     if abs(loss_peft - loss_hand) > tol:
         raise SystemExit(f"BERT: hand-written loss {loss_hand} differs from peftx {loss_peft}")
     check = f"first-step loss: peftx {loss_peft:.6f}, hand-written {loss_hand:.6f}"
-    return dict(config=c, batch=(b, s), variants=v, extra=[], check=check, base=base, peft=peft,
-                ids=ids)  # fmt: skip
+    return dict(
+        config=c, batch=(b, s), variants=v, extra=[], check=check, base=base, peft=peft, ids=ids
+    )
 
 
 def hand_merged(peft: peftx.PeftModel) -> Any:
@@ -454,18 +587,19 @@ def inference_group(group: dict) -> tuple[list[Variant], str]:
     forward = lambda m, x: m(x).logits  # noqa: E731
     v = [
         Variant("base model", forward, (base, ids), step=False),
-        Variant("LoRA unmerged (peft_model(...))", forward, (peft, ids), step=False,
-                implicit=True),
+        Variant("LoRA unmerged (peft_model(...))", forward, (peft, ids), step=False, implicit=True),
         Variant("LoRA merged (merge_and_unload)", forward, (merged, ids), step=False),
-    ]  # fmt: skip
+    ]
     want = jax.jit(lambda m, x: m(x).logits)(hand_merged(peft), ids)
     err_hand = float(jnp.max(jnp.abs(v[2].first - want)))
     err_unmerged = float(jnp.max(jnp.abs(v[2].first - v[1].first)))
     scale = float(jnp.max(jnp.abs(want)))
     if err_hand > 1e-5 * max(scale, 1.0) or err_unmerged > 1e-3 * max(scale, 1.0):
         raise SystemExit(f"merged outputs differ: {err_hand} (hand merge), {err_unmerged}")
-    check = (f"merged logits vs the base class on hand-merged weights: max diff {err_hand:.1e}; "
-             f"vs unmerged: {err_unmerged:.1e} (max |logit| {scale:.2f})")  # fmt: skip
+    check = (
+        f"merged logits vs the base class on hand-merged weights: max diff {err_hand:.1e}; "
+        f"vs unmerged: {err_unmerged:.1e} (max |logit| {scale:.2f})"
+    )
     return v, check
 
 
@@ -497,10 +631,27 @@ def compile_rows(groups: dict[str, dict], inference: dict[str, list], repeats: i
         comp = statistics.median(t[1] for t in times[id(x)])
         key = (model, label.split(":")[0])
         ref.setdefault(key, lower + comp)
-        rows.append([f"{model}, {label}", "yes" if x.implicit else "no", f"{lower:.2f}",
-                     f"{comp:.2f}", f"{lower + comp:.2f}", f"{(lower + comp) / ref[key]:.2f}x"])  # fmt: skip
-    return md_table(["what", "use_implicit_args", "trace + lower s", "XLA compile s", "total s",
-                     "vs the first row of its kind"], rows)  # fmt: skip
+        rows.append(
+            [
+                f"{model}, {label}",
+                "yes" if x.implicit else "no",
+                f"{lower:.2f}",
+                f"{comp:.2f}",
+                f"{lower + comp:.2f}",
+                f"{(lower + comp) / ref[key]:.2f}x",
+            ]
+        )
+    return md_table(
+        [
+            "what",
+            "use_implicit_args",
+            "trace + lower s",
+            "XLA compile s",
+            "total s",
+            "vs the first row of its kind",
+        ],
+        rows,
+    )
 
 
 def nf4_rows(base: Any) -> str:
@@ -528,8 +679,9 @@ def nf4_rows(base: Any) -> str:
             per_param = jnp.dtype(base.model.embed_tokens.weight.dtype).itemsize
         rows.append([label, mib(nbytes(model)), f"{per_param:.4f}", f"{8 * per_param:.3f}"])
     rows[0][2:] = [f"{float(rows[0][2]):.4f}", f"{8 * float(rows[0][2]):.3f}"]
-    table = md_table(["Llama base", "all arrays MiB", "bytes/param (linear weights)",
-                      "bits/param"], rows)  # fmt: skip
+    table = md_table(
+        ["Llama base", "all arrays MiB", "bytes/param (linear weights)", "bits/param"], rows
+    )
     return table + f"\n\n{n_quantized:,} parameters quantized (every Linear but `lm_head`)."
 
 
@@ -540,18 +692,27 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    versions = [f"jax {jax.__version__}", f"equinox {eqx.__version__}",
-                f"optax {optax.__version__}"]  # fmt: skip
+    versions = [
+        f"jax {jax.__version__}",
+        f"equinox {eqx.__version__}",
+        f"optax {optax.__version__}",
+    ]
     if torch_available():
         import peft
         import torch
         import transformers
 
-        versions += [f"torch {torch.__version__}", f"transformers {transformers.__version__}",
-                     f"peft {peft.__version__}"]  # fmt: skip
+        versions += [
+            f"torch {torch.__version__}",
+            f"transformers {transformers.__version__}",
+            f"peft {peft.__version__}",
+        ]
     dev = jax.devices()[0]
-    return (f"{cpu}, {os.cpu_count()} cores; JAX device: {dev.platform} ({dev.device_kind}); "
-            + ", ".join(versions) + f"; Python {platform.python_version()}")  # fmt: skip
+    return (
+        f"{cpu}, {os.cpu_count()} cores; JAX device: {dev.platform} ({dev.device_kind}); "
+        + ", ".join(versions)
+        + f"; Python {platform.python_version()}"
+    )
 
 
 def main() -> None:
@@ -581,75 +742,114 @@ def main() -> None:
         inference[name], inf_checks[name] = inference_group(g)
     for name, g in groups.items():
         log(f"timing the {name} train steps")
-        measure([x for x in g["variants"] + g["extra"] if not isinstance(x, str)],
-                sz["warmup"], sz["repeats"])  # fmt: skip
+        measure(
+            [x for x in g["variants"] + g["extra"] if not isinstance(x, str)],
+            sz["warmup"],
+            sz["repeats"],
+        )
     log("timing inference")
     measure([x for vs in inference.values() for x in vs], sz["warmup"] + 2, 3 * sz["repeats"])
     log("timing compiles")
     compiles = compile_rows(groups, inference, sz["compiles"])
     load_after = os.getloadavg()
 
-    out = [f"# peftx benchmark suite ({mode})", "",
-           f"Machine: {machine()}.", "",
-           f"Run {started:%Y-%m-%d %H:%M} UTC; load average (1, 5, 15 min) "
-           f"{', '.join(f'{x:.2f}' for x in load_before)} before, "
-           f"{', '.join(f'{x:.2f}' for x in load_after)} after. Medians of {sz['repeats']} "
-           f"round-robin calls after {sz['warmup']} warm-up; ratios within this run. "
-           f"`python benchmarks/suite.py{' --' + mode if mode in ('quick', 'tiny') else ''}`."]  # fmt: skip
-    lines = {}
+    out = [
+        f"# peftx benchmark suite ({mode})",
+        "",
+        f"Machine: {machine()}.",
+        "",
+        (
+            f"Run {started:%Y-%m-%d %H:%M} UTC; load average (1, 5, 15 min) "
+            f"{', '.join(f'{x:.2f}' for x in load_before)} before, "
+            f"{', '.join(f'{x:.2f}' for x in load_after)} after. Medians of {sz['repeats']} "
+            f"round-robin calls after {sz['warmup']} warm-up; ratios within this run. "
+            f"`python benchmarks/suite.py{' --' + mode if mode in ('quick', 'tiny') else ''}`."
+        ),
+    ]
     for name, g in groups.items():
         c, (b, s) = g["config"], g["batch"]
         by = {x.name: x for x in g["variants"] + g["extra"] if not isinstance(x, str)}
-        table, med = train_table(g["variants"] + g["extra"], b * s, {})
+        table, med = train_table(g["variants"] + g["extra"], b * s)
         full, lora, hand = (
             med["full fine-tuning"],
             med["peftx LoRA"],
             med["hand-written Equinox LoraLinear"],
         )
-        lines[name] = (lora / full, lora / hand)
         if name == "Llama":
-            shape = (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, intermediate "
-                     f"{c.intermediate_size}, {c.num_attention_heads} heads / "
-                     f"{c.num_key_value_heads} KV heads, vocab {c.vocab_size}")  # fmt: skip
+            shape = (
+                f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, intermediate "
+                f"{c.intermediate_size}, {c.num_attention_heads} heads / "
+                f"{c.num_key_value_heads} KV heads, vocab {c.vocab_size}"
+            )
             targets = "q, k, v, o, gate, up, down projections"
         else:
-            shape = (f"all-MiniLM-L6-v2 shape when full: {c.num_hidden_layers} layers, hidden "
-                     f"{c.hidden_size}, {c.num_attention_heads} heads, intermediate "
-                     f"{c.intermediate_size}, vocab {c.vocab_size}, classification head")  # fmt: skip
-            targets = ("query, key, value, attention output dense, intermediate dense, output "
-                       "dense (the classifier trains too: task_type SEQ_CLS)")  # fmt: skip
+            shape = (
+                f"all-MiniLM-L6-v2 shape when full: {c.num_hidden_layers} layers, hidden "
+                f"{c.hidden_size}, {c.num_attention_heads} heads, intermediate "
+                f"{c.intermediate_size}, vocab {c.vocab_size}, classification head"
+            )
+            targets = (
+                "query, key, value, attention output dense, intermediate dense, output "
+                "dense (the classifier trains too: task_type SEQ_CLS)"
+            )
         out += [
-            "", f"## Train step: {name}", "",
-            f"Zoo `{type(g['base']).__name__}` ({shape}; {dtype.__name__}), batch {b}x{s}, "
-            f"AdamW, `eqx.filter_jit`; LoRA r={RANK}, alpha={ALPHA} on {targets}; "
-            f"{by['peftx LoRA'].n_trainable:,} trainable vs "
-            f"{by['full fine-tuning'].n_trainable:,}. Zoo layout `stacked` (`lax.scan`) unless "
-            "said; the hand-written model is a Python loop of blocks whose linears are a "
-            "`LoraLinear` (`x @ W.T + b + s (x @ A.T) @ B.T`, W frozen by `eqx.partition`). "
-            "PyTorch: transformers' class with the same config, PEFT's LoraConfig with the same "
-            "targets, AdamW, "
-            f"{'all CPU threads' if not gpu else 'CUDA bf16'}. GEMM floor: the forward and "
-            "activation-gradient GEMMs of every linear layer (adapted and frozen, head "
-            "included), token-major, chained, in one jitted function. TFLOP/s counts each "
-            "row's own matmul FLOPs (full FT: 3 GEMMs per linear; LoRA: 2 plus the rank-8 "
-            "products; attention's products 3 times). "
-            f"Check: {g['check']}.", "",
-            table, "",
-            f"- peftx LoRA <= 0.55x full fine-tuning: {lora / full:.2f}x "
-            f"{verdict(lora / full <= 0.55)}",
-            f"- peftx LoRA no slower than the hand-written layer: {lora / hand:.2f}x "
-            f"{verdict(lora <= hand)}",
+            "",
+            f"## Train step: {name}",
+            "",
+            (
+                f"Zoo `{type(g['base']).__name__}` ({shape}; {dtype.__name__}), batch {b}x{s}, "
+                f"AdamW, `eqx.filter_jit`; LoRA r={RANK}, alpha={ALPHA} on {targets}; "
+                f"{by['peftx LoRA'].n_trainable:,} trainable vs "
+                f"{by['full fine-tuning'].n_trainable:,}. Zoo layout `stacked` (`lax.scan`) unless "
+                "said; the hand-written model is a Python loop of blocks whose linears are a "
+                "`LoraLinear` (`x @ W.T + b + s (x @ A.T) @ B.T`, W frozen by `eqx.partition`). "
+                "PyTorch: transformers' class with the same config, PEFT's LoraConfig with the "
+                "same targets, AdamW, "
+                f"{'all CPU threads' if not gpu else 'CUDA bf16'}. GEMM floor: the forward and "
+                "activation-gradient GEMMs of every linear layer (adapted and frozen, head "
+                "included), token-major, chained, in one jitted function. TFLOP/s counts each "
+                "row's own matmul FLOPs (full FT: 3 GEMMs per linear; LoRA: 2 plus the rank-8 "
+                "products; attention's products 3 times). "
+                f"Check: {g['check']}."
+            ),
+            "",
+            table,
+            "",
+            (
+                f"- peftx LoRA <= 0.55x full fine-tuning: {lora / full:.2f}x "
+                f"{verdict(lora / full <= 0.55)}"
+            ),
+            (
+                f"- peftx LoRA no slower than the hand-written layer: {lora / hand:.2f}x "
+                f"{verdict(lora <= hand)}"
+            ),
             f"- peftx LoRA is {lora / med['GEMM floor']:.2f}x the GEMM floor",
-        ]  # fmt: skip
+        ]
 
     llama_by = {x.name: x for x in llama["variants"] + llama["extra"] if not isinstance(x, str)}
     q, lo = llama_by["peftx QLoRA (NF4 + double quant)"], llama_by["peftx LoRA"]
-    out += ["", "## Training cost: QLoRA against LoRA (Llama)", "",
+    out += [
+        "",
+        "## Training cost: QLoRA against LoRA (Llama)",
+        "",
+        (
             "`quantize_model` (NF4, double quantization; every Linear but `lm_head`), then "
-            "`get_peft_model` with the same LoRA; the same round-robin as the Llama table.", "",
-            md_table(["step", "median ms", "vs peftx LoRA", "vs full FT"], [
-                [x.name, ms(x.median), f"{x.median / lo.median:.2f}x",
-                 f"{x.median / llama_by['full fine-tuning'].median:.2f}x"] for x in (lo, q)])]  # fmt: skip
+            "`get_peft_model` with the same LoRA; the same round-robin as the Llama table."
+        ),
+        "",
+        md_table(
+            ["step", "median ms", "vs peftx LoRA", "vs full FT"],
+            [
+                [
+                    x.name,
+                    ms(x.median),
+                    f"{x.median / lo.median:.2f}x",
+                    f"{x.median / llama_by['full fine-tuning'].median:.2f}x",
+                ]
+                for x in (lo, q)
+            ],
+        ),
+    ]
 
     out += ["", "## Inference (forward pass, logits)", ""]
     rows = []
@@ -659,21 +859,33 @@ def main() -> None:
     out += [md_table(["forward", "median ms", "vs base"], rows), ""]
     for name, vs in inference.items():
         ratio = vs[2].median / vs[0].median
-        out.append(f"- {name}: merged inference equals the base (<= 1.05x, the same program): "
-                   f"{ratio:.2f}x {verdict(ratio <= 1.05)}; {inf_checks[name]}")  # fmt: skip
+        out.append(
+            f"- {name}: merged inference equals the base (<= 1.05x, the same program): "
+            f"{ratio:.2f}x {verdict(ratio <= 1.05)}; {inf_checks[name]}"
+        )
 
-    out += ["", "## Compile time", "",
+    out += [
+        "",
+        "## Compile time",
+        "",
+        (
             "Each row: `eqx.filter_jit(f).lower(*args)` (trace, through `use_implicit_args` "
             "where said, and lower to HLO) then `.compile()` (XLA), wall seconds; median of "
             f"{sz['compiles']} after `jax.clear_caches()` (the first one is the build's). Ratios "
-            "to the full fine-tuning step, or to the base forward.", "", compiles]  # fmt: skip
+            "to the full fine-tuning step, or to the base forward."
+        ),
+        "",
+        compiles,
+    ]
 
     out += [
         "",
         "## Memory: trainable state",
         "",
-        "Trainable parameters + gradients + AdamW state (mu, nu), bytes of the pytrees; XLA "
-        "temp: `compiled.memory_analysis().temp_size_in_bytes` of the step.",
+        (
+            "Trainable parameters + gradients + AdamW state (mu, nu), bytes of the pytrees; XLA "
+            "temp: `compiled.memory_analysis().temp_size_in_bytes` of the step."
+        ),
         "",
     ]
     rows = []
@@ -682,11 +894,21 @@ def main() -> None:
         full = by["full fine-tuning"]
         for x in by.values():
             if hasattr(x, "state_bytes"):
-                rows.append([f"{name}: {x.name}", f"{x.n_trainable:,}", mib(x.state_bytes),
-                             f"{x.state_bytes / full.state_bytes:.3f}x",
-                             mib(x.memory.temp_size_in_bytes)])  # fmt: skip
-    out.append(md_table(["train", "trainable params", "params+grads+AdamW MiB", "vs full FT",
-                         "XLA temp MiB"], rows))  # fmt: skip
+                rows.append(
+                    [
+                        f"{name}: {x.name}",
+                        f"{x.n_trainable:,}",
+                        mib(x.state_bytes),
+                        f"{x.state_bytes / full.state_bytes:.3f}x",
+                        mib(x.memory.temp_size_in_bytes),
+                    ]
+                )
+    out.append(
+        md_table(
+            ["train", "trainable params", "params+grads+AdamW MiB", "vs full FT", "XLA temp MiB"],
+            rows,
+        )
+    )
 
     out += ["", "## NF4 storage (Llama base)", "", nf4_rows(llama["base"])]
     report = "\n".join(out) + "\n"
