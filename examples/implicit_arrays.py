@@ -52,9 +52,10 @@ class DiagLowRank(ImplicitArray):
 def _diag_low_rank_dot(primitive, w: DiagLowRank, x: jax.Array, *, dimension_numbers, **params):
     """`w @ x` contracting `w`'s columns with any one axis `c` of `x` (as `Linear` and its
     `vmap`ped forms do): `d ⊙ x + U·(Vᵀ·x)`, with `w`'s rows first in the output."""
-    (w_contract, (c,)), batch = dimension_numbers
+    (w_contract, x_contract), batch = dimension_numbers
     if w_contract != (1,) or batch != ((), ()):
         return NotImplemented  # another layout: the engine would materialize (an error here)
+    (c,) = x_contract
     xc = jnp.moveaxis(x, c, 0)
     diagonal = w.d.reshape((-1,) + (1,) * (xc.ndim - 1)) * xc
     low_rank = lax.dot_general(
@@ -65,7 +66,7 @@ def _diag_low_rank_dot(primitive, w: DiagLowRank, x: jax.Array, *, dimension_num
 
 def main(*, width: int = 24, rank: int = 3, batch: int = 8) -> int:
     ok = True
-    k_mlp, k_d, k_u, k_v, k_x = jax.random.split(jax.random.key(0), 5)
+    k_w, k_mlp, k_d, k_u, k_v, k_x = jax.random.split(jax.random.key(0), 6)
     x = jax.random.normal(k_x, (batch, 4))
 
     # 1. symbolic zeros: a zero bias and a zero gate never become arrays
@@ -73,7 +74,7 @@ def main(*, width: int = 24, rank: int = 3, batch: int = 8) -> int:
     def affine(w, b, gate, x):  # one example at a time, vmapped: no rank promotion
         return jax.vmap(lambda v, g: (v @ w + b, g * v))(x, gate)
 
-    w = jax.random.normal(k_d, (4, 5))
+    w = jax.random.normal(k_w, (4, 5))
     with strict():  # a fallback materialization would raise
         y, gated = affine(w, Zeros((5,)), Zeros((batch, 4)), x)
     print(f"x @ W + Zeros equals x @ W: {bool(jnp.array_equal(y, x @ w))}")
