@@ -52,7 +52,9 @@ def main(*, steps: int = 40, batch: int = 16, seq: int = 12, vocab: int = 64) ->
     quantized = [(b, a) for b, a in zip(before, after) if isinstance(a, NF4Array)]
     params = sum(b.size for b, _ in quantized)
     bf16, nf4 = sum(nbytes(b) for b, _ in quantized), sum(nbytes(a) for _, a in quantized)
-    print(f"{len(quantized)} of {len(after)} Linear weights quantized, {params:,} parameters")
+    layers = config.num_hidden_layers
+    print(f"{len(quantized)} of {len(after)} Linear weights (stacked over {layers} layers) now NF4")
+    print(f"{params:,} quantized parameters")
     print(f"bfloat16: {bf16:,} bytes ({bf16 / params:.3f} B/param)")
     print(f"NF4 + double quant: {nf4:,} bytes ({nf4 / params:.3f} B/param)")
     print(f"whole base: {nbytes(base):,} -> {nbytes(qbase):,} bytes")
