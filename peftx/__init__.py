@@ -1,6 +1,6 @@
 """peftx: parameter-efficient fine-tuning for JAX and Equinox."""
 
-from . import adapters as adapters, implicit as implicit, models as models
+from . import adapters as adapters, implicit as implicit, models as models, train as train
 from ._config import (
     AbstractAdapterConfig as AbstractAdapterConfig,
     IA3Config as IA3Config,

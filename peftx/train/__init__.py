@@ -1,0 +1,27 @@
+"""Training utilities: the jitted train and eval steps, data to fixed-shape batches, and
+checkpoints a run resumes from. Each is small; the README writes the same loop by hand."""
+
+from ._checkpoints import (
+    checkpoints as checkpoints,
+    latest_checkpoint as latest_checkpoint,
+    restore_checkpoint as restore_checkpoint,
+    save_checkpoint as save_checkpoint,
+)
+from ._data import (
+    IGNORE as IGNORE,
+    batches_per_epoch as batches_per_epoch,
+    encode_causal_lm as encode_causal_lm,
+    encode_classification as encode_classification,
+    eval_batches as eval_batches,
+    read_records as read_records,
+    train_batches as train_batches,
+)
+from ._step import (
+    TrainState as TrainState,
+    causal_lm_loss as causal_lm_loss,
+    classification_loss as classification_loss,
+    init_state as init_state,
+    make_eval_step as make_eval_step,
+    make_train_step as make_train_step,
+    summarize as summarize,
+)

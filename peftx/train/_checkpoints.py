@@ -1,0 +1,111 @@
+"""Training checkpoints: the adapter in PEFT's format plus what resuming needs, written
+to a temporary directory and renamed into place."""
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import safetensors.numpy
+
+from .._errors import CheckpointError
+from ._step import TrainState
+
+STATE_FILE = "train_state.safetensors"
+INFO_FILE = "train_state.json"
+_PREFIX = "checkpoint-"
+
+
+def _arrays(state: TrainState) -> dict[str, np.ndarray]:
+    tree = (state.trainable, state.opt_state, state.step, jax.random.key_data(state.key))
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    state: TrainState,
+    frozen: Any,
+    *,
+    info: dict[str, Any] | None = None,
+    keep: int | None = 2,
+) -> Path:
+    """Write `directory/checkpoint-<step>/`: the adapter (`PeftModel.save_pretrained`, so
+    PEFT loads any checkpoint) and the training state (optimizer state, step, PRNG key
+    and the exact trainable leaves, in safetensors; `info` such as the data position in
+    JSON). The files go to a temporary directory renamed into place when complete, so a
+    run killed mid-write leaves the previous checkpoints intact. The `keep` newest
+    checkpoints are kept (None: all)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    step = int(state.step)
+    final = directory / f"{_PREFIX}{step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=directory))
+    try:
+        eqx.combine(state.trainable, frozen).save_pretrained(tmp)
+        safetensors.numpy.save_file(_arrays(state), str(tmp / STATE_FILE))
+        (tmp / INFO_FILE).write_text(json.dumps({"step": step, **(info or {})}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep is not None:
+        for old in checkpoints(directory)[:-keep]:
+            shutil.rmtree(old)
+    return final
+
+
+def checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints in `directory`, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.name.startswith(_PREFIX) and p.is_dir()]
+    return sorted(p for p in found if (p / INFO_FILE).is_file())
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint in `directory`, or None."""
+    found = checkpoints(directory)
+    return found[-1] if found else None
+
+
+def restore_checkpoint(path: str | os.PathLike, like: TrainState) -> tuple[TrainState, dict]:
+    """The `TrainState` saved at `path`, and its `info`. `like` (e.g. from `init_state`
+    with the same model and optimizer) gives the structure; every array is checked
+    against it, so a checkpoint of another model or optimizer raises `CheckpointError`."""
+    path = Path(path)
+    try:
+        saved = safetensors.numpy.load_file(str(path / STATE_FILE))
+        info = json.loads((path / INFO_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read the training checkpoint {path}: {e}") from None
+    expected = _arrays(like)
+    if set(saved) != set(expected):
+        odd = sorted(set(saved) ^ set(expected))
+        raise CheckpointError(
+            f"{path} was written for another model or optimizer: {len(odd)} arrays differ, "
+            f"e.g. {odd[0]}"
+        )
+    for name, want in expected.items():
+        if saved[name].shape != want.shape or saved[name].dtype != want.dtype:
+            raise CheckpointError(
+                f"{path}: {name} is {saved[name].dtype}{list(saved[name].shape)}, the run "
+                f"expects {want.dtype}{list(want.shape)}"
+            )
+    tree = (like.trainable, like.opt_state, like.step, jax.random.key_data(like.key))
+    arrays, static = eqx.partition(tree, eqx.is_array)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(arrays)]
+    leaves = [jax.numpy.asarray(saved[p]) for p in paths]
+    trainable, opt_state, step, key_data = eqx.combine(
+        jax.tree.unflatten(jax.tree.structure(arrays), leaves), static
+    )
+    key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(like.key))
+    return TrainState(trainable, opt_state, step, key), info

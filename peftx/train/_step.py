@@ -1,0 +1,169 @@
+"""The train and eval steps: plain `eqx.filter_jit` functions over the trainable half."""
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from .._peft_model import PeftModel, partition
+from ..adapters import with_dropout
+
+Batch = dict[str, Array]
+# `loss_fn(model, batch, key) -> (summed loss, sums)`: `sums["count"]` is what the loss is
+# summed over (examples, or unmasked tokens), so accumulated micro-batches average exactly.
+LossFn = Callable[[Any, Batch, PRNGKeyArray | None], tuple[Float[Array, ""], dict[str, Array]]]
+
+
+class TrainState(eqx.Module):
+    """All a run needs to go on: the trainable half of the model, the optimizer state, the
+    step count and the PRNG key (dropout)."""
+
+    trainable: Any
+    opt_state: Any
+    step: Int[Array, ""]
+    key: PRNGKeyArray
+
+
+def init_state(
+    model: PeftModel,
+    optimizer: optax.GradientTransformation,
+    *,
+    key: PRNGKeyArray,
+    adapters: list[str] | None = None,
+) -> tuple[TrainState, Any]:
+    """`(state, frozen)` for `model`: the adapters train (see `peftx.partition`), the rest
+    stays in `frozen`, whatever its dtype (a bf16 or NF4 base with fp32 adapters gets fp32
+    gradients and optimizer state)."""
+    trainable, frozen = partition(model, adapters)
+    state = TrainState(trainable, optimizer.init(trainable), jnp.zeros((), jnp.int32), key)
+    return state, frozen
+
+
+def _forward(model: Any, batch: Batch, key: PRNGKeyArray | None) -> Any:
+    base = model.base_model if isinstance(model, PeftModel) else model
+    takes_key = "key" in inspect.signature(type(base).__call__).parameters
+    extra = {"key": key} if takes_key and key is not None else {}
+    return model(batch["input_ids"], batch["attention_mask"], **extra)
+
+
+def classification_loss(
+    model: Any, batch: Batch, key: PRNGKeyArray | None = None
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """Summed cross-entropy of `model(input_ids, attention_mask).logits` against
+    `batch["labels"]`; rows labelled -100 (padding of the last eval batch) are left out.
+    The sums: `count` (rows), `correct` (argmax hits)."""
+    logits = _forward(model, batch, key).logits.astype(jnp.float32)
+    labels = batch["labels"]
+    valid = labels >= 0
+    safe = jnp.where(valid, labels, 0)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
+    correct = (jnp.argmax(logits, axis=-1) == labels) & valid
+    return jnp.sum(jnp.where(valid, ce, 0.0)), {
+        "count": jnp.sum(valid).astype(jnp.float32),
+        "correct": jnp.sum(correct).astype(jnp.float32),
+    }
+
+
+def causal_lm_loss(
+    model: Any, batch: Batch, key: PRNGKeyArray | None = None
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """Summed next-token cross-entropy: position t predicts `labels[t + 1]`, and labels of
+    -100 (prompt and padding tokens) are left out, as in transformers. The sum: `count`
+    (predicted tokens)."""
+    logits = _forward(model, batch, key).logits[:, :-1].astype(jnp.float32)
+    labels = batch["labels"][:, 1:]
+    valid = labels >= 0
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
+    return jnp.sum(jnp.where(valid, ce, 0.0)), {"count": jnp.sum(valid).astype(jnp.float32)}
+
+
+def _micro_batches(batch: Batch, n: int) -> Batch:
+    def split(x: Array) -> Array:
+        if x.shape[0] % n:
+            raise ValueError(
+                f"a batch of {x.shape[0]} rows does not split into {n} equal micro-batches"
+            )
+        return x.reshape(n, x.shape[0] // n, *x.shape[1:])
+
+    return jax.tree.map(split, batch)
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optax.GradientTransformation,
+    *,
+    grad_accumulation: int = 1,
+) -> Callable[[TrainState, Any, Batch], tuple[TrainState, dict[str, Array]]]:
+    """`step(state, frozen, batch) -> (state, metrics)`, jitted with `eqx.filter_jit`.
+
+    Only `state.trainable` is differentiated. With `grad_accumulation = n` the batch is
+    cut into `n` micro-batches run one after the other under `lax.scan` (memory of one
+    micro-batch), and the update equals that of the whole batch at once. Each step draws
+    fresh dropout keys (LoRA dropout, and the model's own dropout if it takes a `key`).
+    `metrics`: `loss` (the mean), `grad_norm`, and the loss function's sums.
+    """
+    if grad_accumulation < 1:
+        raise ValueError(f"grad_accumulation must be at least 1, got {grad_accumulation}")
+
+    def summed(trainable: Any, frozen: Any, batch: Batch, key: PRNGKeyArray) -> Any:
+        dropout_key, model_key = jax.random.split(key)
+        model = with_dropout(eqx.combine(trainable, frozen), dropout_key)
+        return loss_fn(model, batch, model_key)
+
+    grad_fn = eqx.filter_value_and_grad(summed, has_aux=True)
+
+    @eqx.filter_jit
+    def step(state: TrainState, frozen: Any, batch: Batch) -> tuple[TrainState, dict]:
+        key, step_key = jax.random.split(state.key)
+        keys = jax.random.split(step_key, grad_accumulation)
+        if grad_accumulation == 1:
+            (total, sums), grads = grad_fn(state.trainable, frozen, batch, keys[0])
+        else:
+
+            def one(carry: Any, xs: Any) -> Any:
+                micro, k = xs
+                (t, s), g = grad_fn(state.trainable, frozen, micro, k)
+                return jax.tree.map(jnp.add, carry, (t, s, g)), None
+
+            shapes = eqx.filter_eval_shape(grad_fn, state.trainable, frozen, batch, keys[0])
+            (t0, s0), g0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+            micro = _micro_batches(batch, grad_accumulation)
+            (total, sums, grads), _ = jax.lax.scan(one, (t0, s0, g0), (micro, keys))
+        count = jnp.maximum(sums["count"], 1.0)
+        grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
+        trainable = eqx.apply_updates(state.trainable, updates)
+        metrics = {"loss": total / count, "grad_norm": optax.global_norm(grads), **sums}
+        return TrainState(trainable, opt_state, state.step + 1, key), metrics
+
+    return step
+
+
+def make_eval_step(loss_fn: LossFn) -> Callable[[Any, Any, Batch], dict[str, Array]]:
+    """`eval_step(trainable, frozen, batch) -> sums` (the summed `loss` and the loss
+    function's sums), without dropout; add them over batches and pass them to
+    `summarize`."""
+
+    @eqx.filter_jit
+    def eval_step(trainable: Any, frozen: Any, batch: Batch) -> dict[str, Array]:
+        total, sums = loss_fn(eqx.combine(trainable, frozen), batch, None)
+        return {"loss": total, **sums}
+
+    return eval_step
+
+
+def summarize(sums: dict[str, float]) -> dict[str, float]:
+    """Means from summed eval metrics: `loss`, and `accuracy` for classification or
+    `perplexity` for causal LM."""
+    count = max(sums["count"], 1.0)
+    out = {"loss": sums["loss"] / count}
+    if "correct" in sums:
+        out["accuracy"] = sums["correct"] / count
+    else:
+        out["perplexity"] = float(jnp.exp(out["loss"]))
+    return out
