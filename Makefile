@@ -12,13 +12,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -e ".[test]"
 	touch $@
 
+DEMO := configs/lora_minilm_intents.toml
+
 demo: $(VENV)/.installed
-	$(PY) examples/lora_mlp.py
+	$(VENV)/bin/peftx finetune $(DEMO) --overwrite
+	$(PY) examples/peft_check.py runs/lora_minilm_intents $(DEMO)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -n auto
 
 bench: $(VENV)/.installed
+	$(PY) benchmarks/suite.py --out benchmarks/RESULTS.md
 	$(PY) benchmarks/implicit_overhead.py
 	$(PY) benchmarks/lora_step.py
 	$(PY) benchmarks/quantized_matmul.py
