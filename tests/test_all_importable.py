@@ -3,9 +3,32 @@
 import peftx
 import peftx.adapters
 import peftx.implicit
+import peftx.cli
 import peftx.models
+import peftx.train
 
 PUBLIC = {
+    peftx.train: [
+        "TrainState",
+        "init_state",
+        "make_train_step",
+        "make_eval_step",
+        "summarize",
+        "classification_loss",
+        "causal_lm_loss",
+        "read_records",
+        "encode_classification",
+        "encode_causal_lm",
+        "train_batches",
+        "eval_batches",
+        "batches_per_epoch",
+        "IGNORE",
+        "save_checkpoint",
+        "restore_checkpoint",
+        "latest_checkpoint",
+        "checkpoints",
+    ],
+    peftx.cli: ["main", "model_dir"],
     peftx: [
         "ImplicitArray",
         "use_implicit_args",

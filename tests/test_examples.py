@@ -85,3 +85,13 @@ def test_structure_editing_example(capsys):
     assert _load("structure_editing").main() == 0
     out = capsys.readouterr().out
     assert "'model.layers.2-3.self_attn.o_proj'" in out and "OK" in out
+
+
+def test_readme_training_loop_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = _readme_code("## Training utilities")
+    with jax.numpy_dtype_promotion("standard"), pytest.warns(UserWarning, match="fresh"):
+        exec(compile(code, "README.md", "exec"), {})
+    loss = float(capsys.readouterr().out.split("loss ")[1].split()[0])
+    assert loss < 0.6931  # below chance (ln 2) for the two repeated classes
+    assert (tmp_path / "runs/by_hand/checkpoint-00000010/adapter_model.safetensors").is_file()

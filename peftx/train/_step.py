@@ -138,7 +138,7 @@ def make_train_step(
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
         trainable = eqx.apply_updates(state.trainable, updates)
-        metrics = {"loss": total / count, "grad_norm": optax.global_norm(grads), **sums}
+        metrics = {"loss": total / count, "grad_norm": optax.tree.norm(grads), **sums}
         return TrainState(trainable, opt_state, state.step + 1, key), metrics
 
     return step
