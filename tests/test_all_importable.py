@@ -2,8 +2,8 @@
 
 import peftx
 import peftx.adapters
-import peftx.implicit
 import peftx.cli
+import peftx.implicit
 import peftx.models
 import peftx.train
 

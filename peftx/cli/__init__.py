@@ -1,4 +1,4 @@
 """The `peftx` command: fine-tune, inspect, merge and generate from the shell."""
 
-from ._main import main as main
 from ._common import model_dir as model_dir
+from ._main import main as main
