@@ -815,3 +815,39 @@ def test_bf16_cast_matches_ml_dtypes_rounding():
     out[...] = x
     want = torch.from_numpy(x).bfloat16().view(torch.int16).numpy()
     np.testing.assert_array_equal(out.view(np.int16), want)
+
+
+@pytest.mark.parametrize(
+    "name", ["LlamaForSequenceClassification", "GPT2ForSequenceClassification"]
+)
+def test_num_labels_puts_a_fresh_head_on_a_causal_lm_checkpoint(tmp_path, name):
+
+    if name.startswith("Llama"):
+        config = transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+        )
+        lm = transformers.LlamaForCausalLM
+    else:
+        config = transformers.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, pad_token_id=0
+        )
+        lm = transformers.GPT2LMHeadModel
+    torch.manual_seed(0)
+    lm(config).save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="initialized fresh"):
+        ours = peftx.models.from_pretrained(tmp_path, model_class=name, num_labels=3)
+    assert ours.config.num_labels == 3
+    ids, mask = np.array([[5, 6, 7, 0], [9, 8, 0, 0]]), np.array([[1, 1, 1, 0], [1, 1, 0, 0]])
+    logits = np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask)).logits)
+    theirs = getattr(transformers, name).from_pretrained(tmp_path, num_labels=3)
+    theirs.score.weight.data = torch.tensor(np.asarray(ours.score.weight))
+    with torch.no_grad():
+        ref = theirs(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    assert logits.shape == (2, 3)
+    np.testing.assert_allclose(logits, ref, atol=64 * np.finfo(np.float32).eps * np.abs(ref).max())

@@ -384,13 +384,23 @@ class GPT2LMHeadModel(eqx.Module):
 
 class GPT2ForSequenceClassification(eqx.Module):
     """`GPT2Model` (`transformer`) with `score`, read at each sequence's last
-    non-padding token."""
+    non-padding token. `num_labels` overrides the config's, as transformers'
+    `from_pretrained(..., num_labels=3)` does."""
 
     transformer: GPT2Model
     score: eqx.nn.Linear
 
-    def __init__(self, config: GPT2Config, *, key: PRNGKeyArray, **kwargs: Any):
+    def __init__(
+        self,
+        config: GPT2Config,
+        *,
+        key: PRNGKeyArray,
+        num_labels: int | None = None,
+        **kwargs: Any,
+    ):
         kt, kh = jax.random.split(key)
+        if num_labels is not None and num_labels != config.num_labels:
+            config = dataclasses.replace(config, num_labels=num_labels)
         self.transformer = GPT2Model(config, key=kt, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
         self.score = _linear(

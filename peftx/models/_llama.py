@@ -500,13 +500,24 @@ class LlamaForCausalLM(eqx.Module):
 
 
 class LlamaForSequenceClassification(eqx.Module):
-    """`LlamaModel` with `score`, read at each sequence's last non-padding token."""
+    """`LlamaModel` with `score`, read at each sequence's last non-padding token.
+    `num_labels` overrides the config's, as transformers' `from_pretrained(...,
+    num_labels=3)` does."""
 
     model: LlamaModel
     score: eqx.nn.Linear
 
-    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, **kwargs: Any):
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        key: PRNGKeyArray,
+        num_labels: int | None = None,
+        **kwargs: Any,
+    ):
         km, kh = jax.random.split(key)
+        if num_labels is not None and num_labels != config.num_labels:
+            config = dataclasses.replace(config, num_labels=num_labels)
         self.model = LlamaModel(config, key=km, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
         self.score = _linear(
