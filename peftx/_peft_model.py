@@ -22,8 +22,10 @@ from .adapters import (
     AdapterSet,
     DoraArray,
     IA3Array,
+    Int8Array,
     LoraArray,
     LoraEmbeddingArray,
+    NF4Array,
     detach,
     dora,
     ia3,
@@ -585,19 +587,25 @@ def _saved_copies(model: Any, config: Any, adapter_name: str) -> dict[str, dict[
 
 
 def _count(tree: Any) -> int:
-    """Floating-point parameters in `tree`; DoRA's kept base norms are not parameters (PEFT
-    has no such tensor)."""
+    """Parameters in `tree`, as PEFT counts them: floating-point arrays, a 4-bit weight as
+    two values per stored byte and an int8 weight by its codes (their scales are not
+    parameters); DoRA's kept base norms are not parameters either (PEFT has no such
+    tensor)."""
 
-    def is_dora(x: Any) -> bool:
-        return isinstance(x, DoraArray)
+    def is_special(x: Any) -> bool:
+        return isinstance(x, DoraArray | NF4Array | Int8Array)
 
-    def without_norm(x: Any) -> Any:
-        if not is_dora(x):
-            return x
-        return eqx.tree_at(lambda d: d.weight_sq_norm, x, None, is_leaf=lambda n: n is None)
+    def size(x: Any) -> int:
+        if isinstance(x, NF4Array):
+            return 0 if x.packed is None else 2 * x.packed.size  # None: a frozen half
+        if isinstance(x, Int8Array):
+            return 0 if x.codes is None else x.codes.size
+        if isinstance(x, DoraArray):
+            x = eqx.tree_at(lambda d: d.weight_sq_norm, x, None, is_leaf=lambda n: n is None)
+            return sum(size(y) for y in jax.tree.leaves(x, is_leaf=is_special))
+        return x.size if eqx.is_inexact_array(x) else 0
 
-    tree = jax.tree.map(without_norm, tree, is_leaf=is_dora)
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array)))
+    return sum(size(x) for x in jax.tree.leaves(tree, is_leaf=is_special))
 
 
 def partition(model: PeftModel, adapters: Sequence[str] | None = None) -> tuple[Any, Any]:

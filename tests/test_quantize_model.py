@@ -148,3 +148,39 @@ def test_config_round_trip_and_errors(tmp_path):
     assert peftx.from_toml(path).r == 8
     path.write_text("[lora]\nr = 8\n")
     assert QuantizationConfig.from_toml(path) is None
+
+
+@pytest.mark.parametrize(
+    "quant",
+    [
+        dict(load_in_4bit=True),
+        dict(load_in_4bit=True, bnb_4bit_use_double_quant=True),
+        dict(load_in_8bit=True),
+    ],
+)
+def test_quantized_weights_count_as_the_parameters_they_stand_for(quant):
+    # PEFT counts a 4-bit weight as two values per stored byte and an int8 weight by its
+    # codes, so a quantized model has as many parameters as the dense one it came from.
+    import peft
+    import transformers
+
+    sizes = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = peftx.models.LlamaForCausalLM(peftx.models.LlamaConfig(**sizes), key=jax.random.key(0))
+    config = LoraConfig(r=4, target_modules="all-linear")
+    dense = get_peft_model(model, config, key=jax.random.key(1))
+    quantized = get_peft_model(
+        quantize_model(model, QuantizationConfig(**quant)), config, key=jax.random.key(1)
+    )
+    torch_model = peft.get_peft_model(
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)),
+        peft.LoraConfig(r=4, target_modules="all-linear"),
+    )
+    assert dense.get_nb_trainable_parameters() == torch_model.get_nb_trainable_parameters()
+    assert quantized.get_nb_trainable_parameters() == dense.get_nb_trainable_parameters()

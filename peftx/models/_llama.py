@@ -50,7 +50,7 @@ class LlamaConfig(HFConfig):
     num_hidden_layers: int = 32
     num_attention_heads: int = 32
     num_key_value_heads: int = 32
-    head_dim: int = 128
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads, as transformers
     hidden_act: str = "silu"
     max_position_embeddings: int = 2048
     rms_norm_eps: float = 1e-6
@@ -65,6 +65,10 @@ class LlamaConfig(HFConfig):
     initializer_range: float = 0.02
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2")
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "LlamaConfig":
