@@ -76,34 +76,50 @@ def _words(seed: int, n: int) -> str:
     return " ".join(f"w{i}" for i in rng.integers(0, 61, n))
 
 
-def _perturbed(peft_model, key, scale=0.3):
+def _random_like(abstract, seed, scale=0.2):
+    """`abstract` (shapes and dtypes) filled from numpy: norm weights near 1, the rest
+    normal with std `scale`. Cheaper than running the models' initializers op by op."""
+    rng = np.random.default_rng(seed)
+
+    def fill(path, x):
+        name = jax.tree_util.keystr(path).lower()
+        v = rng.standard_normal(x.shape).astype(np.float32)
+        v = 1 + 0.1 * v if "norm" in name and "weight" in name else scale * v
+        return jnp.asarray(v, x.dtype)
+
+    return jax.tree_util.tree_map_with_path(fill, abstract)
+
+
+def _perturbed(peft_model, seed):
     """Every trainable leaf moved off its init (lora_B starts at zero, so lora_A would
     get no gradient)."""
     trainable, frozen = peftx.partition(peft_model)
-    leaves, treedef = jax.tree.flatten(trainable)
-    keys = jax.random.split(key, len(leaves))
-    leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return eqx.combine(jax.tree.unflatten(treedef, leaves), frozen)
+    moved = _random_like(trainable, seed, scale=0.3)
+    return eqx.combine(jax.tree.map(jnp.add, trainable, moved), frozen)
 
 
 @functools.cache
 def _llama(dtype=jnp.float32, dropout=0.0, r=4, seed=0):
-    base = peftx.models.LlamaForCausalLM(LLAMA, key=jax.random.key(seed), dtype=dtype)
+    cls = peftx.models.LlamaForCausalLM
+    abstract = eqx.filter_eval_shape(lambda k: cls(LLAMA, key=k, dtype=dtype), jax.random.key(0))
+    base = _random_like(abstract, seed)
     config = peftx.LoraConfig(
         r=r, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj", "up_proj"]
     )
     model = peftx.get_peft_model(base, config, key=jax.random.key(seed + 1))
-    return base, _perturbed(model, jax.random.key(seed + 2))
+    return base, _perturbed(model, seed + 2)
 
 
 @functools.cache
 def _bert(dtype=jnp.float32, seed=0):
-    base = peftx.models.BertForSequenceClassification(BERT, key=jax.random.key(seed), dtype=dtype)
+    cls = peftx.models.BertForSequenceClassification
+    abstract = eqx.filter_eval_shape(lambda k: cls(BERT, key=k, dtype=dtype), jax.random.key(0))
+    base = _random_like(abstract, seed)
     config = peftx.LoraConfig(
         r=4, lora_alpha=8, target_modules=["query", "value"], modules_to_save=["classifier"]
     )
     model = peftx.get_peft_model(base, config, key=jax.random.key(seed + 1))
-    return base, _perturbed(model, jax.random.key(seed + 2))
+    return base, _perturbed(model, seed + 2)
 
 
 def _record(lr=0.5):
