@@ -122,14 +122,15 @@ def _bert(dtype=jnp.float32, seed=0):
     return base, _perturbed(model, seed + 2)
 
 
-def _record(lr=0.5):
-    """SGD that keeps the gradients it applied as its state, so a test can read them."""
+def _record():
+    """Passes the gradients on unchanged and keeps them as its state, so a test reads the
+    gradients a step applied (chain it before the optimizer)."""
 
     def init(params):
         return jax.tree.map(jnp.zeros_like, params)
 
     def update(grads, state, params=None):
-        return jax.tree.map(lambda g: -lr * g, grads), grads
+        return grads, grads
 
     return optax.GradientTransformation(init, update)
 
@@ -266,11 +267,15 @@ def test_grad_accumulation_gives_the_whole_batch_update(accumulated, causal_batc
         halves = (slice(0, 2), slice(2, 4))
         return sum(jnp.sum(token_losses(t, h)) / jnp.sum(valid[h]) for h in halves) / 2
 
-    grads = eqx.filter_jit(eqx.filter_grad(mean_loss))(trainable)
+    @eqx.filter_jit
+    def references(t):
+        return eqx.filter_grad(mean_loss)(t), eqx.filter_grad(mean_of_means)(t), mean_loss(t)
+
+    grads, wrong, loss = references(trainable)
+    sgd = optax.sgd(0.1)
     with jax.numpy_dtype_promotion("standard"):
-        updates, _ = optimizer.update(grads, optimizer.init(trainable), trainable)
+        updates, _ = sgd.update(grads, sgd.init(trainable), trainable)
     want = eqx.apply_updates(trainable, updates)
-    wrong = eqx.filter_jit(eqx.filter_grad(mean_of_means))(trainable)
     for state in (one, two, four):
         recorded = state.opt_state[0]
         gap = 0.0
@@ -283,7 +288,7 @@ def test_grad_accumulation_gives_the_whole_batch_update(accumulated, causal_batc
         assert gap > 0.05  # the mean of means is measurably another gradient
         for a, b in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=64 * EPS[jnp.float32] * np.abs(b).max())
-    np.testing.assert_allclose(out[1][1]["loss"], mean_loss(trainable), rtol=16 * EPS[jnp.float32])
+    np.testing.assert_allclose(out[1][1]["loss"], loss, rtol=16 * EPS[jnp.float32])
 
 
 def test_grad_accumulation_needs_equal_micro_batches(causal_batch):
@@ -624,6 +629,21 @@ def test_keep_keeps_the_newest_checkpoints(run, tmp_path):
     assert train.latest_checkpoint(tmp_path / "none") is None
     info = json.loads((tmp_path / "two" / names[-1] / "train_state.json").read_text())
     assert info["step"] == 10
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="peftx/train/_checkpoints.py names checkpoints f'checkpoint-{step:08d}' and "
+    "`checkpoints` sorts the names as strings, so from step 10**8 on a newer checkpoint sorts "
+    "before an older one: `latest_checkpoint` returns the older and `keep` deletes the newer",
+)
+def test_checkpoints_sort_by_step_past_eight_digits(run, tmp_path):
+    _, model, _, _, _ = run
+    state, frozen = train.init_state(model, optax.sgd(0.1), key=jax.random.key(0))
+    for s in (99_999_999, 100_000_000):
+        at = eqx.tree_at(lambda x: x.step, state, jnp.asarray(s, jnp.int32))
+        train.save_checkpoint(tmp_path, at, frozen, keep=None)
+    assert train.latest_checkpoint(tmp_path).name == "checkpoint-100000000"
 
 
 def test_restore_into_another_model_or_optimizer_raises(run, tmp_path):
