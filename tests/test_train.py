@@ -631,12 +631,6 @@ def test_keep_keeps_the_newest_checkpoints(run, tmp_path):
     assert info["step"] == 10
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="peftx/train/_checkpoints.py names checkpoints f'checkpoint-{step:08d}' and "
-    "`checkpoints` sorts the names as strings, so from step 10**8 on a newer checkpoint sorts "
-    "before an older one: `latest_checkpoint` returns the older and `keep` deletes the newer",
-)
 def test_checkpoints_sort_by_step_past_eight_digits(run, tmp_path):
     _, model, _, _, _ = run
     state, frozen = train.init_state(model, optax.sgd(0.1), key=jax.random.key(0))
@@ -644,6 +638,12 @@ def test_checkpoints_sort_by_step_past_eight_digits(run, tmp_path):
         at = eqx.tree_at(lambda x: x.step, state, jnp.asarray(s, jnp.int32))
         train.save_checkpoint(tmp_path, at, frozen, keep=None)
     assert train.latest_checkpoint(tmp_path).name == "checkpoint-100000000"
+    # saving the same step again replaces it; stale temporaries of killed saves go away
+    (tmp_path / ".checkpoint-00000005.killed").mkdir()
+    train.save_checkpoint(tmp_path, at, frozen, keep=1)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-100000000"]
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        train.save_checkpoint(tmp_path, at, frozen, keep=0)
 
 
 def test_restore_into_another_model_or_optimizer_raises(run, tmp_path):

@@ -41,8 +41,12 @@ def save_checkpoint(
     JSON). The files go to a temporary directory renamed into place when complete, so a
     run killed mid-write leaves the previous checkpoints intact. The `keep` newest
     checkpoints are kept (None: all)."""
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be at least 1 (or None: keep all), got {keep}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob(f".{_PREFIX}*"):  # left by a run killed while saving
+        shutil.rmtree(stale, ignore_errors=True)
     step = int(state.step)
     final = directory / f"{_PREFIX}{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=directory))
@@ -50,9 +54,13 @@ def save_checkpoint(
         eqx.combine(state.trainable, frozen).save_pretrained(tmp)
         safetensors.numpy.save_file(_arrays(state), str(tmp / STATE_FILE))
         (tmp / INFO_FILE).write_text(json.dumps({"step": step, **(info or {})}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if final.exists():  # the same step again: swap, so a crash keeps one of the two
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=directory))
+            os.replace(final, old / "replaced")
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -67,8 +75,13 @@ def checkpoints(directory: str | os.PathLike) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [p for p in directory.iterdir() if p.name.startswith(_PREFIX) and p.is_dir()]
-    return sorted(p for p in found if (p / INFO_FILE).is_file())
+    found = [
+        p
+        for p in directory.iterdir()
+        if p.name.startswith(_PREFIX) and p.name.removeprefix(_PREFIX).isdigit() and p.is_dir()
+    ]
+    complete = [p for p in found if (p / INFO_FILE).is_file()]
+    return sorted(complete, key=lambda p: int(p.name.removeprefix(_PREFIX)))
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
