@@ -1,0 +1,484 @@
+"""`peftx finetune`: whole jobs on tiny random checkpoints, in process through
+`peftx.cli.main` (one killed in a subprocess and resumed), with PyTorch PEFT and
+transformers as the references for what the jobs write."""
+
+import contextlib
+import io
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import safetensors.numpy
+import tokenizers
+import torch
+import transformers
+
+import peftx
+from peftx.cli import main
+
+EPS = np.finfo(np.float32).eps
+CONFIGS = Path(__file__).parent.parent / "configs"
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "</s>"]
+WORDS = [*SPECIAL, *(f"w{i}" for i in range(59))]
+CLASSES = {"red": WORDS[5:10], "green": WORDS[10:15], "blue": WORDS[15:20]}
+FILLER = WORDS[20:]
+
+
+def _tokenizer(bert: bool) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over `WORDS`, built offline; BERT's adds [CLS] ... [SEP]."""
+    vocab = {w: i for i, w in enumerate(WORDS)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    if bert:
+        tok.post_processor = tokenizers.processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+        )
+        specials = {"cls_token": "[CLS]", "sep_token": "[SEP]"}
+    else:
+        specials = {"eos_token": "</s>"}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", **specials
+    )
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _intents(seed: int, n: int) -> list[dict]:
+    """Texts of 2 filler words and 4 words of their class, shuffled: learnable from the
+    bag of words."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        label = sorted(CLASSES)[i % 3]
+        words = [*rng.choice(FILLER, 2), *rng.choice(CLASSES[label], 4)]
+        rows.append({"sentence": " ".join(rng.permutation(words)), "intent": label})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    """A tiny random BERT encoder with a tokenizer, and a job on a synthetic dataset."""
+    root = tmp_path_factory.mktemp("bert")
+    config = transformers.BertConfig(
+        vocab_size=len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        initializer_range=0.2,  # features large enough for a few steps to learn from
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(root / "base")
+    _tokenizer(bert=True).save_pretrained(root / "base")
+    _write_jsonl(root / "train.jsonl", _intents(0, 96))
+    _write_jsonl(root / "eval.jsonl", _intents(1, 48))
+    (root / "job.toml").write_text(
+        """
+[model]
+path = "base"
+task = "classification"
+
+[data]
+train = "train.jsonl"
+eval = "eval.jsonl"
+text_column = "sentence"
+label_column = "intent"
+max_length = 16
+
+[lora]
+r = 4
+lora_alpha = 8
+lora_dropout = 0.1
+target_modules = ["query", "value"]
+
+[train]
+seed = 3
+batch_size = 16
+eval_batch_size = 32
+learning_rate = 2e-2
+warmup_steps = 2
+log_every = 5
+eval_every = 10
+"""
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny random Llama with a tokenizer, and a causal-LM job whose examples are a
+    prompt (left out of the loss) and a continuation that the prompt determines."""
+    root = tmp_path_factory.mktemp("llama")
+    config = transformers.LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=4,
+        initializer_range=0.2,  # an output head that can express confident predictions
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
+    _tokenizer(bert=False).save_pretrained(root / "base")
+    rng = np.random.default_rng(0)
+
+    def rows(n: int) -> list[dict]:
+        out = []
+        for _ in range(n):
+            start = int(rng.integers(5, len(WORDS) - 8))
+            prompt = " ".join(rng.choice(FILLER, 3)) + f" {WORDS[start]}"
+            text = " ".join(WORDS[start + 1 : start + 6])  # counts on from the prompt
+            out.append({"question": prompt, "answer": text})
+        return out
+
+    _write_jsonl(root / "train.jsonl", rows(120))
+    _write_jsonl(root / "eval.jsonl", rows(30))
+    (root / "job.toml").write_text(
+        """
+[model]
+path = "base"
+task = "causal-lm"
+
+[data]
+train = "train.jsonl"
+eval = "eval.jsonl"
+text_column = "answer"
+prompt_column = "question"
+max_length = 16
+pack = true
+
+[lora]
+r = 4
+lora_alpha = 8
+lora_dropout = 0.05
+target_modules = ["q_proj", "v_proj", "down_proj"]
+
+[train]
+batch_size = 8
+learning_rate = 3e-2
+log_every = 5
+
+[output]
+merged = true
+"""
+    )
+    return root
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _error(capsys, code, *argv):
+    """The one error line of a failing command with exit status `code`."""
+    got, out, err = _run(capsys, *argv)
+    assert got == code, (out, err)
+    lines = [line for line in err.splitlines() if line.startswith("peftx: error: ")]
+    assert len(lines) == 1 and err.endswith(lines[0] + "\n"), err
+    return lines[0]
+
+
+def _finetune(capsys, job, out_dir, *sets, extra=()):
+    args = ["finetune", job, "--set", f"output.dir={out_dir}", *extra]
+    for item in sets:
+        args += ["--set", item]
+    code, out, err = _run(capsys, *args)
+    assert code == 0, (out, err)
+    return out
+
+
+def _records(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _tolerance(reference: np.ndarray) -> float:
+    return 64 * EPS * max(1.0, float(np.abs(reference).max()))
+
+
+def _tensors(adapter: Path) -> dict[str, np.ndarray]:
+    return safetensors.numpy.load_file(str(adapter / "adapter_model.safetensors"))
+
+
+# -- classification -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished(bert, tmp_path_factory):
+    """The output dir of a finished 80-step run of the BERT job, and what it printed."""
+    out_dir = tmp_path_factory.mktemp("finished") / "run"
+    argv = ["finetune", bert / "job.toml", "--set", f"output.dir={out_dir}"]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(io.StringIO()) as err:
+        code = main([*map(str, argv), "--set", "train.steps=80"])
+    assert code == 0, err.getvalue()
+    return out_dir, stdout.getvalue()
+
+
+def test_classification_job(bert, finished):
+    out_dir, out = finished
+    assert "trainable params:" in out
+    assert "before fine-tuning: loss " in out and "after fine-tuning:  loss " in out
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["steps"] == 80
+    assert summary["after"]["accuracy"] > max(0.8, summary["before"]["accuracy"] + 0.3)
+    assert summary["after"]["loss"] < summary["before"]["loss"]
+    assert f"accuracy {summary['after']['accuracy']:.2%}" in out
+    assert json.loads((out_dir / "labels.json").read_text()) == ["blue", "green", "red"]
+    assert not (out_dir / "checkpoints").exists() and not (out_dir / "merged").exists()
+
+    records = _records(out_dir)
+    train_rows = [r for r in records if r["split"] == "train"]
+    eval_rows = [r for r in records if r["split"] == "eval"]
+    assert [r["step"] for r in train_rows] == list(range(5, 81, 5))
+    assert [r["step"] for r in eval_rows] == list(range(0, 81, 10))
+    assert eval_rows[0] | {"step": 0} == {"step": 0, "split": "eval", **summary["before"]}
+    assert eval_rows[-1] == {"step": 80, "split": "eval", **summary["after"]}
+    assert all(r["loss"] > 0 and r["grad_norm"] > 0 for r in train_rows)
+    assert train_rows[0]["learning_rate"] > train_rows[-1]["learning_rate"]  # linear decay
+    png = (out_dir / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+    # PyTorch PEFT on the same transformers checkpoint predicts what peftx does
+    eval_rows = [json.loads(line) for line in (bert / "eval.jsonl").read_text().splitlines()]
+    texts = [r["sentence"] for r in eval_rows]
+    adapter = out_dir / "adapter"
+    tok = transformers.AutoTokenizer.from_pretrained(adapter, local_files_only=True)
+    enc = tok(texts, padding=True, return_tensors="np")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the encoder's fresh classifier
+        base = transformers.AutoModelForSequenceClassification.from_pretrained(
+            bert / "base", num_labels=3
+        )
+        model = peftx.from_pretrained(
+            bert / "base", model_class="BertForSequenceClassification", num_labels=3
+        )
+    reference = peft.PeftModel.from_pretrained(base, adapter).eval()
+    with torch.no_grad():
+        want = reference(
+            input_ids=torch.from_numpy(enc["input_ids"]),
+            attention_mask=torch.from_numpy(enc["attention_mask"]),
+        ).logits.numpy()
+    adapted = peftx.PeftModel.from_pretrained(model, adapter)
+    ids, mask = (jnp.asarray(enc[k], jnp.int32) for k in ("input_ids", "attention_mask"))
+    got = np.asarray(adapted(ids, mask).logits)
+    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want))
+    labels = json.loads((out_dir / "labels.json").read_text())
+    predicted = [labels[i] for i in want.argmax(-1)]
+    accuracy = np.mean([p == r["intent"] for p, r in zip(predicted, eval_rows, strict=True)])
+    assert accuracy == pytest.approx(summary["after"]["accuracy"])
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ckpt_dir.is_dir() and any(p.name.startswith("checkpoint-") for p in ckpt_dir.iterdir()):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before its first checkpoint: {proc.returncode}")
+        time.sleep(0.01)
+    raise AssertionError(f"no checkpoint in {timeout} s")
+
+
+def test_kill_and_resume_is_exact(bert, tmp_path, capsys):
+    job = bert / "job.toml"
+    sets = ["train.steps=48", "train.checkpoint_every=4", "train.eval_every=16"]
+    killed = tmp_path / "killed"
+    argv = [sys.executable, "-m", "peftx", "finetune", str(job), "--set", f"output.dir={killed}"]
+    for item in sets:
+        argv += ["--set", item]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_checkpoint(proc, killed / "checkpoints", timeout=300)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "summary.json").exists() and not (killed / "adapter").exists()
+    assert (killed / "job.json").is_file()
+
+    # the same output dir with a different job refuses to resume
+    err = _error(
+        capsys, 2, "finetune", job, "--set", f"output.dir={killed}", *_sets(sets),
+        "--set", "train.learning_rate=0.5",
+    )  # fmt: skip
+    assert f"{killed} holds checkpoints of a different job; pass --overwrite" in err
+
+    out = _finetune(capsys, job, killed, *sets)
+    assert f"resuming from {killed / 'checkpoints'}/checkpoint-" in out
+    assert "(step " in out and " of 48)" in out
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["steps"] == 48 and not (killed / "checkpoints").exists()
+
+    whole = tmp_path / "whole"
+    out = _finetune(capsys, job, whole, *sets)
+    assert "resuming" not in out
+    got, want = _tensors(killed / "adapter"), _tensors(whole / "adapter")
+    assert sorted(got) == sorted(want) and any("lora_A" in k for k in got)
+    for name in want:
+        assert got[name].dtype == want[name].dtype
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert json.loads((whole / "summary.json").read_text()) == summary
+    # the resumed log has each step once, in order
+    assert [r["step"] for r in _records(killed)] == [r["step"] for r in _records(whole)]
+
+
+def _sets(items):
+    return [a for item in items for a in ("--set", item)]
+
+
+# -- causal LM ------------------------------------------------------------------------------
+
+
+def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    out = _finetune(capsys, llama / "job.toml", out_dir, "train.steps=40")
+    assert "perplexity" in out and "accuracy" not in out
+    summary = json.loads((out_dir / "summary.json").read_text())
+    before, after = summary["before"], summary["after"]
+    assert after["loss"] < before["loss"] - 0.5
+    assert after["perplexity"] == pytest.approx(np.exp(after["loss"]), rel=1e-6)
+    assert f"perplexity {after['perplexity']:.4g}" in out
+    assert not (out_dir / "labels.json").exists()
+
+    # the merged checkpoint: transformers loads it, and it computes PEFT's adapted model
+    ids = torch.from_numpy(np.random.default_rng(0).integers(5, len(WORDS), size=(2, 12)))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out_dir / "merged")
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
+    with torch.no_grad():
+        plain = base(ids).logits.numpy()
+        reference = peft.PeftModel.from_pretrained(base, out_dir / "adapter").eval()
+        want = reference(ids).logits.numpy()
+        got = merged(ids).logits.numpy()
+    assert np.abs(want - plain).max() > 100 * _tolerance(want)  # the adapter matters
+    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want))
+    # and so does peftx's adapted model
+    model = peftx.from_pretrained(llama / "base")
+    adapted = peftx.PeftModel.from_pretrained(model, out_dir / "adapter")
+    ids = jnp.asarray(ids.numpy(), jnp.int32)
+    mine = np.asarray(adapted(ids, jnp.ones(ids.shape, jnp.int32)).logits)
+    np.testing.assert_allclose(mine, want, rtol=0, atol=_tolerance(want))
+    tok = transformers.AutoTokenizer.from_pretrained(out_dir / "merged", local_files_only=True)
+    assert tok.eos_token == "</s>"
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_errors(bert, tmp_path, capsys):
+    job = bert / "job.toml"
+    out_dir = tmp_path / "run"
+    at = ("--set", f"output.dir={out_dir}")
+
+    err = _error(capsys, 2, "finetune", tmp_path / "nope.toml")
+    assert f"no such config file: '{tmp_path / 'nope.toml'}'" in err
+
+    err = _error(capsys, 2, "finetune", job, *at, "--set", "train.learning_rat=0.1")
+    assert "unknown key 'learning_rat' in [train]" in err
+    assert "(did you mean 'learning_rate'?)" in err
+
+    err = _error(capsys, 2, "finetune", job, *at, "--set", "train_steps=3")
+    assert "--set 'train_steps=3': expected TABLE.KEY=VALUE" in err
+    err = _error(capsys, 2, "finetune", job, *at, "--set", "train.steps")
+    assert "expected TABLE.KEY=VALUE" in err
+
+    err = _error(capsys, 2, "finetune", job, *at, "--set", "train.optimizer=lion")
+    assert "train.optimizer must be one of adamw, adam, sgd" in err
+    err = _error(capsys, 2, "finetune", job, *at, "--set", "train.schedule=step")
+    assert "train.schedule must be one of constant, linear, cosine" in err
+    err = _error(capsys, 2, "finetune", job, *at, "--set", "train.batch_size=0")
+    assert "batch_size must be a positive integer, got 0" in err
+
+    no_train = tmp_path / "no_train.toml"
+    no_train.write_text(
+        job.read_text().replace('train = "train.jsonl"\n', "").replace('"base"', f'"{bert}/base"')
+    )
+    err = _error(capsys, 2, "finetune", no_train, *at)
+    assert "[data] needs 'train', a .jsonl or .csv file" in err
+
+    odd = tmp_path / "odd_eval.jsonl"
+    _write_jsonl(odd, [{"sentence": "w30", "intent": "red"}, {"sentence": "w9", "intent": "mauve"}])
+    err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={tmp_path / 'odd'}",
+                 "--set", f"data.eval={odd}")  # fmt: skip
+    assert f"{odd}: labels ['mauve'] never appear in {bert / 'train.jsonl'}" in err
+
+    err = _error(capsys, 1, "finetune", job, *at, "--set", f"data.train={tmp_path / 'x.jsonl'}")
+    assert f"data file '{tmp_path / 'x.jsonl'}' does not exist" in err
+
+
+def test_finished_run_and_overwrite_with_grad_accumulation(bert, finished, tmp_path, capsys):
+    job = bert / "job.toml"
+    out_dir = tmp_path / "run"
+    shutil.copytree(finished[0], out_dir)
+    first = (out_dir / "summary.json").read_text()
+    err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={out_dir}",
+                 "--set", "train.steps=80")  # fmt: skip
+    assert f"{out_dir} holds a finished run; pass --overwrite to replace it" in err
+    assert (out_dir / "summary.json").read_text() == first
+
+    # a run of micro-batches of 4, two to a step, replaces it
+    (out_dir / "notes.txt").write_text("mine")
+    sets = ("train.batch_size=4", "train.grad_accumulation=2", "train.steps=6", "train.log_every=3")
+    out = _finetune(capsys, job, out_dir, *sets, extra=["--overwrite"])
+    assert "resuming" not in out and "after fine-tuning:" in out
+    assert not (out_dir / "notes.txt").exists()
+    assert json.loads((out_dir / "summary.json").read_text())["steps"] == 6
+    assert json.loads((out_dir / "job.json").read_text())["train"]["grad_accumulation"] == 2
+    records = _records(out_dir)
+    assert [r["step"] for r in records if r["split"] == "train"] == [3, 6]
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records if "grad_norm" in r)
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={other}")
+    assert f"output.dir '{other}' is not empty; pass --overwrite" in err
+    assert (other / "notes.txt").read_text() == "mine"
+
+
+# -- the shipped configs --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["lora_minilm_intents", "ia3_minilm_intents"])
+def test_minilm_configs_run(name, bert, tmp_path, capsys):
+    """On the tiny BERT (its module names are MiniLM's) for speed: the texts become
+    mostly [UNK], but every table of the job is exercised."""
+    out_dir = tmp_path / "run"
+    sets = (f"model.path={bert / 'base'}", "train.steps=2", "train.eval_batch_size=160")
+    out = _finetune(capsys, CONFIGS / f"{name}.toml", out_dir, *sets)
+    assert "after fine-tuning:" in out
+    saved = json.loads((out_dir / "adapter" / "adapter_config.json").read_text())
+    assert saved["peft_type"] == name.split("_")[0].upper() and saved["task_type"] == "SEQ_CLS"
+    assert len(json.loads((out_dir / "labels.json").read_text())) == 4
+
+
+@pytest.mark.parametrize("name", ["lora_llama_causal", "qlora_llama_causal"])
+def test_llama_configs_run(name, llama, tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    sets = (f"model.path={llama / 'base'}", "train.steps=2", "data.max_length=32")
+    out = _finetune(capsys, CONFIGS / f"{name}.toml", out_dir, *sets)
+    assert "perplexity" in out
+    saved = json.loads((out_dir / "adapter" / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "LORA" and saved["task_type"] == "CAUSAL_LM"
+    assert (out_dir / "merged").is_dir() == (name == "lora_llama_causal")
+    job = json.loads((out_dir / "job.json").read_text())
+    assert job["train"].get("quantize", False) == (name == "qlora_llama_causal")
