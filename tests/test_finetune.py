@@ -359,6 +359,27 @@ def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
     assert after["perplexity"] == pytest.approx(np.exp(after["loss"]), rel=1e-6)
     assert f"perplexity {after['perplexity']:.4g}" in out
     assert not (out_dir / "labels.json").exists()
+    # the loss before fine-tuning, recomputed with transformers: examples packed into rows
+    # of 16 tokens, each its prompt (not scored) then its answer and EOS (scored)
+    tok = transformers.AutoTokenizer.from_pretrained(llama / "base", local_files_only=True)
+    rows = [json.loads(line) for line in (llama / "eval.jsonl").read_text().splitlines()]
+    ids, scored = [], []
+    for r in rows:
+        prompt = tok(r["question"], add_special_tokens=False)["input_ids"]
+        answer = tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids += prompt + answer
+        scored += [False] * len(prompt) + [True] * len(answer)
+    n = len(ids) // 16 * 16
+    ids = torch.tensor(ids[:n]).reshape(-1, 16)
+    scored = torch.tensor(scored[:n]).reshape(-1, 16)[:, 1:]
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
+    with torch.no_grad():
+        logits = base(ids, attention_mask=torch.ones_like(ids)).logits[:, :-1]
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    ).reshape(scored.shape)
+    assert before["loss"] == pytest.approx(float(ce[scored].mean()), rel=1e-5)
+    assert abs(float(ce.mean()) - before["loss"]) > 0.01  # scoring the prompts too differs
 
     # the merged checkpoint: transformers loads it, and it computes PEFT's adapted model
     ids = torch.from_numpy(np.random.default_rng(0).integers(5, len(WORDS), size=(2, 12)))
