@@ -492,14 +492,21 @@ def test_minilm_configs_run(name, bert, tmp_path, capsys):
     assert len(json.loads((out_dir / "labels.json").read_text())) == 4
 
 
-@pytest.mark.parametrize("name", ["lora_llama_causal", "qlora_llama_causal"])
-def test_llama_configs_run(name, llama, tmp_path, capsys):
-    out_dir = tmp_path / "run"
-    sets = (f"model.path={llama / 'base'}", "train.steps=2", "data.max_length=32")
-    out = _finetune(capsys, CONFIGS / f"{name}.toml", out_dir, *sets)
-    assert "perplexity" in out
-    saved = json.loads((out_dir / "adapter" / "adapter_config.json").read_text())
-    assert saved["peft_type"] == "LORA" and saved["task_type"] == "CAUSAL_LM"
-    assert (out_dir / "merged").is_dir() == (name == "lora_llama_causal")
-    job = json.loads((out_dir / "job.json").read_text())
-    assert job["train"].get("quantize", False) == (name == "qlora_llama_causal")
+def test_llama_configs_run(llama, tmp_path, capsys):
+    """Both Llama jobs on the tiny Llama; the QLoRA one evaluates an NF4 bf16 base, whose
+    loss before fine-tuning is near but not that of the float32 base."""
+    before = {}
+    for name in ("lora_llama_causal", "qlora_llama_causal"):
+        out_dir = tmp_path / name
+        sets = (f"model.path={llama / 'base'}", "train.steps=2", "data.max_length=32")
+        out = _finetune(capsys, CONFIGS / f"{name}.toml", out_dir, *sets)
+        assert "perplexity" in out
+        saved = json.loads((out_dir / "adapter" / "adapter_config.json").read_text())
+        assert saved["peft_type"] == "LORA" and saved["task_type"] == "CAUSAL_LM"
+        assert saved["r"] == 16 and len(saved["target_modules"]) == 7
+        assert (out_dir / "merged").is_dir() == (name == "lora_llama_causal")
+        summary = json.loads((out_dir / "summary.json").read_text())
+        assert summary["steps"] == 2
+        before[name] = summary["before"]["loss"]
+    lora, qlora = before["lora_llama_causal"], before["qlora_llama_causal"]
+    assert qlora != lora and abs(qlora - lora) < 0.1 * lora
