@@ -444,6 +444,17 @@ def test_errors(bert, tmp_path, capsys):
 
     err = _error(capsys, 1, "finetune", job, *at, "--set", f"data.train={tmp_path / 'x.jsonl'}")
     assert f"data file '{tmp_path / 'x.jsonl'}' does not exist" in err
+    # the failed run left no checkpoint, so a changed job may reuse its directory
+    assert (out_dir / "job.json").exists()
+    err = _error(capsys, 1, "finetune", job, *at, "--set", f"data.train={tmp_path / 'y.jsonl'}")
+    assert f"data file '{tmp_path / 'y.jsonl'}' does not exist" in err
+
+    err = _error(capsys, 2, "finetune", job, *at, "--set", "train.steps=abc")
+    assert "train.steps must be a positive integer, got 'abc'" in err
+    err = _error(capsys, 2, "finetune", job, *at, "--set", "train.log_every=-1")
+    assert "train.log_every must be a positive integer, got -1" in err
+    err = _error(capsys, 2, "finetune", job, *at, "--set", "train.learning_rate=-0.1")
+    assert "train.learning_rate must be a number >= 0, got -0.1" in err
 
 
 def test_finished_run_and_overwrite_with_grad_accumulation(bert, finished, tmp_path, capsys):

@@ -104,10 +104,20 @@ class Job:
             raise UsageError(f"{path}: train.optimizer must be one of {', '.join(OPTIMIZERS)}")
         if self.train["schedule"] not in SCHEDULES:
             raise UsageError(f"{path}: train.schedule must be one of {', '.join(SCHEDULES)}")
-        for key in ("batch_size", "eval_batch_size", "grad_accumulation", "epochs", "max_length"):
-            where = self.data if key == "max_length" else self.train
-            if not isinstance(where[key], int) or where[key] < 1:
-                raise UsageError(f"{path}: {key} must be a positive integer, got {where[key]!r}")
+        positive = ["batch_size", "eval_batch_size", "grad_accumulation", "epochs", "log_every"]
+        optional = ["steps", "eval_every", "checkpoint_every"]
+        for table, key in [("data", "max_length"), ("output", "keep_checkpoints")] + [
+            ("train", k) for k in positive + optional
+        ]:
+            value = getattr(self, table)[key]
+            if value is None and key in optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"{path}: {table}.{key} must be a positive integer, got {value!r}")
+        for key in ("learning_rate", "weight_decay", "warmup_steps", "max_grad_norm"):
+            value = self.train[key]
+            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+                raise UsageError(f"{path}: train.{key} must be a number >= 0, got {value!r}")
         self.adapter = self._adapter(raw, path)
         out = self.output["dir"] or f"runs/{path.stem}"
         self.out = Path(out)
@@ -141,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _prepare_output(job: Job, overwrite: bool) -> bool:
     """Make the output directory ready; True when a run of this job is to be resumed."""
+    from ..train import latest_checkpoint
+
     out, resolved = job.out, job.resolved()
     if out.exists() and not out.is_dir():
         raise UsageError(f"output.dir {str(out)!r} is a file")
@@ -151,6 +163,8 @@ def _prepare_output(job: Job, overwrite: bool) -> bool:
     if overwrite and out.exists():
         shutil.rmtree(out)
     saved = out / "job.json"
+    if saved.exists() and latest_checkpoint(out / "checkpoints") is None:
+        shutil.rmtree(out)  # a run that failed before its first checkpoint: nothing to keep
     if saved.exists():
         if json.loads(saved.read_text()) != resolved:
             raise UsageError(
