@@ -449,6 +449,11 @@ def test_errors(bert, tmp_path, capsys):
     err = _error(capsys, 1, "finetune", job, *at, "--set", f"data.train={tmp_path / 'y.jsonl'}")
     assert f"data file '{tmp_path / 'y.jsonl'}' does not exist" in err
 
+    with pytest.MonkeyPatch.context() as mp:  # a path given with --set is from the cwd
+        mp.chdir(tmp_path)
+        err = _error(capsys, 1, "finetune", job, *at, "--set", "data.train=z.jsonl")
+    assert f"data file '{tmp_path / 'z.jsonl'}' does not exist" in err
+
     err = _error(capsys, 2, "finetune", job, *at, "--set", "train.steps=abc")
     assert "train.steps must be a positive integer, got 'abc'" in err
     err = _error(capsys, 2, "finetune", job, *at, "--set", "train.log_every=-1")

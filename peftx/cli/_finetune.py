@@ -12,7 +12,15 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ._common import ModelSettings, UsageError, job_model, model_class_for, read_toml, unknown_key
+from ._common import (
+    BUNDLED_MODEL,
+    ModelSettings,
+    UsageError,
+    job_model,
+    model_class_for,
+    read_toml,
+    unknown_key,
+)
 
 DATA_KEYS = {
     "train": None,
@@ -44,6 +52,7 @@ TRAIN_KEYS = {
 OUTPUT_KEYS = {"dir": None, "merged": False, "keep_checkpoints": 2}
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
+PATHS = {("model", "path"), ("data", "train"), ("data", "eval")}
 TASK_TYPES = {"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
 
 
@@ -71,6 +80,8 @@ def _override(job: dict[str, Any], item: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word: a string
+    if (table, name) in PATHS and isinstance(value, str) and value != BUNDLED_MODEL:
+        value = str(Path(value).expanduser().absolute())  # on the command line: from the cwd
     job.setdefault(table, {})[name] = value
 
 
