@@ -601,8 +601,9 @@ def _count(tree: Any) -> int:
         if isinstance(x, Int8Array):
             return 0 if x.codes is None else x.codes.size
         if isinstance(x, DoraArray):
-            x = eqx.tree_at(lambda d: d.weight_sq_norm, x, None, is_leaf=lambda n: n is None)
-            return sum(size(y) for y in jax.tree.leaves(x, is_leaf=is_special))
+            fields = dataclasses.fields(x)
+            parts = [getattr(x, f.name) for f in fields if f.name != "weight_sq_norm"]
+            return sum(size(y) for y in jax.tree.leaves(parts, is_leaf=is_special))
         return x.size if eqx.is_inexact_array(x) else 0
 
     return sum(size(x) for x in jax.tree.leaves(tree, is_leaf=is_special))
