@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..models._checkpoint import temporary_file
 from ._common import (
     BUNDLED_MODEL,
     ModelSettings,
@@ -191,8 +192,8 @@ def _prepare_output(job: Job, overwrite: bool) -> bool:
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    tmp = temporary_file(path)
+    Path(tmp).write_text(text)
     os.replace(tmp, path)
 
 
@@ -448,7 +449,7 @@ def plot(metrics: Path, png: Path) -> None:
     ax_extra.plot([r["step"] for r in eval_rows], [r[extra] for r in eval_rows], "o-")
     ax_extra.set(xlabel="step", ylabel=extra, title=f"eval {extra}")
     fig.tight_layout()
-    tmp = png.with_name(f".{png.stem}.tmp.png")
-    fig.savefig(tmp, dpi=80)
+    tmp = temporary_file(png)
+    fig.savefig(tmp, dpi=80, format="png")
     plt.close(fig)
     os.replace(tmp, png)
