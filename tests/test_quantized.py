@@ -274,8 +274,29 @@ def _bnb_checkpoint(packed, quant_state):
     return {("" if k == "weight" else "weight.") + k: v.numpy() for k, v in entries.items()}
 
 
+def _bnb_cpu_dequantizes(shape, blocksize):
+    """Whether bitsandbytes 0.50.2's CPU `dequantize_4bit` gives the right weight of `shape`.
+
+    Its quantization is right for every shape, its dequantization not:
+    - The AVX-512 branch of `dequantizeBlockwise4bitCpu` (csrc/cpu_ops.cpp), which
+      bitsandbytes/backends/cpu/ops.py calls when `shape[-1]` is even, takes the weight as
+      rows of `shape[-1]` values and, when `shape[-1]` is a multiple of 16, scales value j of
+      row i by `absmax[i * (shape[-1] // blocksize) + j // blocksize]`: right only if every
+      row starts a block. A (9, 16) weight in blocks of 128 is scaled by `absmax[0]`
+      throughout. (Its NEON branch checks `shape[-1] % blocksize == 0`; the scalar branch,
+      used without AVX-512, indexes the flattened weight, as the CUDA kernel does.)
+    - `functional.dequantize_4bit` transposes its result when the packed weight has one row
+      (functional.py:1075, a shim for an old layout): for 1 or 2 values that is always, and
+      `t()` raises for a weight of more than 2 dimensions.
+    """
+    rows, n = math.prod(shape[:-1]), shape[-1]
+    rows_off_blocks = rows > 1 and n % 16 == 0 and n % blocksize != 0
+    return not rows_off_blocks and not (len(shape) > 2 and math.prod(shape) <= 2)
+
+
 def _assert_equal_to_bitsandbytes(w, blocksize):
-    """`quantize_nf4(w)` and its dequantized weight equal bitsandbytes' on CPU."""
+    """`quantize_nf4(w)` equals bitsandbytes' on CPU, and so does its dequantized weight
+    where bitsandbytes' CPU dequantization is right (`_bnb_cpu_dequantizes`)."""
     jdtype, tdtype = DTYPES[jnp.dtype(w.dtype).name]
     packed, state = bnb_functional.quantize_4bit(
         torch.tensor(np.asarray(w, np.float32)).to(tdtype), blocksize=blocksize, quant_type="nf4"
@@ -292,6 +313,8 @@ def _assert_equal_to_bitsandbytes(w, blocksize):
     # last block. All dequantize to zero.
     assert np.all(codes[zero] == 0) and np.all(theirs[zero] == 7)
     assert np.all(their_absmax[zero_block] <= np.float32(1e-38))
+    if not _bnb_cpu_dequantizes(w.shape, blocksize):
+        return
     want = bnb_functional.dequantize_4bit(packed, state)
     assert want.dtype == tdtype and a.dtype == jdtype
     # (bitsandbytes returns a 1-D weight as a column)
@@ -308,6 +331,65 @@ def test_nf4_equals_real_bitsandbytes_bit_for_bit(blocksize, data):
     dtype = data.draw(st.sampled_from(list(DTYPES)), label="dtype")
     w = jnp.asarray(data.draw(hnp.arrays(np.float32, shape, elements=_VALUES), label="w"))
     _assert_equal_to_bitsandbytes(w.astype(DTYPES[dtype][0]), blocksize)
+
+
+def numpy_nf4(w, blocksize):
+    """NF4 by its definition: float32 absmax per block of `blocksize` consecutive values of
+    the flattened weight (the last block partial), `x * (1 / absmax)` to the nearest code
+    (a tie and an all-zero block's NaN to the lower one); the codes, absmaxes and the
+    dequantized weight `code * absmax` in float32."""
+    flat = np.asarray(w, np.float32).reshape(-1)
+    n = flat.size
+    starts = range(0, n, blocksize)
+    absmax = np.array([np.abs(flat[i : i + blocksize]).max() for i in starts], np.float32)
+    scale = np.repeat(absmax, blocksize)[:n]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = flat * (np.float32(1) / scale)
+    codes = np.sum(scaled[:, None] > _MIDPOINTS32[None, :], axis=1)
+    return codes, absmax, (_CODE32[codes] * scale).reshape(np.shape(w))
+
+
+def _ci_case_a():
+    """1.0, then 143 times the lowest midpoint of the code (falsified the check in CI)."""
+    w = np.full(144, _MIDPOINTS32[0], np.float32)
+    w[0] = 1.0
+    return w.reshape(9, 16)
+
+
+def _normal(shape, zeros=0):
+    w = np.random.default_rng(math.prod(shape)).standard_normal(shape).astype(np.float32)
+    w.reshape(-1)[:zeros] = 0.0
+    return w
+
+
+@pytest.mark.parametrize(
+    "w,blocksize,dtype",
+    [
+        (_ci_case_a(), 128, "float32"),  # bitsandbytes reads the second block as -1.0
+        (np.full((1, 1, 1), -0.3, np.float32), 64, "float32"),  # bitsandbytes raises
+        (np.array([[[1.0], [-0.5]]], np.float32), 64, "bfloat16"),
+        (_normal((12, 16)), 64, "bfloat16"),  # rows shorter than a block
+        (_normal((2, 96)), 64, "float16"),  # rows across blocks
+        (_normal((3, 2, 40), zeros=64), 64, "float32"),  # an all-zero block, a partial one
+    ],
+    ids=["ci-9x16", "ci-1x1x1", "1x2x1", "12x16", "2x96", "3x2x40"],
+)
+def test_nf4_equals_a_numpy_formula(w, blocksize, dtype):
+    """NF4's definition, on weights whose dequantization bitsandbytes' CPU path gets wrong
+    or fails on (`_bnb_cpu_dequantizes`; the first two falsified the check against it in
+    CI) and one with an all-zero and a partial block. Real bitsandbytes checks the codes
+    and absmaxes, and the dequantized values of the flattened weight."""
+    jdtype = DTYPES[dtype][0]
+    w = jnp.asarray(w).astype(jdtype)
+    codes, absmax, dense = numpy_nf4(np.asarray(w, np.float32), blocksize)
+    a = quantize_nf4(w, blocksize=blocksize)
+    np.testing.assert_array_equal(_codes(a.packed)[: w.size], codes)
+    np.testing.assert_array_equal(a.absmax, absmax)
+    got = materialize(a)
+    assert got.dtype == jdtype and got.shape == w.shape
+    np.testing.assert_array_equal(got, jnp.asarray(dense).astype(jdtype))
+    _assert_equal_to_bitsandbytes(w, blocksize)
+    _assert_equal_to_bitsandbytes(w.reshape(-1), blocksize)
 
 
 def test_nf4_ties_go_down_as_in_real_bitsandbytes():
