@@ -526,3 +526,62 @@ def test_llama_configs_run(llama, tmp_path, capsys):
         before[name] = summary["before"]["loss"]
     lora, qlora = before["lora_llama_causal"], before["qlora_llama_causal"]
     assert qlora != lora and abs(qlora - lora) < 0.1 * lora
+
+
+# -- several adapters in mixed batches ------------------------------------------------------
+
+
+def test_two_adapters_config_trains_and_serves_as_peft(llama, tmp_path, capsys):
+    """The two-adapter job on the tiny Llama (the texts become mostly [UNK], still
+    learnable): each adapter improves on its own data, and the saved adapters served by
+    PyTorch PEFT in one mixed batch give peftx's logits."""
+    out_dir = tmp_path / "run"
+    sets = (f"model.path={llama / 'base'}", "train.steps=12", "data.max_length=16",
+            "train.learning_rate=3e-2", "train.eval_every=6", "train.eval_batch_size=128")  # fmt: skip
+    out = _finetune(capsys, CONFIGS / "two_adapters_llama_causal.toml", out_dir, *sets)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    for name in ("stories", "support"):
+        before, after = summary["before"][name], summary["after"][name]
+        assert after["loss"] < before["loss"] - 0.1, name
+        assert f"  {name}: loss {after['loss']:.4g}" in out
+        # the base model, evaluated in the same mixed batches, is not trained
+        base_before, base_after = (summary[w]["__base__"][name] for w in ("before", "after"))
+        assert base_after == pytest.approx(base_before, rel=1e-5)
+        assert before["loss"] == pytest.approx(base_before["loss"], rel=1e-5)  # B = 0 at init
+    serving = summary["serving"]
+    assert serving["rows"] == ["stories", "support", "__base__"]
+    assert serving["max_abs_diff"] <= serving["tolerance"] < 1e-3
+    eval_rows = [r for r in _records(out_dir) if r["split"] == "eval"]
+    assert {(r["adapter"], r["data"]) for r in eval_rows} == {
+        (a, d) for a in ("stories", "support", "__base__") for d in ("stories", "support")
+    } - {("stories", "support"), ("support", "stories")}
+    assert sorted({r["step"] for r in eval_rows}) == [0, 6, 12]
+
+    # PEFT's layout for adapters not named "default": a subfolder each
+    adapter = out_dir / "adapter"
+    assert not (adapter / "adapter_config.json").exists()
+    saved = {n: json.loads((adapter / n / "adapter_config.json").read_text()) for n in
+             ("stories", "support")}  # fmt: skip
+    assert saved["stories"]["r"] == 16 and saved["support"]["r"] == 8
+
+    # PEFT serves one batch with a row per adapter and one for the base model
+    rng = np.random.default_rng(1)
+    ids = rng.integers(5, len(WORDS), size=(6, 10))
+    names = ["support", "__base__", "stories", "stories", "__base__", "support"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
+    reference = peft.PeftModel.from_pretrained(base, adapter / "stories", adapter_name="stories")
+    reference.load_adapter(adapter / "support", adapter_name="support")
+    reference.eval()
+    with torch.no_grad():
+        want = reference(torch.from_numpy(ids), adapter_names=names).logits.numpy()
+    model = peftx.PeftModel.from_pretrained(
+        peftx.from_pretrained(llama / "base"), adapter / "stories", adapter_name="stories"
+    ).load_adapter(adapter / "support", adapter_name="support")
+    got = np.asarray(model(jnp.asarray(ids, jnp.int32), adapter_names=names).logits)
+    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want))
+    # every row's adapter matters: each adapter's rows differ from the base model's
+    with torch.no_grad(), reference.disable_adapter():
+        plain = reference(torch.from_numpy(ids)).logits.numpy()
+    for row, name in enumerate(names):
+        differs = np.abs(want[row] - plain[row]).max() > 100 * _tolerance(want)
+        assert differs == (name != "__base__"), (row, name)

@@ -13,6 +13,8 @@ from ._data import (
     encode_causal_lm as encode_causal_lm,
     encode_classification as encode_classification,
     eval_batches as eval_batches,
+    mixed_batches as mixed_batches,
+    pad_to as pad_to,
     read_records as read_records,
     train_batches as train_batches,
 )

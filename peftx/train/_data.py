@@ -139,6 +139,48 @@ def train_batches(
         n += 1
 
 
+def mixed_batches(
+    datasets: Sequence[dict[str, np.ndarray]],
+    batch_size: int,
+    *,
+    seed: int,
+    start: int = 0,
+    micro_batches: int = 1,
+) -> Iterator[dict[str, np.ndarray]]:
+    """`train_batches` of several datasets (rows of one length: see `pad_to`) at once:
+    each batch holds `batch_size / len(datasets)` rows of each, drawn in each dataset's
+    own resumable order, and `source`, each row's dataset index. With `micro_batches`
+    (gradient accumulation), each of that many equal parts of the batch mixes them
+    equally too."""
+    k = len(datasets)
+    if batch_size % (k * micro_batches):
+        raise ValueError(
+            f"a batch of {batch_size} rows does not split into {micro_batches} micro-batches "
+            f"with equal rows of {k} datasets"
+        )
+    share = batch_size // k
+    streams = [train_batches(d, share, seed=seed, start=start) for d in datasets]
+    source = np.tile(np.repeat(np.arange(k, dtype=np.int32), share // micro_batches), micro_batches)
+
+    def interleave(parts: list[np.ndarray]) -> np.ndarray:
+        split = [p.reshape(micro_batches, share // micro_batches, *p.shape[1:]) for p in parts]
+        return np.stack(split, axis=1).reshape(batch_size, *parts[0].shape[1:])
+
+    while True:
+        parts = [next(s) for s in streams]
+        yield {key: interleave([p[key] for p in parts]) for key in parts[0]} | {"source": source}
+
+
+def pad_to(data: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+    """Causal-LM `data` with its rows right-padded to `length` tokens, the padding masked
+    and labelled -100 (left out of the loss)."""
+    short = length - data["input_ids"].shape[1]
+    if short < 0:
+        raise ValueError(f"rows of {data['input_ids'].shape[1]} tokens exceed length {length}")
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE}
+    return {k: np.pad(v, ((0, 0), (0, short)), constant_values=fill[k]) for k, v in data.items()}
+
+
 def eval_batches(data: dict[str, np.ndarray], batch_size: int) -> Iterator[dict[str, np.ndarray]]:
     """Every row once, in order; the last batch is padded to `batch_size` with rows
     whose labels are -100, so the loss and accuracy leave them out."""

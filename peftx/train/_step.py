@@ -48,6 +48,8 @@ def _forward(model: Any, batch: Batch, key: PRNGKeyArray | None) -> Any:
     base = model.base_model if isinstance(model, PeftModel) else model
     takes_key = "key" in inspect.signature(type(base).__call__).parameters
     extra = {"key": key} if takes_key and key is not None else {}
+    if "adapter_ids" in batch:  # a mixed batch: each row's adapter, as data (no recompiling)
+        extra["adapter_names"] = batch["adapter_ids"]
     return model(batch["input_ids"], batch["attention_mask"], **extra)
 
 
@@ -144,15 +146,34 @@ def make_train_step(
     return step
 
 
-def make_eval_step(loss_fn: LossFn) -> Callable[[Any, Any, Batch], dict[str, Array]]:
+def make_eval_step(
+    loss_fn: LossFn, *, groups: int | None = None
+) -> Callable[[Any, Any, Batch], dict[str, Array]]:
     """`eval_step(trainable, frozen, batch) -> sums` (the summed `loss` and the loss
     function's sums), without dropout; add them over batches and pass them to
-    `summarize`."""
+    `summarize`.
+
+    With `groups = n`, `batch["group"]` gives each row's group (`0 <= group < n`) and
+    every sum is an array of `n`, one per group: one batch evaluates several adapters
+    (`batch["adapter_ids"]`) on several datasets at once. The loss is then computed row
+    by row under `jax.vmap`, so any `loss_fn` works.
+    """
+
+    def sums_of(model: Any, batch: Batch) -> dict[str, Array]:
+        total, sums = loss_fn(model, batch, None)
+        return {"loss": total, **sums}
 
     @eqx.filter_jit
     def eval_step(trainable: Any, frozen: Any, batch: Batch) -> dict[str, Array]:
-        total, sums = loss_fn(eqx.combine(trainable, frozen), batch, None)
-        return {"loss": total, **sums}
+        model = eqx.combine(trainable, frozen)
+        if groups is None:
+            return sums_of(model, batch)
+        rows = {k: v for k, v in batch.items() if k != "group"}
+        one = lambda row: sums_of(model, jax.tree.map(lambda x: x[None], row))  # noqa: E731
+        per_row = jax.vmap(one)(rows)
+        return jax.tree.map(
+            lambda x: jax.ops.segment_sum(x, batch["group"], num_segments=groups), per_row
+        )
 
     return eval_step
 
