@@ -536,8 +536,14 @@ def test_two_adapters_config_trains_and_serves_as_peft(llama, tmp_path, capsys):
     learnable): each adapter improves on its own data, and the saved adapters served by
     PyTorch PEFT in one mixed batch give peftx's logits."""
     out_dir = tmp_path / "run"
-    sets = (f"model.path={llama / 'base'}", "train.steps=12", "data.max_length=16",
-            "train.learning_rate=3e-2", "train.eval_every=6", "train.eval_batch_size=128")  # fmt: skip
+    sets = (
+        f"model.path={llama / 'base'}",
+        "train.steps=8",
+        "data.max_length=16",
+        "train.learning_rate=3e-2",
+        "train.eval_every=4",
+        "train.eval_batch_size=128",
+    )
     out = _finetune(capsys, CONFIGS / "two_adapters_llama_causal.toml", out_dir, *sets)
     summary = json.loads((out_dir / "summary.json").read_text())
     for name in ("stories", "support"):
@@ -555,7 +561,7 @@ def test_two_adapters_config_trains_and_serves_as_peft(llama, tmp_path, capsys):
     assert {(r["adapter"], r["data"]) for r in eval_rows} == {
         (a, d) for a in ("stories", "support", "__base__") for d in ("stories", "support")
     } - {("stories", "support"), ("support", "stories")}
-    assert sorted({r["step"] for r in eval_rows}) == [0, 6, 12]
+    assert sorted({r["step"] for r in eval_rows}) == [0, 4, 8]
 
     # PEFT's layout for adapters not named "default": a subfolder each
     adapter = out_dir / "adapter"
@@ -585,3 +591,69 @@ def test_two_adapters_config_trains_and_serves_as_peft(llama, tmp_path, capsys):
     for row, name in enumerate(names):
         differs = np.abs(want[row] - plain[row]).max() > 100 * _tolerance(want)
         assert differs == (name != "__base__"), (row, name)
+
+
+TWO = """
+[model]
+path = "{base}"
+task = "causal-lm"
+
+[data]
+text_column = "answer"
+max_length = 16
+
+[[adapters]]
+name = "a"
+train = "train.jsonl"
+eval = "eval.jsonl"
+[adapters.lora]
+r = 2
+
+[[adapters]]
+name = "b"
+train = "train.jsonl"
+eval = "eval.jsonl"
+[adapters.lora]
+r = 4
+
+[train]
+batch_size = 4
+"""
+
+
+@pytest.mark.parametrize(
+    "old, new, sets, message",
+    [
+        ('name = "a"\n', "", (), "[[adapters]][1]: missing 'name'"),
+        ('eval = "eval.jsonl"\n[adapters.lora]\nr = 4', '[adapters.lora]\nr = 4', (),
+         "[[adapters]][2]: missing 'eval'"),
+        ('name = "b"', 'name = "a"', (), "[[adapters]][2]: name 'a' is taken by [[adapters]][1]"),
+        ('name = "b"', 'name = "__base__"', (),
+         "[[adapters]][2]: name '__base__' is not an adapter name"),
+        ('name = "b"', 'name = "x/y"', (), "[[adapters]][2]: name 'x/y' is not an adapter name"),
+        ('name = "a"', 'name = "a"\ntrian = "x"', (),
+         "unknown key 'trian' in [[adapters]][1] of"),
+        ("[adapters.lora]\nr = 2", "", (),
+         "[[adapters]][1]: needs exactly one of [adapters.lora] or [adapters.ia3], got 0"),
+        ("[adapters.lora]\nr = 4", "[adapters.ia3]\ntarget_modules = ['q_proj']", (),
+         "[[adapters]][2]: [adapters.ia3] cannot join [adapters.lora] in one model"),
+        ("r = 2", "rank = 2", (), "[[adapters]][1]: [adapters.lora]: "),
+        ("[train]", "[lora]\nr = 2\n\n[train]", (), "[lora] and [[adapters]] are both given"),
+        ("", "", ("data.train=train.jsonl",), "data.train is set per adapter"),
+        ("", "", ("train.batch_size=3",),
+         "train.batch_size (3) must be a multiple of the number of [[adapters]] (2)"),
+        ("", "", ("model.task=classification",), "[[adapters]] needs model.task = 'causal-lm'"),
+        ("", "", ("output.merged=true",), "output.merged merges one adapter"),
+        ("", "", ("adapters.name=c",), "[[adapters]] entries are changed in the job file"),
+    ],
+)  # fmt: skip
+def test_adapters_schema_errors(old, new, sets, message, llama, tmp_path, capsys):
+    job = llama / f"two_{tmp_path.name}.toml"
+    text = TWO.format(base=llama / "base")
+    assert old in text
+    job.write_text(text.replace(old, new, 1))
+    err = _error(
+        capsys, 2, "finetune", job, "--set", f"output.dir={tmp_path / 'run'}", *_sets(sets)
+    )
+    assert message in err, err
+    assert not (tmp_path / "run").exists()

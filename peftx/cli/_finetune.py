@@ -238,13 +238,13 @@ class Job:
                     f"{where}: needs exactly one of [adapters.lora] or [adapters.ia3], got "
                     f"{len(kinds)}"
                 )
-            first = adapters[0].config.peft_type if adapters else None
-            config = self._config(kinds[0], entry[kinds[0]], f"{where}: [adapters.{kinds[0]}]")
-            if first is not None and config.peft_type != first:
+            first = [t for t in _TOML_TABLES if t in entries[0]][0]
+            if kinds[0] != first:
                 raise UsageError(
-                    f"{where}: a {config.peft_type} adapter cannot join {first} adapters in one "
-                    "model (as in PEFT); give every entry the same kind"
+                    f"{where}: [adapters.{kinds[0]}] cannot join [adapters.{first}] in one model "
+                    "(as in PEFT); give every entry the same kind"
                 )
+            config = self._config(kinds[0], entry[kinds[0]], f"{where}: [adapters.{kinds[0]}]")
             files = (path.parent / entry["train"], path.parent / entry["eval"])
             adapters.append(Adapter(name, config, *files))
         share = self.train["batch_size"] / len(adapters)
@@ -459,9 +459,9 @@ def _report(job: Job, when: str, metrics: dict) -> None:
     from .. import BASE
 
     if not job.multi:
-        print(f"{when}: {_describe(metrics)}")
+        print(f"{when} {_describe(metrics)}")
         return
-    print(f"{when}:")
+    print(when.rstrip())
     for a in job.adapters:
         base = _describe(metrics[BASE][a.name])
         print(f"  {a.name}: {_describe(metrics[a.name])} (on its data, {BASE}: {base})")
@@ -516,7 +516,7 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
         log.truncate(after=0)
         before = evaluate(state)
         log.write(*_eval_records(job, 0, before))
-    _report(job, "before fine-tuning", before)
+    _report(job, "before fine-tuning:", before)
 
     seed = t["seed"]
     if job.multi:
@@ -569,7 +569,7 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
     after = evaluate(state)
     log.write(*_eval_records(job, total, after))
     plot(log.path, out / "curves.png")
-    _report(job, "after fine-tuning ", after)
+    _report(job, "after fine-tuning: ", after)
     return _finish(job, state, frozen, tokenizer, labels, before, after, pairs)
 
 
