@@ -642,7 +642,6 @@ batch_size = 4
         ("", "", ("data.train=train.jsonl",), "data.train is set per adapter"),
         ("", "", ("train.batch_size=3",),
          "train.batch_size (3) must be a multiple of the number of [[adapters]] (2)"),
-        ("", "", ("model.task=classification",), "[[adapters]] needs model.task = 'causal-lm'"),
         ("", "", ("output.merged=true",), "output.merged merges one adapter"),
         ("", "", ("adapters.name=c",), "[[adapters]] entries are changed in the job file"),
     ],
@@ -657,3 +656,94 @@ def test_adapters_schema_errors(old, new, sets, message, llama, tmp_path, capsys
     )
     assert message in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_two_classifiers_in_mixed_batches_as_peft(bert, tmp_path, capsys):
+    """Two classification adapters, each with its own classifier copy (modules_to_save),
+    on data whose labels are permuted for the second: each learns its own labelling, and
+    PyTorch PEFT serves the saved pair in one mixed batch as peftx does."""
+    shift = {"red": "green", "green": "blue", "blue": "red"}
+    for split in ("train", "eval"):
+        rows = [json.loads(line) for line in (bert / f"{split}.jsonl").read_text().splitlines()]
+        _write_jsonl(
+            tmp_path / f"{split}.jsonl", [{**r, "intent": shift[r["intent"]]} for r in rows]
+        )
+    job = tmp_path / "job.toml"
+    lora = '[adapters.lora]\nr = 4\nlora_alpha = 8\ntarget_modules = ["query", "value"]\n'
+    job.write_text(
+        f"""
+[model]
+path = "{bert / "base"}"
+task = "classification"
+
+[data]
+text_column = "sentence"
+label_column = "intent"
+max_length = 16
+
+[[adapters]]
+name = "colors"
+train = "{bert / "train.jsonl"}"
+eval = "{bert / "eval.jsonl"}"
+{lora}
+[[adapters]]
+name = "shifted"
+train = "train.jsonl"
+eval = "eval.jsonl"
+{lora}
+[train]
+seed = 3
+batch_size = 16
+eval_batch_size = 32
+learning_rate = 3e-2
+"""
+    )
+    out_dir = tmp_path / "run"
+    _finetune(capsys, job, out_dir, "train.steps=40")
+    summary = json.loads((out_dir / "summary.json").read_text())
+    for name in ("colors", "shifted"):
+        before, after = summary["before"][name], summary["after"][name]
+        # below chance (ln 3) for both: one shared head could not learn both labellings
+        assert after["loss"] < min(before["loss"], np.log(3)) - 0.2, (name, summary)
+        assert after["accuracy"] > before["accuracy"] + 0.2, (name, summary)
+    assert summary["serving"]["max_abs_diff"] <= summary["serving"]["tolerance"]
+    assert json.loads((out_dir / "labels.json").read_text()) == {
+        "colors": ["blue", "green", "red"],
+        "shifted": ["blue", "green", "red"],
+    }
+
+    adapter = out_dir / "adapter"
+    names = ["shifted", "__base__", "colors", "colors", "shifted", "__base__"]
+    rows = [json.loads(line) for line in (bert / "eval.jsonl").read_text().splitlines()][:3] * 2
+    tok = transformers.AutoTokenizer.from_pretrained(adapter, local_files_only=True)
+    enc = tok([r["sentence"] for r in rows], padding=True, return_tensors="np")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the encoder's fresh classifier
+        base = transformers.AutoModelForSequenceClassification.from_pretrained(
+            bert / "base", num_labels=3
+        )
+        model = peftx.from_pretrained(
+            bert / "base", model_class="BertForSequenceClassification", num_labels=3
+        )
+    with torch.no_grad():  # the fresh head of the __base__ rows: the same in both
+        base.classifier.weight.copy_(torch.from_numpy(np.asarray(model.classifier.weight)))
+        base.classifier.bias.copy_(torch.from_numpy(np.asarray(model.classifier.bias)))
+    reference = peft.PeftModel.from_pretrained(base, adapter / "colors", adapter_name="colors")
+    reference.load_adapter(adapter / "shifted", adapter_name="shifted")
+    reference.eval()
+    with torch.no_grad():
+        want = reference(
+            input_ids=torch.from_numpy(enc["input_ids"]),
+            attention_mask=torch.from_numpy(enc["attention_mask"]),
+            adapter_names=names,
+        ).logits.numpy()
+    adapted = peftx.PeftModel.from_pretrained(model, adapter / "colors", adapter_name="colors")
+    adapted = adapted.load_adapter(adapter / "shifted", adapter_name="shifted")
+    batch = {k: jnp.asarray(enc[k], jnp.int32) for k in ("input_ids", "attention_mask")}
+    got = np.asarray(
+        peftx.train.logits(adapted, {**batch, "adapter_ids": adapted.adapter_ids(names)})
+    )
+    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want))
+    # the same text gives other logits through another adapter or the base
+    for a, b in [(0, 3), (1, 4), (2, 5)]:
+        assert np.abs(want[a] - want[b]).max() > 100 * _tolerance(want), (names[a], names[b])

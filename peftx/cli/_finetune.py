@@ -203,11 +203,6 @@ class Job:
                     f"{path}: data.{key} is set per adapter in a job with [[adapters]]; move it "
                     "into each [[adapters]] entry"
                 )
-        if self.model.task != "causal-lm":
-            raise UsageError(
-                f"{path}: [[adapters]] needs model.task = 'causal-lm'; a classification head "
-                "(modules_to_save) runs on the whole batch, so it cannot be mixed per row"
-            )
         if self.output["merged"]:
             raise UsageError(f"{path}: output.merged merges one adapter; not with [[adapters]]")
         adapters: list[Adapter] = []
@@ -344,27 +339,40 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
     return encode_lm(adapter.train), encode_lm(adapter.eval), None
 
 
-def _datasets(job: Job, tokenizer: Any) -> tuple[list[tuple[dict, dict]], list[str] | None]:
-    """Each adapter's (train, eval) data, and the labels (classification). Several
-    adapters' rows are padded to one length, so that they mix in a batch."""
+def _datasets(job: Job, tokenizer: Any) -> tuple[list[tuple[dict, dict]], Any]:
+    """Each adapter's (train, eval) data, and the labels (classification: a list, or each
+    adapter's by name). Several adapters' rows are padded to one length, so that they mix
+    in a batch."""
     from .. import train
 
     loaded = [_load_data(job, tokenizer, a) for a in job.adapters]
     pairs = [(tr, ev) for tr, ev, _ in loaded]
-    if job.multi:
-        length = max(d["input_ids"].shape[1] for pair in pairs for d in pair)
-        pairs = [(train.pad_to(tr, length), train.pad_to(ev, length)) for tr, ev in pairs]
-    return pairs, loaded[0][2]
+    if not job.multi:
+        return pairs, loaded[0][2]
+    length = max(d["input_ids"].shape[1] for pair in pairs for d in pair)
+    pairs = [(train.pad_to(tr, length), train.pad_to(ev, length)) for tr, ev in pairs]
+    if loaded[0][2] is None:
+        return pairs, None
+    labels = {a.name: lab for a, (_, _, lab) in zip(job.adapters, loaded, strict=True)}
+    first = job.adapters[0]
+    for a in job.adapters[1:]:
+        if len(labels[a.name]) != len(labels[first.name]):
+            raise UsageError(
+                f"{a.train} has {len(labels[a.name])} labels, {first.train} "
+                f"{len(labels[first.name])}: the adapters share one classification head size"
+            )
+    return pairs, labels
 
 
-def _model(job: Job, labels: list[str] | None, key: Any) -> Any:
+def _model(job: Job, labels: Any, key: Any) -> Any:
     """The base model with every adapter of the job on it (the first one active)."""
     import jax
     import jax.numpy as jnp
 
     from .. import QuantizationConfig, get_peft_model, models, quantize_model
 
-    extra = {"num_labels": len(labels)} if labels else {}
+    first = next(iter(labels.values())) if isinstance(labels, dict) else labels
+    extra = {"num_labels": len(first)} if first else {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*initialized fresh.*")
         model = models.from_pretrained(
@@ -580,21 +588,22 @@ def _serving_check(model: Any, names: list[str], pairs: list[tuple[dict, dict]])
     import jax.numpy as jnp
     import numpy as np
 
-    from .. import BASE
+    from .. import BASE, train
 
-    logits = eqx.filter_jit(lambda m, ids, mask, **kw: m(ids, mask, **kw).logits)
+    logits = eqx.filter_jit(train.logits)
     serve = [*names, BASE]
     # adapter i gets a row of its eval data; the base the row of the first adapter's
     rows = [pairs[i][1] for i in range(len(names))] + [pairs[0][1]]
     ids = jnp.asarray(np.stack([r["input_ids"][0] for r in rows]))
     mask = jnp.asarray(np.stack([r["attention_mask"][0] for r in rows]))
-    mixed = logits(model, ids, mask, adapter_names=model.adapter_ids(serve))
+    mixed = logits(
+        model, {"input_ids": ids, "attention_mask": mask, "adapter_ids": model.adapter_ids(serve)}
+    )
     alone = jnp.stack(
         [
             logits(
                 model.disable_adapters() if name == BASE else model.set_adapter(name),
-                ids[i : i + 1],
-                mask[i : i + 1],
+                {"input_ids": ids[i : i + 1], "attention_mask": mask[i : i + 1]},
             )[0]
             for i, name in enumerate(serve)
         ]

@@ -23,6 +23,7 @@ from ._step import (
     causal_lm_loss as causal_lm_loss,
     classification_loss as classification_loss,
     init_state as init_state,
+    logits as logits,
     make_eval_step as make_eval_step,
     make_train_step as make_train_step,
     summarize as summarize,

@@ -172,13 +172,17 @@ def mixed_batches(
 
 
 def pad_to(data: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
-    """Causal-LM `data` with its rows right-padded to `length` tokens, the padding masked
-    and labelled -100 (left out of the loss)."""
+    """`data` (from `encode_causal_lm` or `encode_classification`) with its rows
+    right-padded to `length` tokens, the padding masked and labelled -100 (left out of
+    the loss)."""
     short = length - data["input_ids"].shape[1]
     if short < 0:
         raise ValueError(f"rows of {data['input_ids'].shape[1]} tokens exceed length {length}")
     fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE}
-    return {k: np.pad(v, ((0, 0), (0, short)), constant_values=fill[k]) for k, v in data.items()}
+    return {
+        k: np.pad(v, ((0, 0), (0, short)), constant_values=fill[k]) if v.ndim == 2 else v
+        for k, v in data.items()
+    }
 
 
 def eval_batches(data: dict[str, np.ndarray], batch_size: int) -> Iterator[dict[str, np.ndarray]]:

@@ -44,13 +44,34 @@ def init_state(
     return state, frozen
 
 
-def _forward(model: Any, batch: Batch, key: PRNGKeyArray | None) -> Any:
+def logits(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Array:
+    """`model(input_ids, attention_mask).logits`, with `key` for the model's own dropout
+    if it takes one. A mixed batch (`batch["adapter_ids"]`, from `adapter_ids`) runs each
+    row through its own adapter; when adapters have `modules_to_save` copies (a
+    classifier), which replace a whole module, one example per call under `jax.vmap`,
+    each with its own dropout keys."""
     base = model.base_model if isinstance(model, PeftModel) else model
     takes_key = "key" in inspect.signature(type(base).__call__).parameters
-    extra = {"key": key} if takes_key and key is not None else {}
-    if "adapter_ids" in batch:  # a mixed batch: each row's adapter, as data (no recompiling)
-        extra["adapter_names"] = batch["adapter_ids"]
-    return model(batch["input_ids"], batch["attention_mask"], **extra)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+
+    def run(model: Any, ids: Array, mask: Array, key: PRNGKeyArray | None, **kw: Any) -> Array:
+        extra = {"key": key} if takes_key and key is not None else {}
+        return model(ids, mask, **kw, **extra).logits
+
+    if "adapter_ids" not in batch:
+        return run(model, ids, mask, key)
+    if not model.saved_modules:
+        return run(model, ids, mask, key, adapter_names=batch["adapter_ids"])
+
+    def one(ids: Array, mask: Array, adapter: Array, key: PRNGKeyArray | None) -> Array:
+        m, k = model, None
+        if key is not None:  # training: this example's own dropout masks
+            dropout_key, k = jax.random.split(key)
+            m = with_dropout(model, dropout_key)
+        return run(m, ids[None], mask[None], k, adapter_names=adapter)[0]
+
+    keys = None if key is None else jax.random.split(key, ids.shape[0])
+    return jax.vmap(one)(ids, mask, batch["adapter_ids"], keys)
 
 
 def classification_loss(
@@ -59,12 +80,12 @@ def classification_loss(
     """Summed cross-entropy of `model(input_ids, attention_mask).logits` against
     `batch["labels"]`; rows labelled -100 (padding of the last eval batch) are left out.
     The sums: `count` (rows), `correct` (argmax hits)."""
-    logits = _forward(model, batch, key).logits.astype(jnp.float32)
+    scores = logits(model, batch, key).astype(jnp.float32)
     labels = batch["labels"]
     valid = labels >= 0
     safe = jnp.where(valid, labels, 0)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, safe)
-    correct = (jnp.argmax(logits, axis=-1) == labels) & valid
+    ce = optax.softmax_cross_entropy_with_integer_labels(scores, safe)
+    correct = (jnp.argmax(scores, axis=-1) == labels) & valid
     return jnp.sum(jnp.where(valid, ce, 0.0)), {
         "count": jnp.sum(valid).astype(jnp.float32),
         "correct": jnp.sum(correct).astype(jnp.float32),
@@ -77,10 +98,10 @@ def causal_lm_loss(
     """Summed next-token cross-entropy: position t predicts `labels[t + 1]`, and labels of
     -100 (prompt and padding tokens) are left out, as in transformers. The sum: `count`
     (predicted tokens)."""
-    logits = _forward(model, batch, key).logits[:, :-1].astype(jnp.float32)
+    scores = logits(model, batch, key)[:, :-1].astype(jnp.float32)
     labels = batch["labels"][:, 1:]
     valid = labels >= 0
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
+    ce = optax.softmax_cross_entropy_with_integer_labels(scores, jnp.where(valid, labels, 0))
     return jnp.sum(jnp.where(valid, ce, 0.0)), {"count": jnp.sum(valid).astype(jnp.float32)}
 
 
