@@ -726,8 +726,8 @@ learning_rate = 3e-2
             bert / "base", model_class="BertForSequenceClassification", num_labels=3
         )
     with torch.no_grad():  # the fresh head of the __base__ rows: the same in both
-        base.classifier.weight.copy_(torch.from_numpy(np.asarray(model.classifier.weight)))
-        base.classifier.bias.copy_(torch.from_numpy(np.asarray(model.classifier.bias)))
+        base.classifier.weight.copy_(torch.from_numpy(np.array(model.classifier.weight)))
+        base.classifier.bias.copy_(torch.from_numpy(np.array(model.classifier.bias)))
     reference = peft.PeftModel.from_pretrained(base, adapter / "colors", adapter_name="colors")
     reference.load_adapter(adapter / "shifted", adapter_name="shifted")
     reference.eval()
