@@ -747,3 +747,24 @@ learning_rate = 3e-2
     # the same text gives other logits through another adapter or the base
     for a, b in [(0, 3), (1, 4), (2, 5)]:
         assert np.abs(want[a] - want[b]).max() > 100 * _tolerance(want), (names[a], names[b])
+
+
+def test_failed_serving_check_saves_no_adapter(llama, tmp_path, capsys, monkeypatch):
+    """A mixed batch that differs from the adapters run alone beyond the tolerance fails
+    the job (the check's result doubled past it here), and no adapter is written."""
+    job = tmp_path / "two.toml"
+    text = TWO.format(base=llama / "base")
+    job.write_text(text.replace('"train.jsonl"', f'"{llama / "train.jsonl"}"').replace(
+        '"eval.jsonl"', f'"{llama / "eval.jsonl"}"'))  # fmt: skip
+    checked = peftx.cli._finetune._serving_check
+
+    def over(*args):
+        check = checked(*args)
+        return {**check, "max_abs_diff": 2 * check["tolerance"]}
+
+    monkeypatch.setattr(peftx.cli._finetune, "_serving_check", over)
+    out_dir = tmp_path / "run"
+    err = _error(capsys, 1, "finetune", job, "--set", f"output.dir={out_dir}", "--set",
+                 "train.steps=1")  # fmt: skip
+    assert "serving check failed: a mixed batch differs from each adapter run alone by" in err
+    assert not (out_dir / "adapter").exists() and not (out_dir / "summary.json").exists()
