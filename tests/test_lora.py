@@ -1,6 +1,7 @@
 """LoRA and DoRA against dense formulas written out here and against HF PEFT in PyTorch."""
 
 import math
+import re
 
 import equinox as eqx
 import jax
@@ -208,16 +209,52 @@ def test_frozen_weight_gets_no_gradient_computation(getkey):
     assert (64, 48) not in shapes and (48, 64) not in shapes
 
 
+def test_training_step_multiplies_activations_once_per_direction(getkey):
+    """A float32 `Linear` adapter costs one activation-sized product forward
+    (`[x, s·A·x]·[W, B]ᵀ`) and one backward (`g·[W, B]`): no rank-r product writes a
+    `(tokens, out)` or `(tokens, in)` array besides the one that folds `g·B` back through
+    `A`. Values and gradients are checked against the formula elsewhere."""
+    tokens, d_in, d_out, r = 32, 48, 64, 4
+    w = _random_lora(getkey(), (d_out, d_in), r=r)
+    x = jax.random.normal(getkey(), (tokens, d_in))
+    params, static = eqx.partition(w, lambda leaf: leaf is not w.weight and eqx.is_array(leaf))
+
+    def loss_fn(params, x):
+        return jnp.sum(
+            jnp.tanh(use_implicit_args(lambda m, x: x @ m.T)(eqx.combine(params, static), x))
+        )
+
+    def big_products(fn, *args):
+        """The activation-sized products XLA runs (after removing dead code)."""
+        hlo = jax.jit(fn).lower(*args).compile().as_text()
+        shapes = [
+            tuple(map(int, s.split(",")))
+            for s in re.findall(r"= f32\[([\d,]+)\]\{[\d,]*\} dot\(", hlo)
+        ]
+        return sorted(s for s in shapes if s[0] == tokens and s[-1] > r + 1)
+
+    assert big_products(loss_fn, params, x) == [(tokens, d_out)]
+    assert big_products(jax.grad(loss_fn, argnums=(0, 1)), params, x) == [
+        (tokens, d_in),  # s·(g·B)·A, into the input's gradient
+        (tokens, d_in + r),  # g·[W, B]
+        (tokens, d_out),
+    ]
+
+
 # ---------------------------------------------------------------- initialization
 
 
-def test_default_init_gives_exactly_the_base_output(getkey):
+def test_default_init_gives_the_base_output(getkey):
+    """B = 0: the base output, to the rounding of one float32 product (the adapter's zero
+    columns join the base GEMM, whose summation order may differ from `W·x` alone)."""
     weight = jax.random.normal(getkey(), (6, 5))
     w = lora(weight, r=3, lora_alpha=16.0, key=getkey())
     x = jax.random.normal(getkey(), (4, 5))
     with strict():
         got = jax.vmap(use_implicit_args(lambda w, v: w @ v), in_axes=(None, 0))(w, x)
-    np.testing.assert_array_equal(got, jax.vmap(lambda v: weight @ v)(x))
+    base = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
+    bound = 8 * np.finfo(np.float32).eps * (np.abs(x) @ np.abs(weight).T)
+    assert np.all(np.abs(np.asarray(got, np.float64) - base) <= bound)
     bound = 1 / math.sqrt(5)
     assert jnp.all(jnp.abs(w.lora_A) <= bound) and jnp.std(w.lora_A) > bound / 3
     assert not jnp.any(w.lora_B)

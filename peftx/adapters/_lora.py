@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
@@ -15,6 +16,7 @@ from jaxtyping import Array, Key, PRNGKeyArray, UInt32
 from ..implicit import (
     ImplicitArray,
     Transposed,
+    dense_view,
     materialize,
     primitive_handler,
     use_implicit_args,
@@ -397,36 +399,44 @@ def _low_rank(
         return out, jnp.zeros_like(out) if d_out is None else d_out
 
     def plus_second_term(t: Array, dsecond: Array, rest: Array) -> Array:
-        """`rest + t·dsecondᵀ`, whose transpose takes `second`'s cotangent as `tᵀ·g`.
-
-        JAX transposes a product with the cotangent `g` on the left, which for this
-        term means contracting `g` over the tokens, its major axes: on CPU, XLA copies
-        `g` transposed (activation-sized) for every adapted product. Written as the
-        invertible linear map `S(d, y) = (d, y + t·dᵀ)` through `custom_linear_solve`,
-        the transpose is ours, `Sᵀ(p, q) = (p + tᵀ·q, q)`, with `t` on the left. `S`'s
-        inverse is the `matvec`, so the solve's own derivative rules (for forward mode
-        over this tangent, e.g. Hessians) are exact.
-        """
-
-        def term(d: Array) -> Array:
-            return out_of(t, d)
-
-        def matvec(b: tuple[Array, Array]) -> tuple[Array, Array]:
-            d, y = b
-            return d, y - term(d)
-
-        def solve(_: Any, b: tuple[Array, Array]) -> tuple[Array, Array]:
-            d, y = b
-            return d, y + term(d)
-
-        def transpose_solve(_: Any, c: tuple[Array, Array]) -> tuple[Array, Array]:
-            p_, q_ = c
-            return p_ + into(second_labels, t, t_labels, q_, q.out), q_
-
-        return lax.custom_linear_solve(matvec, (dsecond, rest), solve, transpose_solve)[1]
+        return _plus_linear_term(
+            lambda d: out_of(t, d),
+            lambda g: into(second_labels, t, t_labels, g, q.out),
+            dsecond,
+            rest,
+        )
 
     low_rank.defjvp(low_rank_jvp, symbolic_zeros=True)
     return low_rank
+
+
+def _plus_linear_term(
+    term: Callable[[Array], Array], transposed: Callable[[Array], Array], d: Array, rest: Array
+) -> Array:
+    """`rest + term(d)` for a linear `term(d) = t·dᵀ`, whose transpose is `transposed(g)
+    = tᵀ·g`, with `t` on the left.
+
+    JAX transposes a product with the cotangent `g` on the left, which for this term means
+    contracting `g` over the tokens, its major axes: on CPU, XLA copies `g` transposed
+    (activation-sized) for every adapted product. Written as the invertible linear map
+    `S(d, y) = (d, y + term(d))` through `custom_linear_solve`, the transpose is ours,
+    `Sᵀ(p, q) = (p + transposed(q), q)`. `S`'s inverse is the `matvec`, so the solve's own
+    derivative rules (for forward mode over this tangent, e.g. Hessians) are exact.
+    """
+
+    def matvec(b: tuple[Array, Array]) -> tuple[Array, Array]:
+        d, y = b
+        return d, y - term(d)
+
+    def solve(_: Any, b: tuple[Array, Array]) -> tuple[Array, Array]:
+        d, y = b
+        return d, y + term(d)
+
+    def transpose_solve(_: Any, c: tuple[Array, Array]) -> tuple[Array, Array]:
+        p, q = c
+        return p + transposed(q), q
+
+    return lax.custom_linear_solve(matvec, (d, rest), solve, transpose_solve)[1]
 
 
 def _is_zero(t: Any) -> bool:
@@ -452,11 +462,107 @@ def _result_labels(p: WeightProduct, la: Labels, lb: Labels) -> Labels:
 def _lora_dot(w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
     if w.kernel_ndim:
         return NotImplemented
+    fused = _fused_lora_dot(w, x, w_is_lhs, params)
+    if fused is not None:
+        return fused
     terms = _lora_terms(w, x, w_is_lhs, params)
     if terms is None:
         return NotImplemented
     base, _, delta = terms
     return add_update(base, delta)
+
+
+def _fused_lora_dot(
+    w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]
+) -> Array | None:
+    """`W·x + scaling·B·A·x_dropped` as one product: `[x, t]·[W, second]` concatenated
+    along the axis that `x` meets, where `t = scaling·first·x_dropped` and `first`,
+    `second` are `A`, `B` in the order they meet `x`. For an unstacked LoRA matrix whose
+    base is dense (or a lazy transpose of a dense one), with one dtype throughout; else
+    None.
+
+    One GEMM instead of the base GEMM plus a rank-`r` product as large as the output and
+    their sum; reverse mode gets `g·second` from the same GEMM as `g·W`; and a remat policy
+    that saves matmul outputs (`dots_saveable`) saves the layer's output once, not its two
+    terms. The `r` extra columns may change the GEMM's summation order: the base's part
+    equals `W·x` to rounding, not bit for bit."""
+    weight = dense_view(w.weight)
+    if type(w) is not LoraArray or w.stack_ndim or weight is None:
+        return None
+    dtype = branch_dtype(w)
+    if len({x.dtype, weight.dtype, w.lora_A.dtype, w.lora_B.dtype, dtype}) != 1:
+        return None
+    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    order = _factor_order(w, p)
+    if order is None or p.preferred_element_type not in (None, x.dtype):
+        return None
+    meet = 1 if p.w[1] in p.x else 0
+    if p.w[meet] in p.out or p.w[1 - meet] in p.x:  # a batch axis, not a contracted one
+        return None
+    x = jnp.asarray(x)
+    x_d = _dropout(x, w.lora_dropout, w.dropout_key, p.x, ())
+    first, second = order(w.lora_A, w.lora_B)
+    return _fused_low_rank(p, meet)(x, x_d, weight, first, second, jnp.asarray(w.scaling, dtype))
+
+
+def _fused_low_rank(p: WeightProduct, meet: int) -> Any:
+    """`f(x, x_d, W, first, second, scale)` for `_fused_lora_dot`, where `x` meets axis
+    `meet` of `W`. `second` is laid out like `W` with `r` in place of that axis (`B` when
+    `x` meets `W`'s input axis, `A` when its output axis), so it extends `W` along it."""
+    meet_l = p.w[meet]
+    first_labels = ("r", meet_l) if meet == 1 else (meet_l, "r")
+    axis_x = p.x.index(meet_l)
+
+    def rank_part(x_d: Array, first: Array) -> Array:
+        """`first·x_d` with `x`'s axes, `r` in place of the met axis."""
+        u, labels = p.contract(x_d, p.x, first, first_labels)
+        return jnp.transpose(u, [labels.index("r" if lab == meet_l else lab) for lab in p.x])
+
+    def times(xs: Array, ws: Array) -> Array:
+        return p.arrange(*p.contract(xs, p.x, ws, p.w))
+
+    def second_cotangent(t: Array, g: Array) -> Array:
+        """`tᵀ·g` over the tokens, laid out like `second`."""
+        into = dataclasses.replace(p, out=p.w, preferred_element_type=None)
+        return into.arrange(*into.contract(t, p.x, g, p.out))
+
+    def cat(x: Array, t: Array, w: Array, second: Array) -> tuple[Array, Array]:
+        return jnp.concatenate([x, t], axis=axis_x), jnp.concatenate([w, second], axis=meet)
+
+    @jax.custom_jvp
+    def fused(x: Array, x_d: Array, w: Array, first: Array, second: Array, scale: Array):
+        return times(*cat(x, scale * rank_part(x_d, first), w, second))
+
+    def fused_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
+        x, x_d, w, first, second, scale = primals
+        dx, dx_d, dw, dfirst, dsecond, dscale = (None if _is_zero(t) else t for t in tangents)
+        u = rank_part(x_d, first)
+        t = scale * u
+        out = times(*cat(x, t, w, second))
+        du = _total(
+            dx_d is not None and rank_part(dx_d, first),
+            dfirst is not None and rank_part(x_d, dfirst),
+        )
+        dt = _total(du is not None and scale * du, dscale is not None and dscale * u)
+        d_out = _total(
+            # transposed, one GEMM gives the cotangent's products with W and with second
+            dx is not None and dt is not None and times(*cat(dx, dt, w, second)),
+            dx is not None and dt is None and times(dx, w),
+            dx is None and dt is not None and times(dt, second),
+            dw is not None and times(x, dw),
+        )
+        if dsecond is not None:
+            d_out = (
+                times(t, dsecond)
+                if d_out is None
+                else _plus_linear_term(
+                    lambda d: times(t, d), lambda g: second_cotangent(t, g), dsecond, d_out
+                )
+            )
+        return out, jnp.zeros_like(out) if d_out is None else d_out
+
+    fused.defjvp(fused_jvp, symbolic_zeros=True)
+    return fused
 
 
 def _lora_update(

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array
 
-from ._core import ImplicitArray, materialize, primitive_handler
+from . import _engine
+from ._core import ImplicitArray, is_implicit, materialize, primitive_handler
 
 
 class Transposed(ImplicitArray):
@@ -27,6 +28,19 @@ class Transposed(ImplicitArray):
 
     def materialize(self) -> Array:
         return jnp.transpose(materialize(self.array), self.permutation)
+
+
+def dense_view(x: Any) -> Array | None:
+    """`x` as a plain array, when reading it costs no more than reading a plain array: `x`
+    itself, or for a lazy `Transposed` of a plain array that array transposed (for a
+    handler that copies it anyway, XLA fuses the transpose into the copy). None for other
+    implicit arrays, also when one reaches a handler as a traced field."""
+    inner = x if is_implicit(x) else _engine.implicit_value(x)
+    if inner is None:
+        return x
+    if isinstance(inner, Transposed) and dense_view(inner.array) is inner.array:
+        return jnp.transpose(inner.array, inner.permutation)
+    return None
 
 
 @primitive_handler("transpose")
