@@ -294,3 +294,38 @@ def test_quantized_stack_equals_unrolled(checkpoint):
     grads = jax.grad(loss)(trainable)
     b_grads = [g for g in jax.tree.leaves(grads) if g.shape[-1] == 4]  # lora_B: (layers, out, r)
     assert b_grads and all(np.abs(np.asarray(g)).max() > 0 for g in b_grads)
+
+
+def test_unstacked_adapter_set_serves_the_same_mixed_batch(checkpoint):
+    """`unstack` (and `split_stack`, by `layers_to_transform`) of blocks holding several
+    adapters (an `AdapterSet`, whose adapters' base is a `Slot` of static shape): each
+    layer's adapters keep their rank and scaling, and the unrolled model serves a mixed
+    batch as the stacked one does."""
+    base = pm.from_pretrained(checkpoint)
+    first = peftx.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    second = peftx.LoraConfig(
+        r=2, lora_alpha=8, target_modules=["q_proj"], layers_to_transform=[1, 2]
+    )
+    model = peftx.get_peft_model(base, first, key=jax.random.key(0))
+    model = model.add_adapter("b", second, key=jax.random.key(1))
+    factors = lambda m: eqx.is_inexact_array(m) and m.ndim > 1 and m.shape[-1] in (2, 4)  # noqa: E731
+    model = jax.tree.map(lambda x: x + 0.1 if factors(x) else x, model)  # B away from zero
+
+    blocks = pm.unstack(model.base_model.model.layers)
+    assert len(blocks) == LAYERS
+    for i, block in enumerate(blocks):
+        q = block.self_attn.q_proj.weight
+        assert isinstance(q, AdapterSet)
+        expected = {"default": (4, 2.0)} | ({"b": (2, 4.0)} if i in (1, 2) else {})
+        assert {k: (a.r, a.scaling) for k, a in q.adapters.items()} == expected
+    unrolled = eqx.tree_at(lambda m: m.base_model.model.layers, model, blocks)
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 97, (3, 7)))
+    names = ["b", peftx.BASE, "default"]
+    got = unrolled(ids, adapter_names=names).logits
+    want = model(ids, adapter_names=names).logits
+    np.testing.assert_allclose(got, want, atol=16 * np.finfo(np.float32).eps * np.abs(want).max())
+    alone = model.set_adapter("b")(ids[:1]).logits
+    np.testing.assert_allclose(
+        got[:1], alone, atol=16 * np.finfo(np.float32).eps * np.abs(want).max()
+    )

@@ -21,6 +21,8 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import PRNGKeyArray
 
+from ..implicit import Slot
+
 Layout = Literal["stacked", "unrolled"]
 
 _SPAN = re.compile(r"(\d+)-(\d+)")
@@ -120,8 +122,19 @@ def make_layers(
     raise ValueError(f"layout must be 'stacked' or 'unrolled', got {layout!r}.")
 
 
-def _index(block: Any, i: int) -> Any:
-    return jax.tree.map(lambda x: x[i] if eqx.is_array(x) else x, block)
+def _slice_layers(block: Any, index: int | slice) -> Any:
+    """`block` with every layer-stacked array indexed by `index` along its layer axis,
+    and the `Slot`s of adapter templates (whose shape is static) reshaped to match."""
+
+    def one(x: Any) -> Any:
+        if isinstance(x, Slot):
+            return Slot(
+                jax.eval_shape(lambda a: a[index], jax.ShapeDtypeStruct(x.shape, x.dtype)).shape,
+                x.dtype,
+            )
+        return x[index] if eqx.is_array(x) else x
+
+    return jax.tree.map(one, block, is_leaf=lambda x: isinstance(x, Slot))
 
 
 def unstack(layers: "LayerStack | Sequence[Any]") -> tuple[Any, ...]:
@@ -130,7 +143,7 @@ def unstack(layers: "LayerStack | Sequence[Any]") -> tuple[Any, ...]:
         return tuple(layers)
     out = []
     for (first, last), block in layers.ordered():
-        out.extend(_index(block, i) for i in range(last - first + 1))
+        out.extend(_slice_layers(block, i) for i in range(last - first + 1))
     return tuple(out)
 
 
@@ -141,8 +154,7 @@ def split_stack(stack: LayerStack, boundaries: Sequence[int]) -> LayerStack:
     for (first, last), block in stack.ordered():
         starts = sorted({first} | {c for c in cuts if first < c <= last})
         for a, b in zip(starts, [*starts[1:], last + 1]):
-            part = jax.tree.map(lambda x: x[a - first : b - first] if eqx.is_array(x) else x, block)
-            segments[span_name(a, b - 1)] = part
+            segments[span_name(a, b - 1)] = _slice_layers(block, slice(a - first, b - first))
     return LayerStack(segments)
 
 
