@@ -5,6 +5,7 @@ installed console script for exit codes and one-line errors."""
 import re
 import subprocess
 import sys
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -301,7 +302,8 @@ def test_inspect_counts_match_get_peft_model_and_peft(name, tmp_path, capsys):
     job = tmp_path / "job.toml"
     job.write_text(
         f'[model]\npath = "all-MiniLM-L6-v2"\ntask = "classification"\n\n'
-        f'[data]\ntrain = "train.jsonl"\n\n[{table}]\n{text}\n\n[train]\nepochs = 1\n'
+        f'[data]\ntrain = "train.jsonl"\neval = "eval.jsonl"\n\n[{table}]\n{text}\n\n'
+        "[train]\nepochs = 1\n"
     )
     code, out, _ = _run(capsys, "inspect", job, "--num-labels", 3)
     assert code == 0
@@ -335,6 +337,7 @@ def test_inspect_causal_lm_job(llama, capsys):
     job = llama / "job.toml"
     job.write_text(
         '[model]\npath = "base"\ntask = "causal-lm"\nlayout = "unrolled"\n\n'
+        '[data]\ntrain = "train.jsonl"\neval = "eval.jsonl"\n\n'
         '[lora]\nr = 3\ntarget_modules = "all-linear"\n'
     )
     code, out, _ = _run(capsys, "inspect", job)
@@ -382,7 +385,42 @@ def test_inspect_bare_adapter_toml(tmp_path, capsys):
     assert f"trainable params: {trainable:,} || all params: {total:,} ||" in out
 
 
+def test_inspect_two_adapters_match_peft(llama, capsys):
+    """configs/two_adapters_llama_causal.toml on the tiny Llama (MODEL_DIR in place of its
+    model.path): each adapter's modules and counts with it active, as PyTorch PEFT counts
+    them with both adapters on the model."""
+    job = Path(__file__).parents[1] / "configs" / "two_adapters_llama_causal.toml"
+    code, out, _ = _run(capsys, "inspect", llama / "base", job)
+    assert code == 0
+    sections = dict(s.split("'\n", 1) for s in out.split("\nadapter '")[1:])
+    entries = tomllib.loads(job.read_text())["adapters"]
+    assert list(sections) == [e["name"] for e in entries] == ["stories", "support"]
+
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
+    configs = [peft.LoraConfig(**e["lora"], task_type="CAUSAL_LM") for e in entries]
+    reference = peft.get_peft_model(torch_model, configs[0], adapter_name="stories")
+    reference.add_adapter("support", configs[1])
+    totals = set()
+    for entry, (name, section) in zip(entries, sections.items(), strict=True):
+        reference.set_adapter(name)
+        trainable, total, percent = TOTALS.search(section).groups()
+        trainable, total = int(trainable.replace(",", "")), int(total.replace(",", ""))
+        assert (trainable, total) == reference.get_nb_trainable_parameters()
+        assert percent == f"{100 * trainable / total:.4f}"
+        totals.add(total)
+        # one row per targeted module (stacked: both layers in one), summing to the count
+        table = section.split("module ", 1)[1].split("\ntrainable params")[0].splitlines()[1:]
+        rows = [re.fullmatch(r"(\S+)\s+[\dx]+\s+([\d,]+)", line).groups() for line in table]
+        names = sorted(p.rsplit(".", 1)[1] for p, _ in rows)
+        assert names == sorted(entry["lora"]["target_modules"])
+        assert sum(int(n.replace(",", "")) for _, n in rows) == trainable
+    assert len(totals) == 1  # all params: the base and both adapters, whichever is active
+
+
 # -- errors ---------------------------------------------------------------------------------
+
+
+DATA = '[data]\ntrain = "train.jsonl"\neval = "eval.jsonl"\n'
 
 
 def _job(tmp_path, text):
@@ -407,7 +445,7 @@ def test_inspect_errors(tmp_path, capsys):
     err = _error(capsys, 2, "inspect", unknown)
     assert "unknown key 'pth' in [model]" in err and "(did you mean 'path'?)" in err
 
-    unknown_lora = _job(tmp_path, '[model]\ntask = "classification"\n[lora]\nrr = 4\n')
+    unknown_lora = _job(tmp_path, f'[model]\ntask = "classification"\n{DATA}[lora]\nrr = 4\n')
     err = _error(capsys, 2, "inspect", unknown_lora)
     assert "Unknown LoraConfig keys: 'rr' (did you mean 'r'?)" in err
 
@@ -421,6 +459,36 @@ def test_inspect_errors(tmp_path, capsys):
     typo = _job(tmp_path, '[lora]\nr = 4\ntarget_modules = ["qury"]\n')
     err = _error(capsys, 1, "inspect", "all-MiniLM-L6-v2", typo)
     assert "matches no module of this model. Closest module names: ['query']" in err
+
+    err = _error(capsys, 2, "inspect", typo)
+    assert f"{typo} holds only an adapter table; name the model: peftx inspect MODEL_DIR" in err
+
+
+ENTRY = 'train = "t.jsonl"\neval = "e.jsonl"\n'
+BAD_ENTRIES = {
+    "unknown key": (f'name = "a"\n{ENTRY}nme = "b"\n', "unknown key 'nme' in [[adapters]][2]"),
+    "taken name": (f'name = "a"\n{ENTRY}', "name 'a' is taken by [[adapters]][1]"),
+    "no eval": ('name = "b"\ntrain = "t.jsonl"\n', "[[adapters]][2]: missing 'eval'"),
+    "mixed kinds": (
+        f'name = "b"\n{ENTRY}[adapters.ia3]\n',
+        "[adapters.ia3] cannot join [adapters.lora]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ENTRIES))
+def test_inspect_bad_adapters_entry_as_finetune(case, tmp_path, capsys):
+    """A bad [[adapters]] entry: the one line `peftx finetune` gives for the job."""
+    entry, message = BAD_ENTRIES[case]
+    lora = "" if "[adapters.ia3]" in entry else "[adapters.lora]\nr = 4\n"
+    job = _job(
+        tmp_path,
+        '[model]\ntask = "causal-lm"\n\n[[adapters]]\nname = "a"\n'
+        f"{ENTRY}[adapters.lora]\nr = 4\n\n[[adapters]]\n{entry}{lora}",
+    )
+    err = _error(capsys, 2, "inspect", job)
+    assert message in err
+    assert _error(capsys, 2, "finetune", job) == err
 
 
 def test_usage_errors_version_and_interrupt(capsys, monkeypatch):

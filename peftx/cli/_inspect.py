@@ -1,8 +1,9 @@
 """`peftx inspect MODEL_DIR [CONFIG.toml]`: a checkpoint's architecture and, given a config,
-what the adapter would adapt, counted without reading a weight."""
+what each adapter would adapt, counted without reading a weight."""
 
 import argparse
 import dataclasses
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -17,7 +18,6 @@ from ._common import (
     UsageError,
     adapter_config,
     hf_config,
-    job_model,
     model_class_for,
     model_dir,
     read_toml,
@@ -26,7 +26,6 @@ from ._common import (
 # The adapters' config tables; a TOML holding any other table is a fine-tune job.
 ADAPTER_TABLES = ("lora", "ia3")
 PEFT_TASKS = {"SEQ_CLS": "classification", "CAUSAL_LM": "causal-lm"}
-DEFAULT_TASK_TYPE = {"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,16 +50,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What to build: the checkpoint, the peftx class name, dtype, layout and adapter."""
+    """What to build: the checkpoint, the peftx class name, dtype, layout, and the
+    adapters, `(name, LoraConfig or IA3Config)` pairs (none without a config); `named`
+    (an `[[adapters]]` job) prints each one under its name."""
 
     path: Path
     class_name: str
     dtype: str
     layout: str
-    config: Any  # a LoraConfig or IA3Config, or None
+    adapters: tuple[tuple[str, Any], ...] = ()
+    named: bool = False
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
+    from ._finetune import Job
+
     toml = args.config
     if toml is None and args.model.endswith(".toml"):
         toml, model = args.model, None
@@ -68,18 +72,23 @@ def _plan(args: argparse.Namespace) -> _Plan:
         model = args.model
     path = None if model is None else model_dir(model)
     if toml is None:
-        return _Plan(path, _default_class(path), "float32", "stacked", None)
+        return _Plan(path, _default_class(path), "float32", "stacked")
     tables = read_toml(toml)
-    config = adapter_config(toml)
     if set(tables) <= set(ADAPTER_TABLES):  # a bare adapter config
+        if path is None:
+            raise UsageError(
+                f"{toml} holds only an adapter table; name the model: "
+                f"peftx inspect MODEL_DIR {toml}"
+            )
+        config = adapter_config(toml)
         task = PEFT_TASKS.get(config.task_type)
         name = _default_class(path) if task is None else model_class_for(task, path)
-        return _Plan(path, name, "float32", "stacked", config)
-    job = job_model(tables, toml)
-    path = path or job.path
-    if config.task_type is None:
-        config = dataclasses.replace(config, task_type=DEFAULT_TASK_TYPE[job.task])
-    return _Plan(path, model_class_for(job.task, path), job.dtype, job.layout, config)
+        return _Plan(path, name, "float32", "stacked", (("default", config),))
+    # MODEL_DIR, when given, in place of the job's model.path (as `--set model.path=...`)
+    job = Job(Path(toml), [] if path is None else [f"model.path={json.dumps(str(path))}"])
+    m = job.model
+    adapters = tuple((a.name, a.config) for a in job.adapters)
+    return _Plan(m.path, model_class_for(m.task, m.path), m.dtype, m.layout, adapters, job.multi)
 
 
 def _default_class(path: Path) -> str:
@@ -153,18 +162,25 @@ def survey(plan: _Plan, num_labels: int) -> dict[str, Any]:
     def build(key: jax.Array) -> dict[str, Any]:
         model = cls(config, key=key, layout=plan.layout, dtype=dtype)
         leaves = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
-        out: dict[str, Any] = {"total": sum(x.size for x in leaves)}
-        if plan.config is None:
+        out: dict[str, Any] = {"total": sum(x.size for x in leaves), "adapters": {}}
+        if not plan.adapters:
             return out
-        peft_model = get_peft_model(model, plan.config, key=key)
-        resolved = peft_model.peft_config["default"]  # PEFT's defaults filled in
-        chosen = targets(model, resolved)
-        out["rows"] = [
-            (p, tuple(n.weight.shape), adapter_parameters(resolved, p, n))
-            for p, n in zip(chosen.paths(), chosen.get())
-        ]
-        out["saved"] = sorted(peft_model.saved_modules.get("default", {}))
-        out["counts"] = peft_model.get_nb_trainable_parameters()
+        (first, first_config), *rest = plan.adapters
+        peft_model = get_peft_model(model, first_config, key=key, adapter_name=first)
+        for name, adapter in rest:
+            peft_model = peft_model.add_adapter(name, adapter, key=key)
+        for name, _ in plan.adapters:
+            resolved = peft_model.peft_config[name]  # PEFT's defaults filled in
+            chosen = targets(model, resolved)
+            out["adapters"][name] = {
+                "rows": [
+                    (p, tuple(n.weight.shape), adapter_parameters(resolved, p, n))
+                    for p, n in zip(chosen.paths(), chosen.get())
+                ],
+                "saved": sorted(peft_model.saved_modules.get(name, {})),
+                # PEFT's count with `name` active: its parameters trainable, all in all
+                "counts": peft_model.set_adapter(name).get_nb_trainable_parameters(),
+            }
         return out
 
     return eqx.filter_eval_shape(build, jax.random.key(0))
@@ -195,19 +211,21 @@ def run(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in info)
     for k, v in info:
         print(f"{k:<{width}}  {v}")
-    if plan.config is None:
-        return 0
-    rows = [(p, "x".join(map(str, s)), f"{n:,}") for p, s, n in found["rows"]]
-    header = ("module", "base shape", f"{plan.config.peft_type} params")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
-    print()
-    for row in [header, *rows]:
-        print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:>{widths[2]}}")
-    if found["saved"]:
-        print(f"modules_to_save (trained in full): {', '.join(found['saved'])}")
-    trainable, total = found["counts"]
-    print(
-        f"trainable params: {trainable:,} || all params: {total:,} || "
-        f"trainable%: {100 * trainable / total:.4f}"
-    )
+    for name, adapter in plan.adapters:
+        one = found["adapters"][name]
+        print()
+        if plan.named:
+            print(f"adapter {name!r}")
+        rows = [(p, "x".join(map(str, s)), f"{n:,}") for p, s, n in one["rows"]]
+        header = ("module", "base shape", f"{adapter.peft_type} params")
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
+        for row in [header, *rows]:
+            print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:>{widths[2]}}")
+        if one["saved"]:
+            print(f"modules_to_save (trained in full): {', '.join(one['saved'])}")
+        trainable, total = one["counts"]
+        print(
+            f"trainable params: {trainable:,} || all params: {total:,} || "
+            f"trainable%: {100 * trainable / total:.4f}"
+        )
     return 0
