@@ -233,6 +233,19 @@ def finished(bert, tmp_path_factory):
     return out_dir, stdout.getvalue()
 
 
+def _three_label_classifiers(bert):
+    """transformers' and peftx's 3-label classifier on the tiny encoder `bert / "base"`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the encoder's fresh classifier
+        base = transformers.AutoModelForSequenceClassification.from_pretrained(
+            bert / "base", num_labels=3
+        )
+        model = peftx.from_pretrained(
+            bert / "base", model_class="BertForSequenceClassification", num_labels=3
+        )
+    return base, model
+
+
 def test_classification_job(bert, finished):
     out_dir, out = finished
     assert "trainable params:" in out
@@ -263,14 +276,7 @@ def test_classification_job(bert, finished):
     adapter = out_dir / "adapter"
     tok = transformers.AutoTokenizer.from_pretrained(adapter, local_files_only=True)
     enc = tok(texts, padding=True, return_tensors="np")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the encoder's fresh classifier
-        base = transformers.AutoModelForSequenceClassification.from_pretrained(
-            bert / "base", num_labels=3
-        )
-        model = peftx.from_pretrained(
-            bert / "base", model_class="BertForSequenceClassification", num_labels=3
-        )
+    base, model = _three_label_classifiers(bert)
     reference = peft.PeftModel.from_pretrained(base, adapter).eval()
     with torch.no_grad():
         want = reference(
@@ -717,14 +723,7 @@ learning_rate = 3e-2
     rows = [json.loads(line) for line in (bert / "eval.jsonl").read_text().splitlines()][:3] * 2
     tok = transformers.AutoTokenizer.from_pretrained(adapter, local_files_only=True)
     enc = tok([r["sentence"] for r in rows], padding=True, return_tensors="np")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the encoder's fresh classifier
-        base = transformers.AutoModelForSequenceClassification.from_pretrained(
-            bert / "base", num_labels=3
-        )
-        model = peftx.from_pretrained(
-            bert / "base", model_class="BertForSequenceClassification", num_labels=3
-        )
+    base, model = _three_label_classifiers(bert)
     with torch.no_grad():  # the fresh head of the __base__ rows: the same in both
         base.classifier.weight.copy_(torch.from_numpy(np.array(model.classifier.weight)))
         base.classifier.bias.copy_(torch.from_numpy(np.array(model.classifier.bias)))

@@ -214,7 +214,7 @@ def test_training_step_multiplies_activations_once_per_direction(getkey):
     (`[x, s·A·x]·[W, B]ᵀ`) and one backward (`g·[W, B]`): no rank-r product writes a
     `(tokens, out)` or `(tokens, in)` array besides the one that folds `g·B` back through
     `A`. Values and gradients are checked against the formula elsewhere."""
-    tokens, d_in, d_out, r = 32, 48, 64, 4
+    tokens, d_in, d_out, r = 64, 48, 40, 4
     w = _random_lora(getkey(), (d_out, d_in), r=r)
     x = jax.random.normal(getkey(), (tokens, d_in))
     params, static = eqx.partition(w, lambda leaf: leaf is not w.weight and eqx.is_array(leaf))
@@ -234,11 +234,60 @@ def test_training_step_multiplies_activations_once_per_direction(getkey):
         return sorted(s for s in shapes if s[0] == tokens and s[-1] > r + 1)
 
     assert big_products(loss_fn, params, x) == [(tokens, d_out)]
-    assert big_products(jax.grad(loss_fn, argnums=(0, 1)), params, x) == [
-        (tokens, d_in),  # s·(g·B)·A, into the input's gradient
-        (tokens, d_in + r),  # g·[W, B]
-        (tokens, d_out),
-    ]
+    assert big_products(jax.grad(loss_fn, argnums=(0, 1)), params, x) == sorted(
+        [
+            (tokens, d_in),  # s·(g·B)·A, into the input's gradient
+            (tokens, d_in + r),  # g·[W, B]
+            (tokens, d_out),
+        ]
+    )
+
+
+FUSED_FORMS = {
+    "x @ W.T": (lambda w, x: x @ w.T, "ti"),
+    "W @ x.T": (lambda w, x: w @ x.T, "ti"),
+    "batched einsum": (lambda w, x: jnp.einsum("bti,oi->bto", x, w), "bti"),
+    "x @ W (meets W's output axis)": (lambda w, x: x @ w, "to"),
+    "x @ W.T.T.T": (lambda w, x: x @ w.T.T.T, "ti"),
+    "x @ (W.T) (a lazy transpose meeting its output axis)": (lambda w, x: x @ w.T.T, "to"),
+}
+
+
+@pytest.mark.parametrize("form", FUSED_FORMS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_product_any_layout(form, dtype, getkey):
+    """The one-GEMM product (taken when there are at least as many tokens as the met axis
+    is long), for the layouts users write: values and gradients of x, W, A and B against
+    the dense formula in float64, to the dtype's rounding; with dropout keys too."""
+    fn, x_axes = FUSED_FORMS[form]
+    d_out, d_in, r, tokens = 6, 5, 3, 16
+    sizes = {"b": 2, "t": tokens, "i": d_in, "o": d_out}
+    w = _random_lora(getkey(), (d_out, d_in), r=r)
+    w = jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, w)
+    x = jax.random.normal(getkey(), tuple(sizes[a] for a in x_axes), dtype)
+
+    def implicit(x, weight, a, b):
+        adapted = eqx.tree_at(lambda m: (m.weight, m.lora_A, m.lora_B), w, (weight, a, b))
+        return use_implicit_args(fn)(adapted, x)
+
+    def dense(x, weight, a, b):
+        wide = [t.astype(jnp.float32) for t in (x, weight, a, b)]
+        return fn(wide[1] + w.scaling * wide[3] @ wide[2], wide[0])
+
+    args = (x, w.weight, w.lora_A, w.lora_B)
+    eps = float(jnp.finfo(dtype).eps)
+    with strict():
+        got = jax.jit(implicit)(*args)
+        grads = jax.grad(lambda *a: jnp.sum(jnp.sin(implicit(*a))), argnums=(0, 1, 2, 3))(*args)
+    want = dense(*args)
+    want_grads = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a))), argnums=(0, 1, 2, 3))(*args)
+    assert got.dtype == dtype and got.shape == want.shape
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(got.astype(jnp.float32), want, atol=8 * eps * scale * d_in)
+    for g, h in zip(grads, want_grads):
+        assert g.dtype == dtype
+        bound = 16 * eps * float(jnp.max(jnp.abs(h))) * tokens
+        np.testing.assert_allclose(g.astype(jnp.float32), h, atol=bound)
 
 
 # ---------------------------------------------------------------- initialization

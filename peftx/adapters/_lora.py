@@ -16,7 +16,7 @@ from jaxtyping import Array, Key, PRNGKeyArray, UInt32
 from ..implicit import (
     ImplicitArray,
     Transposed,
-    dense_view,
+    dense_base,
     materialize,
     primitive_handler,
     use_implicit_args,
@@ -478,17 +478,20 @@ def _fused_lora_dot(
     """`W·x + scaling·B·A·x_dropped` as one product: `[x, t]·[W, second]` concatenated
     along the axis that `x` meets, where `t = scaling·first·x_dropped` and `first`,
     `second` are `A`, `B` in the order they meet `x`. For an unstacked LoRA matrix whose
-    base is dense (or a lazy transpose of a dense one), with one dtype throughout; else
-    None.
+    base is dense (or a lazy transpose of a dense one), with one dtype throughout, and at
+    least as many tokens as the met axis is long; else None.
 
     One GEMM instead of the base GEMM plus a rank-`r` product as large as the output and
     their sum; reverse mode gets `g·second` from the same GEMM as `g·W`; and a remat policy
     that saves matmul outputs (`dots_saveable`) saves the layer's output once, not its two
-    terms. The `r` extra columns may change the GEMM's summation order: the base's part
+    terms. The price is a copy of `W` per call, which only pays off when the activations
+    are at least as large as the weight: with few tokens (decoding) the separate branch is
+    used. The `r` extra columns may change the GEMM's summation order: the base's part
     equals `W·x` to rounding, not bit for bit."""
-    weight = dense_view(w.weight)
-    if type(w) is not LoraArray or w.stack_ndim or weight is None:
+    base = dense_base(w.weight)
+    if type(w) is not LoraArray or w.stack_ndim or base is None:
         return None
+    weight, perm = base
     dtype = branch_dtype(w)
     if len({x.dtype, weight.dtype, w.lora_A.dtype, w.lora_B.dtype, dtype}) != 1:
         return None
@@ -499,10 +502,15 @@ def _fused_lora_dot(
     meet = 1 if p.w[1] in p.x else 0
     if p.w[meet] in p.out or p.w[1 - meet] in p.x:  # a batch axis, not a contracted one
         return None
+    if x.size // x.shape[p.x.index(p.w[meet])] < w.shape[meet]:
+        return None
     x = jnp.asarray(x)
     x_d = _dropout(x, w.lora_dropout, w.dropout_key, p.x, ())
     first, second = order(w.lora_A, w.lora_B)
-    return _fused_low_rank(p, meet)(x, x_d, weight, first, second, jnp.asarray(w.scaling, dtype))
+    if perm == (1, 0):  # W's own frame: its labels, met axis and factors transposed back
+        p, meet, first, second = dataclasses.replace(p, w=p.w[::-1]), 1 - meet, first.T, second.T
+    scale = jnp.asarray(w.scaling, dtype)
+    return _fused_low_rank(p, meet)(x, x_d, weight, first, second, scale)
 
 
 def _fused_low_rank(p: WeightProduct, meet: int) -> Any:

@@ -25,4 +25,4 @@ from ._core import (
     use_implicit_args as use_implicit_args,
 )
 from ._no_dense import assert_no_dense as assert_no_dense
-from ._transposed import Transposed as Transposed, dense_view as dense_view
+from ._transposed import Transposed as Transposed, dense_base as dense_base

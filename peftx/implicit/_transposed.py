@@ -30,16 +30,18 @@ class Transposed(ImplicitArray):
         return jnp.transpose(materialize(self.array), self.permutation)
 
 
-def dense_view(x: Any) -> Array | None:
-    """`x` as a plain array, when reading it costs no more than reading a plain array: `x`
-    itself, or for a lazy `Transposed` of a plain array that array transposed (for a
-    handler that copies it anyway, XLA fuses the transpose into the copy). None for other
-    implicit arrays, also when one reaches a handler as a traced field."""
+def dense_base(x: Any) -> tuple[Array, tuple[int, ...]] | None:
+    """`(array, permutation)` when `x` is a plain array (`x`, the identity) or a lazy
+    `Transposed` of one (`x` is `jnp.transpose(array, permutation)`), also when it
+    reaches a handler as a traced field; None for any other implicit array."""
     inner = x if is_implicit(x) else _engine.implicit_value(x)
     if inner is None:
-        return x
-    if isinstance(inner, Transposed) and dense_view(inner.array) is inner.array:
-        return jnp.transpose(inner.array, inner.permutation)
+        return x, tuple(range(x.ndim))
+    if isinstance(inner, Transposed):
+        below = dense_base(inner.array)
+        if below is not None:
+            array, perm = below
+            return array, tuple(perm[i] for i in inner.permutation)
     return None
 
 
