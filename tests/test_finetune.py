@@ -748,6 +748,43 @@ learning_rate = 3e-2
         assert np.abs(want[a] - want[b]).max() > 100 * _tolerance(want), (names[a], names[b])
 
 
+def test_classifiers_with_different_label_counts_are_refused(bert, tmp_path, capsys):
+    """The adapters of one job share the classification head's size: a second dataset
+    with fewer classes is one line naming both files, before any training."""
+    for split in ("train", "eval"):
+        rows = [json.loads(line) for line in (bert / f"{split}.jsonl").read_text().splitlines()]
+        _write_jsonl(tmp_path / f"{split}.jsonl", [r for r in rows if r["intent"] != "red"])
+    lora = '[adapters.lora]\nr = 2\ntarget_modules = ["query"]\n'
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f"""
+[model]
+path = "{bert / "base"}"
+task = "classification"
+
+[data]
+text_column = "sentence"
+label_column = "intent"
+
+[[adapters]]
+name = "three"
+train = "{bert / "train.jsonl"}"
+eval = "{bert / "eval.jsonl"}"
+{lora}
+[[adapters]]
+name = "two"
+train = "train.jsonl"
+eval = "eval.jsonl"
+{lora}
+[train]
+batch_size = 4
+"""
+    )
+    err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={tmp_path / 'run'}")
+    assert f"{tmp_path / 'train.jsonl'} has 2 labels, {bert / 'train.jsonl'} 3" in err, err
+    assert not (tmp_path / "run" / "adapter").exists()
+
+
 def test_failed_serving_check_saves_no_adapter(llama, tmp_path, capsys, monkeypatch):
     """A mixed batch that differs from the adapters run alone beyond the tolerance fails
     the job (the check's result doubled past it here), and no adapter is written."""
