@@ -329,3 +329,25 @@ def test_unstacked_adapter_set_serves_the_same_mixed_batch(checkpoint):
     np.testing.assert_allclose(
         got[:1], alone, atol=16 * np.finfo(np.float32).eps * np.abs(want).max()
     )
+
+
+def test_scan_saves_matmul_outputs_but_rank_r_expansions():
+    """The stacked layout's remat policy: matmul outputs are saved (base products, `x·Aᵀ`,
+    attention scores), an adapter's rank-r expansion `(x·Aᵀ)·Bᵀ` is recomputed, other
+    primitives are recomputed."""
+    from jax.extend.core import primitives
+
+    from peftx.models._stack import _dots_but_low_rank_expansions as policy
+
+    def dot(lhs, rhs, contracted, batch=((), ())):
+        avals = [jax.core.ShapedArray(s, jnp.float32) for s in (lhs, rhs)]
+        dims = ((contracted[0], contracted[1]), batch)
+        return policy(primitives.dot_general_p, *avals, dimension_numbers=dims)
+
+    tokens, d, r = 1024, 512, 8
+    assert dot((tokens, d), (d, d), ((1,), (0,)))  # the base product
+    assert dot((tokens, d), (r, d), ((1,), (1,)))  # x·Aᵀ
+    assert not dot((tokens, r), (d, r), ((1,), (1,)))  # the expansion, as large as the output
+    assert dot((8, 128, 4, 64), (8, 128, 4, 64), ((3,), (3,)), ((0, 2), (0, 2)))  # q·kᵀ
+    sin = jax.core.ShapedArray((tokens, d), jnp.float32)
+    assert not policy(primitives.sin_p, sin)

@@ -10,6 +10,7 @@ of them only: each segment is scanned in turn.
 """
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -191,6 +192,21 @@ def _policy(name: RematPolicy) -> Any:
     return getattr(jax.checkpoint_policies, name)
 
 
+def _dots_but_low_rank_expansions(primitive: Any, *avals: Any, **params: Any) -> bool:
+    """`dots_saveable`, except for products whose contracted size is at most a sixteenth
+    of each operand's free size: an adapter's rank-`r` expansion `(x·Aᵀ)·Bᵀ`, as large as
+    the layer's output, is recomputed from the small `x·Aᵀ` (saved) rather than stored
+    next to the base product."""
+    if primitive.name != "dot_general":
+        return False
+    lhs, rhs = avals[0].shape, avals[1].shape
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    k = math.prod(lhs[d] for d in lc)
+    lhs_free = math.prod(n for d, n in enumerate(lhs) if d not in lc and d not in lb)
+    rhs_free = math.prod(n for d, n in enumerate(rhs) if d not in rc and d not in rb)
+    return 16 * k > min(lhs_free, rhs_free)
+
+
 def run_layers(
     layers: "LayerStack | Sequence[Any]",
     step: Callable[[Any, Any, Any], tuple[Any, Any]],
@@ -208,8 +224,9 @@ def run_layers(
     block's activations are recomputed in the backward pass, keeping what `remat_policy`
     (a name in `jax.checkpoint_policies`; None saves nothing) allows.
 
-    Without it, a scanned block still saves only its matmul outputs (`dots_saveable`)
-    and recomputes the elementwise work in the backward pass. An unrolled graph gets this
+    Without it, a scanned block still saves only its matmul outputs (`dots_saveable`,
+    less adapters' rank-`r` expansions, which are cheap to recompute) and recomputes the
+    elementwise work in the backward pass. An unrolled graph gets this
     from XLA, which fuses elementwise residuals into their consumers; a scan must store
     every residual its backward reads, stacked over the layers, which cost 1.4x the
     unrolled step's temporaries and 1.2x its time (`benchmarks/scan_layers.py`).
@@ -218,7 +235,7 @@ def run_layers(
     if gradient_checkpointing:
         step = eqx.filter_checkpoint(step, policy=_policy(remat_policy))
     elif isinstance(layers, LayerStack):
-        step = eqx.filter_checkpoint(step, policy=jax.checkpoint_policies.dots_saveable)
+        step = eqx.filter_checkpoint(step, policy=_dots_but_low_rank_expansions)
 
     def sliced(a: int, b: int) -> Any:
         return jax.tree.map(lambda x: x[a:b], xs)
