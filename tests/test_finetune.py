@@ -664,18 +664,14 @@ def test_adapters_schema_errors(old, new, sets, message, llama, tmp_path, capsys
     assert not (tmp_path / "run").exists()
 
 
-def test_two_classifiers_in_mixed_batches_as_peft(bert, tmp_path, capsys):
-    """Two classification adapters, each with its own classifier copy (modules_to_save),
-    on data whose labels are permuted for the second: each learns its own labelling, and
-    PyTorch PEFT serves the saved pair in one mixed batch as peftx does."""
-    shift = {"red": "green", "green": "blue", "blue": "red"}
+def _two_classifiers_job(bert, tmp_path, names, rewrite, lora, train):
+    """A classification job with two `[[adapters]]` (`lora`, the entries' adapter table):
+    `names[0]` on the tiny encoder's data, `names[1]` on `rewrite(rows)` of it, written to
+    `tmp_path`; `train` is the `[train]` table's body."""
     for split in ("train", "eval"):
         rows = [json.loads(line) for line in (bert / f"{split}.jsonl").read_text().splitlines()]
-        _write_jsonl(
-            tmp_path / f"{split}.jsonl", [{**r, "intent": shift[r["intent"]]} for r in rows]
-        )
+        _write_jsonl(tmp_path / f"{split}.jsonl", rewrite(rows))
     job = tmp_path / "job.toml"
-    lora = '[adapters.lora]\nr = 4\nlora_alpha = 8\ntarget_modules = ["query", "value"]\n'
     job.write_text(
         f"""
 [model]
@@ -688,21 +684,33 @@ label_column = "intent"
 max_length = 16
 
 [[adapters]]
-name = "colors"
+name = "{names[0]}"
 train = "{bert / "train.jsonl"}"
 eval = "{bert / "eval.jsonl"}"
 {lora}
 [[adapters]]
-name = "shifted"
+name = "{names[1]}"
 train = "train.jsonl"
 eval = "eval.jsonl"
 {lora}
 [train]
-seed = 3
-batch_size = 16
-eval_batch_size = 32
-learning_rate = 3e-2
-"""
+{train}"""
+    )
+    return job
+
+
+def test_two_classifiers_in_mixed_batches_as_peft(bert, tmp_path, capsys):
+    """Two classification adapters, each with its own classifier copy (modules_to_save),
+    on data whose labels are permuted for the second: each learns its own labelling, and
+    PyTorch PEFT serves the saved pair in one mixed batch as peftx does."""
+    shift = {"red": "green", "green": "blue", "blue": "red"}
+    job = _two_classifiers_job(
+        bert,
+        tmp_path,
+        ("colors", "shifted"),
+        lambda rows: [{**r, "intent": shift[r["intent"]]} for r in rows],
+        '[adapters.lora]\nr = 4\nlora_alpha = 8\ntarget_modules = ["query", "value"]\n',
+        "seed = 3\nbatch_size = 16\neval_batch_size = 32\nlearning_rate = 3e-2\n",
     )
     out_dir = tmp_path / "run"
     _finetune(capsys, job, out_dir, "train.steps=40")
@@ -751,34 +759,13 @@ learning_rate = 3e-2
 def test_classifiers_with_different_label_counts_are_refused(bert, tmp_path, capsys):
     """The adapters of one job share the classification head's size: a second dataset
     with fewer classes is one line naming both files, before any training."""
-    for split in ("train", "eval"):
-        rows = [json.loads(line) for line in (bert / f"{split}.jsonl").read_text().splitlines()]
-        _write_jsonl(tmp_path / f"{split}.jsonl", [r for r in rows if r["intent"] != "red"])
-    lora = '[adapters.lora]\nr = 2\ntarget_modules = ["query"]\n'
-    job = tmp_path / "job.toml"
-    job.write_text(
-        f"""
-[model]
-path = "{bert / "base"}"
-task = "classification"
-
-[data]
-text_column = "sentence"
-label_column = "intent"
-
-[[adapters]]
-name = "three"
-train = "{bert / "train.jsonl"}"
-eval = "{bert / "eval.jsonl"}"
-{lora}
-[[adapters]]
-name = "two"
-train = "train.jsonl"
-eval = "eval.jsonl"
-{lora}
-[train]
-batch_size = 4
-"""
+    job = _two_classifiers_job(
+        bert,
+        tmp_path,
+        ("three", "two"),
+        lambda rows: [r for r in rows if r["intent"] != "red"],
+        '[adapters.lora]\nr = 2\ntarget_modules = ["query"]\n',
+        "batch_size = 4\n",
     )
     err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={tmp_path / 'run'}")
     assert f"{tmp_path / 'train.jsonl'} has 2 labels, {bert / 'train.jsonl'} 3" in err, err
