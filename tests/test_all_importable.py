@@ -110,6 +110,7 @@ PUBLIC = {
         "materialize",
         "materialize_all",
         "Transposed",
+        "dense_base",
         "Slot",
         "is_template",
         "MaterializationPolicy",
