@@ -21,3 +21,51 @@ def all_eqns(jaxpr):
                     yield from all_eqns(sub.jaxpr)
                 elif isinstance(sub, jexc.Jaxpr):
                     yield from all_eqns(sub)
+
+
+def word_tokenizer(words, *, cls_sep=False):
+    """A word-level tokenizer over `words` (which hold its special tokens), built offline:
+    `[UNK]`, `[PAD]`, and `</s>` as EOS; with `cls_sep`, BERT's `[CLS] ... [SEP]` instead
+    of an EOS."""
+    import tokenizers
+    import transformers
+
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    if cls_sep:
+        tok.post_processor = tokenizers.processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+        )
+        specials = {"cls_token": "[CLS]", "sep_token": "[SEP]"}
+    else:
+        specials = {"eos_token": "</s>"}
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", **specials
+    )
+
+
+def tiny_llama_config(vocab_size, **overrides):
+    """transformers' `LlamaConfig` of a 2-layer, hidden-32 model with grouped-query
+    attention (4 heads, 2 key/value heads) and pad id 0; `overrides` change any field."""
+    import transformers
+
+    fields = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    return transformers.LlamaConfig(vocab_size=vocab_size, **{**fields, **overrides})
+
+
+def run_cli(capsys, *argv):
+    """`peftx.cli.main(argv)` in process: `(exit status, stdout, stderr)`."""
+    from peftx.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err

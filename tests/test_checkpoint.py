@@ -18,6 +18,7 @@ import optax
 import pytest
 import torch
 import transformers
+from helpers import tiny_llama_config
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -823,15 +824,7 @@ def test_bf16_cast_matches_ml_dtypes_rounding():
 def test_num_labels_puts_a_fresh_head_on_a_causal_lm_checkpoint(tmp_path, name):
 
     if name.startswith("Llama"):
-        config = transformers.LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            pad_token_id=0,
-        )
+        config = tiny_llama_config(64)
         lm = transformers.LlamaForCausalLM
     else:
         config = transformers.GPT2Config(

