@@ -62,6 +62,21 @@ def tiny_llama_config(vocab_size, **overrides):
     return transformers.LlamaConfig(vocab_size=vocab_size, **{**fields, **overrides})
 
 
+def tiny_bert_config(vocab_size, **overrides):
+    """transformers' `BertConfig` of a 2-layer, hidden-32 encoder with 4 heads and 64
+    positions; `overrides` change any field."""
+    import transformers
+
+    fields = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    return transformers.BertConfig(vocab_size=vocab_size, **{**fields, **overrides})
+
+
 def run_cli(capsys, *argv):
     """`peftx.cli.main(argv)` in process: `(exit status, stdout, stderr)`."""
     from peftx.cli import main

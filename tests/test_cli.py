@@ -16,7 +16,7 @@ import peft
 import pytest
 import torch
 import transformers
-from helpers import run_cli, tiny_llama_config, word_tokenizer
+from helpers import run_cli, tiny_bert_config, tiny_llama_config, word_tokenizer
 
 import peftx
 from peftx.cli import _env, main
@@ -61,15 +61,7 @@ def bert(request, tmp_path_factory):
     """A tiny random BERT checkpoint (a 3-class classifier, or a bare encoder) with a
     tokenizer, and a PEFT SEQ_CLS LoRA adapter with its own 3-class head."""
     root = tmp_path_factory.mktemp("bert")
-    config = transformers.BertConfig(
-        vocab_size=len(WORDS),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        num_labels=3,
-    )
+    config = tiny_bert_config(len(WORDS), num_labels=3)
     torch.manual_seed(0)
     if request.param == "classifier":
         transformers.BertForSequenceClassification(config).save_pretrained(root / "base")

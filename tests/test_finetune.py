@@ -20,7 +20,7 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
-from helpers import run_cli, tiny_llama_config, word_tokenizer
+from helpers import run_cli, tiny_bert_config, tiny_llama_config, word_tokenizer
 
 import peftx
 from peftx.cli import main
@@ -53,13 +53,8 @@ def _intents(seed: int, n: int) -> list[dict]:
 def bert(tmp_path_factory):
     """A tiny random BERT encoder with a tokenizer, and a job on a synthetic dataset."""
     root = tmp_path_factory.mktemp("bert")
-    config = transformers.BertConfig(
-        vocab_size=len(WORDS),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
+    config = tiny_bert_config(
+        len(WORDS),
         initializer_range=0.2,  # features large enough for a few steps to learn from
     )
     torch.manual_seed(0)
