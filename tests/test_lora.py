@@ -254,25 +254,36 @@ FUSED_FORMS = {
 
 
 @pytest.mark.parametrize("form", FUSED_FORMS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_product_any_layout(form, dtype, getkey):
+@pytest.mark.parametrize(
+    "dtype, dropout",
+    [(jnp.float32, False), (jnp.float32, True), (jnp.bfloat16, False)],
+    ids=["float32", "float32 with dropout", "bfloat16"],
+)
+def test_fused_product_any_layout(form, dtype, dropout, getkey):
     """The one-GEMM product (taken when there are at least as many tokens as the met axis
-    is long), for the layouts users write: values and gradients of x, W, A and B against
-    the dense formula in float64, to the dtype's rounding; with dropout keys too."""
+    is long), for the layouts users write, with and without dropout: values and gradients
+    of x, W, A and B against the dense formula in float32, to the dtype's rounding."""
     fn, x_axes = FUSED_FORMS[form]
     d_out, d_in, r, tokens = 6, 5, 3, 16
     sizes = {"b": 2, "t": tokens, "i": d_in, "o": d_out}
-    w = _random_lora(getkey(), (d_out, d_in), r=r)
+    w = _random_lora(getkey(), (d_out, d_in), r=r, lora_dropout=0.5 if dropout else 0.0)
     w = jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, w)
     x = jax.random.normal(getkey(), tuple(sizes[a] for a in x_axes), dtype)
+    if dropout:
+        w = with_dropout(w, getkey())
+        # the mask is drawn in the layout of the operand the product sees
+        transposed = form == "W @ x.T"
+        keep = jax.random.bernoulli(w.dropout_key, 0.5, x.T.shape if transposed else x.shape)
+        keep = keep.T if transposed else keep
 
     def implicit(x, weight, a, b):
         adapted = eqx.tree_at(lambda m: (m.weight, m.lora_A, m.lora_B), w, (weight, a, b))
         return use_implicit_args(fn)(adapted, x)
 
     def dense(x, weight, a, b):
-        wide = [t.astype(jnp.float32) for t in (x, weight, a, b)]
-        return fn(wide[1] + w.scaling * wide[3] @ wide[2], wide[0])
+        x, weight, a, b = [t.astype(jnp.float32) for t in (x, weight, a, b)]
+        x_d = jnp.where(keep, x / 0.5, 0.0) if dropout else x
+        return fn(weight, x) + fn(w.scaling * b @ a, x_d)
 
     args = (x, w.weight, w.lora_A, w.lora_B)
     eps = float(jnp.finfo(dtype).eps)
