@@ -13,6 +13,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -620,6 +621,15 @@ def hand_merged(peft: peftx.PeftModel) -> Any:
     return jax.tree.map(merged, peft.base_model, is_leaf=is_set)
 
 
+def same_program(a: Variant, b: Variant) -> bool:
+    """Whether two variants compiled to the same optimized HLO (metadata aside)."""
+
+    def text(v: Variant) -> str:
+        return re.sub(r", metadata=\{[^}]*\}", "", v.compiled.compiled.as_text())
+
+    return text(a) == text(b)
+
+
 def inference_group(group: dict) -> tuple[list[Variant], str]:
     """Base forward, LoRA unmerged (`peft_model(...)`) and merged (`merge_and_unload`)."""
     base, peft, ids = group["base"], group["peft"], group["ids"]
@@ -911,9 +921,11 @@ def main() -> None:
     out += [md_table(["forward", "median ms", "vs base"], rows), ""]
     for name, vs in inference.items():
         ratio = vs[2].median / vs[0].median
+        same = "identical" if same_program(vs[0], vs[2]) else "different"
         out.append(
             f"- {name}: merged inference equals the base (<= 1.05x, the same program): "
-            f"{ratio:.2f}x {verdict(ratio <= 1.05)}; {inf_checks[name]}"
+            f"{ratio:.2f}x {verdict(ratio <= 1.05)}; compiled programs {same}; "
+            f"{inf_checks[name]}"
         )
 
     out += [
