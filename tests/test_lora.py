@@ -209,12 +209,9 @@ def test_frozen_weight_gets_no_gradient_computation(getkey):
     assert (64, 48) not in shapes and (48, 64) not in shapes
 
 
-def test_training_step_multiplies_activations_once_per_direction(getkey):
-    """A float32 `Linear` adapter costs one activation-sized product forward
-    (`[x, s·A·x]·[W, B]ᵀ`) and one backward (`g·[W, B]`): no rank-r product writes a
-    `(tokens, out)` or `(tokens, in)` array besides the one that folds `g·B` back through
-    `A`. Values and gradients are checked against the formula elsewhere."""
-    tokens, d_in, d_out, r = 64, 48, 40, 4
+def _linear_loss(getkey, tokens, d_in, d_out, r):
+    """`(loss(params, x), params, x)`: a `Linear`-style `x @ Wᵀ` through a LoRA weight
+    whose base is frozen (left out of `params`)."""
     w = _random_lora(getkey(), (d_out, d_in), r=r)
     x = jax.random.normal(getkey(), (tokens, d_in))
     params, static = eqx.partition(w, lambda leaf: leaf is not w.weight and eqx.is_array(leaf))
@@ -223,6 +220,17 @@ def test_training_step_multiplies_activations_once_per_direction(getkey):
         return jnp.sum(
             jnp.tanh(use_implicit_args(lambda m, x: x @ m.T)(eqx.combine(params, static), x))
         )
+
+    return loss_fn, params, x
+
+
+def test_training_step_multiplies_activations_once_per_direction(getkey):
+    """A float32 `Linear` adapter costs one activation-sized product forward
+    (`[x, s·A·x]·[W, B]ᵀ`) and one backward (`g·[W, B]`): no rank-r product writes a
+    `(tokens, out)` or `(tokens, in)` array besides the one that folds `g·B` back through
+    `A`. Values and gradients are checked against the formula elsewhere."""
+    tokens, d_in, d_out, r = 64, 48, 40, 4
+    loss_fn, params, x = _linear_loss(getkey, tokens, d_in, d_out, r)
 
     def big_products(fn, *args):
         """The activation-sized products XLA runs (after removing dead code)."""
@@ -249,15 +257,7 @@ def test_factor_gradients_are_written_rank_major(getkey, tokens):
     `r` as the major axis (then transposed, weight-sized and cheap): on CPU the `(·, r)`
     layout XLA would otherwise pick for `B`'s gradient runs 2-4x slower."""
     d_in, d_out, r = 48, 40, 4
-    w = _random_lora(getkey(), (d_out, d_in), r=r)
-    x = jax.random.normal(getkey(), (tokens, d_in))
-    params, static = eqx.partition(w, lambda leaf: leaf is not w.weight and eqx.is_array(leaf))
-
-    def loss_fn(params, x):
-        return jnp.sum(
-            jnp.tanh(use_implicit_args(lambda m, x: x @ m.T)(eqx.combine(params, static), x))
-        )
-
+    loss_fn, params, x = _linear_loss(getkey, tokens, d_in, d_out, r)
     hlo = jax.jit(jax.grad(loss_fn)).lower(params, x).compile().as_text()
     products = re.findall(r"= f32\[(\d+),(\d+)\]\{(\d),(\d)\} dot\(", hlo)
     gradients = [
