@@ -15,6 +15,7 @@ from peftx.implicit import (
     UnsupportedVersionError,
     UntestedVersionWarning,
     _engine,
+    outer_vmap_size,
     primitive_handler,
     use_implicit_args,
 )
@@ -74,6 +75,29 @@ _sin_calls = []
 def _counted_sin(primitive, x: _Counted, **params):
     _sin_calls.append(x)
     return jnp.sin(x.value)
+
+
+def test_outer_vmap_size_counts_the_examples_of_every_enclosing_vmap():
+    seen = {}
+
+    def record(name):
+        def f(x, y):
+            seen[name] = (outer_vmap_size(x), outer_vmap_size(y))
+            return x
+
+        return f
+
+    x, y = jnp.ones((4, 3, 2)), jnp.ones(2)
+    record("none")(x, y)
+    jax.vmap(record("one"), in_axes=(0, None))(x, y)
+    jax.jit(jax.vmap(jax.vmap(record("two"), in_axes=(0, None)), in_axes=(0, None)))(x, y)
+    jax.grad(lambda x: jnp.sum(jax.vmap(record("grad of vmap"), in_axes=(0, None))(x, y)))(x)
+    assert seen == {
+        "none": (1, 1),
+        "one": (4, 1),
+        "two": (12, 1),
+        "grad of vmap": (4, 1),
+    }
 
 
 def test_eager_inner_jit_traces_its_body_once():

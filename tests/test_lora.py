@@ -270,6 +270,42 @@ def test_factor_gradients_are_written_rank_major(getkey, tokens):
         assert shape[major] == r, f"{shape} written with axis {major} major"
 
 
+@pytest.mark.parametrize("batch", [8, 2], ids=["one GEMM", "separate branch"])
+def test_outer_vmap_counts_the_batch_for_the_one_gemm_product(getkey, batch):
+    """The idiomatic Equinox model takes one example and is `vmap`ped over the batch
+    outside `use_implicit_args`: the handler sees one example's 4 tokens, but one copy of
+    `[W, B]` serves the whole batch, so the one-GEMM product is taken once the batch's
+    tokens reach the met axis (16). Values and gradients against the dense formula."""
+    tokens, d_in, d_out, r = 4, 16, 12, 2
+    w = _random_lora(getkey(), (d_out, d_in), r=r)
+    x = jax.random.normal(getkey(), (batch, tokens, d_in))
+
+    def implicit(x, a, b):
+        adapted = eqx.tree_at(lambda m: (m.lora_A, m.lora_B), w, (a, b))
+        return jax.vmap(lambda v: use_implicit_args(lambda m, v: v @ m.T)(adapted, v))(x)
+
+    def dense(x, a, b):
+        return x @ (w.weight + w.scaling * b @ a).T
+
+    def loss(f):
+        return lambda *args: jnp.sum(jnp.sin(f(*args)))
+
+    args = (x, w.lora_A, w.lora_B)
+    jaxpr = jax.make_jaxpr(jax.grad(loss(implicit), argnums=(0, 1, 2)))(*args)
+    extended = [
+        eqn
+        for eqn in all_eqns(jaxpr.jaxpr)
+        if eqn.primitive.name == "dot_general"
+        and any(getattr(v.aval, "shape", None) == (d_out, d_in + r) for v in eqn.invars)
+    ]
+    assert bool(extended) == (batch * tokens >= d_in)
+    close(jax.jit(implicit)(*args), dense(*args))
+    got = jax.grad(loss(implicit), argnums=(0, 1, 2))(*args)
+    want = jax.grad(loss(dense), argnums=(0, 1, 2))(*args)
+    for g, h in zip(got, want):
+        close(g, h)
+
+
 FUSED_FORMS = {
     "x @ W.T": (lambda w, x: x @ w.T, "ti"),
     "W @ x.T": (lambda w, x: w @ x.T, "ti"),

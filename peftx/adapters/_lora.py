@@ -18,6 +18,7 @@ from ..implicit import (
     Transposed,
     dense_base,
     materialize,
+    outer_vmap_size,
     primitive_handler,
     use_implicit_args,
 )
@@ -491,7 +492,8 @@ def _fused_lora_dot(
     along the axis that `x` meets, where `t = scaling·first·x_dropped` and `first`,
     `second` are `A`, `B` in the order they meet `x`. For an unstacked LoRA matrix whose
     base is dense (or a lazy transpose of a dense one), with one dtype throughout, and at
-    least as many tokens as the met axis is long; else None.
+    least as many tokens as the met axis is long, counting the examples of an outer
+    `jax.vmap` that does not map `W` (one copy of `W` then serves them all); else None.
 
     One GEMM instead of the base GEMM plus a rank-`r` product as large as the output and
     their sum; reverse mode gets `g·second` from the same GEMM as `g·W`; and a remat policy
@@ -514,7 +516,8 @@ def _fused_lora_dot(
     meet = 1 if p.w[1] in p.x else 0
     if p.w[meet] in p.out or p.w[1 - meet] in p.x:  # a batch axis, not a contracted one
         return None
-    if x.size // x.shape[p.x.index(p.w[meet])] < w.shape[meet]:
+    tokens = x.size // x.shape[p.x.index(p.w[meet])]
+    if tokens * outer_vmap_size(x) // outer_vmap_size(weight) < w.shape[meet]:
         return None
     x = jnp.asarray(x)
     x_d = _dropout(x, w.lora_dropout, w.dropout_key, p.x, ())

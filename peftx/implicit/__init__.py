@@ -24,5 +24,6 @@ from ._core import (
     strict as strict,
     use_implicit_args as use_implicit_args,
 )
+from ._engine import outer_vmap_size as outer_vmap_size
 from ._no_dense import assert_no_dense as assert_no_dense
 from ._transposed import Transposed as Transposed, dense_base as dense_base

@@ -70,6 +70,7 @@ _PRIVATE = {
     ),
     "quax._compat": ("is_early_inline", "unpack_scan_args"),
     "jax._src.core": ("TraceTag", "take_current_trace", "set_current_trace"),
+    "jax._src.interpreters.batching": ("BatchTracer",),
     "jax._src.ad_util": ("Zero",),  # the cotangent a custom_vjp bwd gives for "none"
 }
 
@@ -189,6 +190,19 @@ def _is_implicit(x: Any) -> bool:
 
 def _is_value(x: Any) -> bool:
     return isinstance(x, quax.Value)
+
+
+def outer_vmap_size(x: Any) -> int:
+    """How many examples the `jax.vmap`s around the current trace map `x` over (1 when
+    none does). A handler under an outer `vmap` sees one example's shapes, but XLA runs
+    its product once for the whole batch: the idiomatic Equinox model takes one sequence
+    and is `vmap`ped over the batch outside `use_implicit_args`."""
+    size = 1
+    while isinstance(x, _internals().BatchTracer):
+        if isinstance(x.batch_dim, int):  # else not mapped at this level
+            size *= x.val.shape[x.batch_dim]
+        x = x.val
+    return size
 
 
 def implicit_value(x: Any) -> Any:
