@@ -270,25 +270,29 @@ def test_factor_gradients_are_written_rank_major(getkey, tokens):
         assert shape[major] == r, f"{shape} written with axis {major} major"
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [8, 2], ids=["one GEMM", "separate branch"])
-def test_outer_vmap_counts_the_batch_for_the_one_gemm_product(getkey, batch):
+def test_outer_vmap_counts_the_batch_for_the_one_gemm_product(getkey, batch, dtype):
     """The idiomatic Equinox model takes one example and is `vmap`ped over the batch
     outside `use_implicit_args`: the handler sees one example's 4 tokens, but one copy of
     `[W, B]` serves the whole batch, so the one-GEMM product is taken once the batch's
-    tokens reach the met axis (16). Values and gradients against the dense formula."""
+    tokens reach the met axis (16). Values and gradients against the dense formula in
+    float32, to the dtype's rounding."""
     tokens, d_in, d_out, r = 4, 16, 12, 2
     w = _random_lora(getkey(), (d_out, d_in), r=r)
-    x = jax.random.normal(getkey(), (batch, tokens, d_in))
+    w = jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, w)
+    x = jax.random.normal(getkey(), (batch, tokens, d_in), dtype)
 
     def implicit(x, a, b):
         adapted = eqx.tree_at(lambda m: (m.lora_A, m.lora_B), w, (a, b))
         return jax.vmap(lambda v: use_implicit_args(lambda m, v: v @ m.T)(adapted, v))(x)
 
     def dense(x, a, b):
-        return x @ (w.weight + w.scaling * b @ a).T
+        x, weight, a, b = [t.astype(jnp.float32) for t in (x, w.weight, a, b)]
+        return x @ (weight + (ALPHA / r) * b @ a).T
 
     def loss(f):
-        return lambda *args: jnp.sum(jnp.sin(f(*args)))
+        return lambda *args: jnp.sum(jnp.sin(f(*args).astype(jnp.float32)))
 
     args = (x, w.lora_A, w.lora_B)
     jaxpr = jax.make_jaxpr(jax.grad(loss(implicit), argnums=(0, 1, 2)))(*args)
@@ -299,11 +303,17 @@ def test_outer_vmap_counts_the_batch_for_the_one_gemm_product(getkey, batch):
         and any(getattr(v.aval, "shape", None) == (d_out, d_in + r) for v in eqn.invars)
     ]
     assert bool(extended) == (batch * tokens >= d_in)
-    close(jax.jit(implicit)(*args), dense(*args))
-    got = jax.grad(loss(implicit), argnums=(0, 1, 2))(*args)
-    want = jax.grad(loss(dense), argnums=(0, 1, 2))(*args)
-    for g, h in zip(got, want):
-        close(g, h)
+    eps = float(jnp.finfo(dtype).eps)
+    got, want = jax.jit(implicit)(*args), dense(*args)
+    assert got.dtype == dtype
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(got.astype(jnp.float32), want, atol=8 * eps * scale * d_in)
+    grads = jax.grad(loss(implicit), argnums=(0, 1, 2))(*args)
+    want_grads = jax.grad(loss(dense), argnums=(0, 1, 2))(*args)
+    for g, h in zip(grads, want_grads):
+        assert g.dtype == dtype
+        bound = 16 * eps * float(jnp.max(jnp.abs(h))) * batch * tokens
+        np.testing.assert_allclose(g.astype(jnp.float32), h, atol=bound)
 
 
 FUSED_FORMS = {
