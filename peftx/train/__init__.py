@@ -16,6 +16,7 @@ from ._data import (
     mixed_batches as mixed_batches,
     pad_to as pad_to,
     read_records as read_records,
+    supervised_tokens as supervised_tokens,
     train_batches as train_batches,
 )
 from ._step import (

@@ -2,8 +2,11 @@
 for causal LM, and batched in an order a run can resume from."""
 
 import csv
+import io
 import json
+import warnings
 from collections.abc import Iterator, Sequence
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +17,24 @@ IGNORE = -100  # transformers' label for tokens and rows the loss leaves out
 
 def read_records(path: str | Path, columns: Sequence[str]) -> list[dict[str, Any]]:
     """The rows of a `.jsonl` (one JSON object per line) or `.csv` (with a header) file,
-    each checked to have `columns`."""
+    UTF-8 (a byte-order mark is allowed), each checked to have `columns`."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+    if path.suffix not in (".jsonl", ".csv"):
+        raise ValueError(f"data file {str(path)!r}: expected a .jsonl or .csv file")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"data file {str(path)!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line "
+            f"{line}); save it as UTF-8"
+        ) from None
     if path.suffix == ".jsonl":
         rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -29,11 +43,8 @@ def read_records(path: str | Path, columns: Sequence[str]) -> list[dict[str, Any
                 raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
             if not isinstance(rows[-1], dict):
                 raise ValueError(f"{path}:{n}: expected a JSON object, got {line[:40]!r}")
-    elif path.suffix == ".csv":
-        with path.open(newline="") as f:
-            rows = list(csv.DictReader(f))
     else:
-        raise ValueError(f"data file {str(path)!r}: expected a .jsonl or .csv file")
+        rows = list(csv.DictReader(io.StringIO(text, newline="")))
     if not rows:
         raise ValueError(f"data file {str(path)!r} has no rows")
     for n, row in enumerate(rows, 1):
@@ -45,16 +56,98 @@ def read_records(path: str | Path, columns: Sequence[str]) -> list[dict[str, Any
     return rows
 
 
+def supervised_tokens(data: dict[str, np.ndarray]) -> int:
+    """How many labels the loss learns from: the tokens `causal_lm_loss` predicts (labels
+    other than -100 after each row's first position), or the labelled rows of
+    classification data."""
+    labels = data["labels"]
+    return int(np.sum((labels[:, 1:] if labels.ndim == 2 else labels) != IGNORE))
+
+
 def _padded_length(lengths: Sequence[int], max_length: int) -> int:
     # the longest row rounded up to a multiple of 8, so fewer padded tokens cost compute
     return min(max_length, -(-max(lengths) // 8) * 8)
 
 
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null (None)"
+    kind = type(value).__name__
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}: {shown}"
+
+
+def _checked_texts(values: Any, what: str) -> list[str]:
+    """`values` as a list of str; a row holding anything else (a chat's list of messages,
+    a number, null) is a `TypeError` naming the row (counted from 1) and what it holds."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise TypeError(f"{what} must be a sequence of str (one per row), got {_describe(values)}")
+    for n, value in enumerate(values, 1):
+        if not isinstance(value, str):
+            raise TypeError(f"{what}: row {n} holds {_describe(value)}, not text (a str)")
+    return list(values)
+
+
+def _positive_int(value: Any, name: str, *, least: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+def _check_vocab(tokenizer: Any, ids: np.ndarray, vocab_size: int | None) -> None:
+    """Every id (padding included) must index the model's embedding table."""
+    if vocab_size is None or ids.size == 0:
+        return
+    _positive_int(vocab_size, "vocab_size")
+    top = int(ids.max())
+    if top >= vocab_size:
+        row = int(np.argwhere(ids == top)[0][0]) + 1
+        raise ValueError(
+            f"token id {top} (row {row}) is outside the model's vocab_size {vocab_size} (the "
+            f"tokenizer has {len(tokenizer)} tokens); use the model's own tokenizer"
+        )
+
+
 def encode_classification(
-    tokenizer: Any, texts: Sequence[str], labels: Sequence[int], *, max_length: int
+    tokenizer: Any,
+    texts: Sequence[str],
+    labels: Sequence[int],
+    *,
+    max_length: int,
+    vocab_size: int | None = None,
+    num_labels: int | None = None,
 ) -> dict[str, np.ndarray]:
     """`input_ids`, `attention_mask` (right-padded to one length, at most `max_length`)
-    and `labels` for sentence classification."""
+    and `labels` for sentence classification.
+
+    **Arguments:**
+
+    - `tokenizer`: a transformers tokenizer; each text is `tokenizer(text)`, truncated.
+    - `texts`: one str per row; anything else (a list, a number, `None`) is a
+      `TypeError` naming the row (counted from 1).
+    - `labels`: one int class index per row (-100: left out of the loss).
+    - `vocab_size`, `num_labels`: the model's sizes; an id `>= vocab_size` or a label
+      outside `[0, num_labels)` is a `ValueError` (it would make the loss NaN).
+    """
+    _positive_int(max_length, "max_length")
+    texts = _checked_texts(texts, "texts")
+    if isinstance(labels, str | bytes) or not isinstance(labels, Sequence | np.ndarray):
+        raise TypeError(f"labels must be a sequence of int (one per row), got {_describe(labels)}")
+    if len(labels) != len(texts):
+        raise ValueError(f"{len(texts)} texts but {len(labels)} labels; give one label per text")
+    if not texts:
+        raise ValueError("no rows to encode")
+    if num_labels is not None:
+        _positive_int(num_labels, "num_labels")
+    for n, label in enumerate(labels, 1):
+        if isinstance(label, bool | np.bool_) or not isinstance(label, Integral):
+            raise TypeError(f"labels: row {n} holds {_describe(label)}, not an int class index")
+        if label != IGNORE and (label < 0 or (num_labels is not None and label >= num_labels)):
+            valid = f"[0, {num_labels})" if num_labels is not None else "ints >= 0"
+            raise ValueError(
+                f"label {int(label)} (row {n}) is outside the classifier's labels: they must "
+                f"be {valid}" + (f" (num_labels={num_labels})" if num_labels is not None else "")
+            )
     ids = [tokenizer(t, truncation=True, max_length=max_length)["input_ids"] for t in texts]
     length = _padded_length([len(i) for i in ids], max_length)
     pad = tokenizer.pad_token_id or 0
@@ -63,7 +156,29 @@ def encode_classification(
     for n, row in enumerate(ids):
         input_ids[n, : len(row)] = row
         mask[n, : len(row)] = 1
+    _check_vocab(tokenizer, input_ids, vocab_size)
     return {"input_ids": input_ids, "attention_mask": mask, "labels": np.asarray(labels, np.int32)}
+
+
+def _prefix(full: list[int], plain: list[int], row: int) -> list[int]:
+    """The ids `tokenizer(text)` (`full`) puts in front of the text's own ids (`plain`)."""
+    for k in range(len(full) - len(plain), -1, -1):
+        if full[k : k + len(plain)] == plain:
+            return full[:k]
+    raise ValueError(
+        f"texts: row {row}: tokenizer(text) does not contain the text's own tokens "
+        "(tokenizer(text, add_special_tokens=False)), so its special-token prefix is unknown"
+    )
+
+
+def _starts(tokenizer: Any, texts: list[str], prompts: list[str] | None) -> list[list[int]]:
+    """Each row's start: `tokenizer(prompt)` with its special tokens, or without a prompt,
+    the special tokens `tokenizer(text)` puts in front of the text."""
+    if prompts is not None:
+        return [list(i) for i in tokenizer(prompts)["input_ids"]]
+    full = tokenizer(texts)["input_ids"]
+    plain = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [_prefix(list(f), list(p), n) for n, (f, p) in enumerate(zip(full, plain), 1)]
 
 
 def encode_causal_lm(
@@ -73,37 +188,91 @@ def encode_causal_lm(
     *,
     max_length: int,
     pack: bool = False,
+    vocab_size: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """`input_ids`, `attention_mask` and `labels` for causal LM: each example is its
-    prompt (labels -100: the loss leaves it out) then its text and the EOS token.
+    """`input_ids`, `attention_mask` and `labels` for causal LM.
+
+    Each example starts as generation will see it: exactly `tokenizer(prompt)["input_ids"]`,
+    with the special tokens the tokenizer adds (Llama's BOS; none for GPT-2), labelled
+    -100 (the loss leaves it out); then the text's tokens (no special tokens) and the EOS
+    token. Without `prompts`, an example starts with the special tokens `tokenizer(text)`
+    puts in front of the text.
 
     With `pack`, examples are concatenated and cut into rows of exactly `max_length`
     tokens (the last partial row is dropped), so no compute goes to padding; else each
     example is one right-padded row, truncated to `max_length`.
+
+    **Arguments:**
+
+    - `texts`, `prompts`: one str per row; anything else (a chat's list of messages, a
+      number, `None`) is a `TypeError` naming the row (counted from 1).
+    - `vocab_size`: the model's; an id `>= vocab_size` (a tokenizer larger than the
+      model) is a `ValueError`.
+
+    **Raises** `ValueError` when no label is left for the loss (prompts that fill
+    `max_length`), and warns with the counts when some rows lose all of theirs (see
+    `supervised_tokens` for the count of a split).
     """
+    _positive_int(max_length, "max_length", least=2)
+    texts = _checked_texts(texts, "texts")
+    if prompts is not None:
+        prompts = _checked_texts(prompts, "prompts")
+        if len(prompts) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(prompts)} prompts; give one per text")
+    if not texts:
+        raise ValueError("no rows to encode")
     eos = tokenizer.eos_token_id
+    starts = _starts(tokenizer, texts, prompts)
+    bodies = tokenizer(texts, add_special_tokens=False)["input_ids"]
     rows_ids, rows_labels = [], []
-    for n, text in enumerate(texts):
-        prompt = tokenizer(prompts[n], add_special_tokens=False)["input_ids"] if prompts else []
-        body = tokenizer(text, add_special_tokens=False)["input_ids"]
-        body = body + ([eos] if eos is not None else [])
-        rows_ids.append(prompt + body)
-        rows_labels.append([IGNORE] * len(prompt) + body)
+    for start, body in zip(starts, bodies, strict=True):
+        body = list(body) + ([eos] if eos is not None else [])
+        rows_ids.append(start + body)
+        rows_labels.append([IGNORE] * len(start) + body)
     if pack:
-        flat_ids = np.concatenate([np.asarray(r, np.int32) for r in rows_ids])
-        flat_labels = np.concatenate([np.asarray(r, np.int32) for r in rows_labels])
-        rows = len(flat_ids) // max_length
-        if rows == 0:
-            raise ValueError(
-                f"the data has {len(flat_ids)} tokens, fewer than one packed row of "
-                f"max_length={max_length}"
-            )
-        shape = (rows, max_length)
-        return {
-            "input_ids": flat_ids[: rows * max_length].reshape(shape),
-            "attention_mask": np.ones(shape, np.int32),
-            "labels": flat_labels[: rows * max_length].reshape(shape),
-        }
+        data, lost = _pack(rows_ids, rows_labels, max_length)
+    else:
+        data, lost = _pad(tokenizer, rows_ids, rows_labels, max_length)
+    _check_vocab(tokenizer, data["input_ids"], vocab_size)
+    # a prompt fills an unpacked row; packed, it only shifts the text into the next row
+    _check_supervised(data, lost, [0 if pack else len(s) for s in starts], max_length)
+    return data
+
+
+def _pack(
+    rows_ids: list[list[int]], rows_labels: list[list[int]], max_length: int
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The packed rows, and which examples give the loss no label (those reaching into
+    the dropped last partial row aside: dropping it is documented)."""
+    flat_ids = np.concatenate([np.asarray(r, np.int32) for r in rows_ids])
+    flat_labels = np.concatenate([np.asarray(r, np.int32) for r in rows_labels])
+    rows = len(flat_ids) // max_length
+    if rows == 0:
+        raise ValueError(
+            f"the data has {len(flat_ids)} tokens, fewer than one packed row of "
+            f"max_length={max_length}"
+        )
+    kept_tokens = rows * max_length
+    example = np.repeat(np.arange(len(rows_ids)), [len(r) for r in rows_ids])
+    # the loss predicts every label but each packed row's first
+    position = np.arange(kept_tokens)
+    predicted = (flat_labels[:kept_tokens] != IGNORE) & (position % max_length != 0)
+    kept = np.bincount(example[:kept_tokens][predicted], minlength=len(rows_ids))
+    ends = np.cumsum([len(r) for r in rows_ids])
+    shape = (rows, max_length)
+    data = {
+        "input_ids": flat_ids[:kept_tokens].reshape(shape),
+        "attention_mask": np.ones(shape, np.int32),
+        "labels": flat_labels[:kept_tokens].reshape(shape),
+    }
+    return data, (kept == 0) & (ends <= kept_tokens)
+
+
+def _pad(
+    tokenizer: Any, rows_ids: list[list[int]], rows_labels: list[list[int]], max_length: int
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """One right-padded row per example, and which rows give the loss no label."""
+    eos = tokenizer.eos_token_id
     length = _padded_length([len(r) for r in rows_ids], max_length)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     input_ids = np.full((len(rows_ids), length), pad, np.int32)
@@ -112,7 +281,39 @@ def encode_causal_lm(
     for n, (row, lab) in enumerate(zip(rows_ids, rows_labels, strict=True)):
         row, lab = row[:length], lab[:length]
         input_ids[n, : len(row)], mask[n, : len(row)], labels[n, : len(lab)] = row, 1, lab
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    data = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+    return data, ~np.any(labels[:, 1:] != IGNORE, axis=1)
+
+
+def _check_supervised(
+    data: dict[str, np.ndarray], lost: np.ndarray, starts: list[int], max_length: int
+) -> None:
+    """Fail when the loss would see no label; warn, with counts, when some rows see none."""
+    total = supervised_tokens(data)
+    rows = len(lost)
+    if total and not lost.any():
+        return
+    culprits = np.flatnonzero(lost) if lost.any() else np.arange(rows)
+    longest = max(starts[n] for n in culprits)
+    if longest >= max_length - 1:
+        fix = (
+            f"raise max_length (now {max_length}) above {longest + 1}, or shorten the prompts "
+            f"(the longest of these has {longest} tokens with its special tokens)"
+        )
+    else:
+        fix = "these rows have no text to learn from (an empty text, and no EOS token)"
+    if not total:
+        raise ValueError(
+            f"no supervised tokens: none of the {rows} rows keeps a label for the loss "
+            f"(a label other than -100) within max_length={max_length}; {fix}"
+        )
+    listed = ", ".join(str(n + 1) for n in culprits[:10]) + (", ..." if culprits.size > 10 else "")
+    warnings.warn(
+        f"{culprits.size} of {rows} rows keep no supervised tokens within "
+        f"max_length={max_length} (rows {listed}); the loss learns {total} tokens from the "
+        f"other {rows - culprits.size}; {fix}",
+        stacklevel=3,
+    )
 
 
 def batches_per_epoch(data: dict[str, np.ndarray], batch_size: int) -> int:
