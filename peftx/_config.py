@@ -16,12 +16,14 @@ import enum
 import json
 import os
 import pathlib
+import re
 import tempfile
 import tomllib
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
+from ._errors import ConfigFileError
 from ._select import Predicate
 
 CONFIG_NAME = "adapter_config.json"
@@ -202,6 +204,70 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 }
 
 
+# The largest rank: an array dimension that JAX indexes with int32.
+_MAX_RANK = 2**31 - 1
+# The largest `lora_alpha`: the scaling multiplies float32 (or bfloat16) arrays, and a larger
+# number is infinite there. `abs(v) <= _FLOAT32_MAX` is False for NaN and inf too, and compares
+# an int of any size exactly (`math.isfinite(10**400)` would raise OverflowError).
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _is_rank(v: Any) -> bool:
+    return 1 <= v <= _MAX_RANK
+
+
+def _is_scale(v: Any) -> bool:
+    return abs(v) <= _FLOAT32_MAX
+
+
+def _is_probability(v: Any) -> bool:
+    return 0 <= v < 1
+
+
+def _at_fault(check: Callable[[Any], bool]) -> Callable[[Any], Any]:
+    """The part of a value (a number, or a list or dict of numbers) that fails `check`: the
+    value itself, or a dict's failing entries; None when every number passes."""
+
+    def bad(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: v for k, v in value.items() if not check(v)} or None
+        values = value if isinstance(value, list | tuple) else () if value is None else (value,)
+        return None if all(map(check, values)) else value
+
+    return bad
+
+
+# Ranges, checked once the type is right: a function returning the value at fault (None
+# when there is none), and what a valid value is. NaN fails every comparison, so each check
+# says what is allowed (`0 <= v < 1`), never what is refused (`v < 0`).
+_RANGES: dict[str, tuple[Callable[[Any], Any], str]] = {
+    "r": (
+        _at_fault(_is_rank),
+        f"`r` (the LoRA rank) must be a positive integer (at most {_MAX_RANK})",
+    ),
+    "lora_alpha": (
+        _at_fault(_is_scale),
+        "`lora_alpha` must be a finite number (within float32's range, ±3.4e38)",
+    ),
+    "lora_dropout": (
+        _at_fault(_is_probability),
+        "`lora_dropout` must be a probability in [0, 1)",
+    ),
+    "rank_pattern": (
+        _at_fault(_is_rank),
+        f"`rank_pattern` ranks must be positive integers (at most {_MAX_RANK})",
+    ),
+    "alpha_pattern": (
+        _at_fault(_is_scale),
+        "`alpha_pattern` values must be finite numbers (within float32's range, ±3.4e38)",
+    ),
+    "layers_to_transform": (
+        _at_fault(lambda v: v >= 0),
+        "`layers_to_transform` must be layer indices >= 0",
+    ),
+}
+
+
 def _check_field(name: str, value: Any) -> None:
     """A `TypeError`/`ValueError` naming the field if `value` is not valid for it alone."""
     if name in _TYPES:
@@ -210,6 +276,11 @@ def _check_field(name: str, value: Any) -> None:
             raise TypeError(
                 f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
             )
+    if name in _RANGES:
+        at_fault, expected = _RANGES[name]
+        bad = at_fault(value)
+        if bad is not None:
+            raise ValueError(f"{expected}; got {_frozen(bad)!r}.")
     if name in _CHOICES:
         choices = _CHOICES[name]
         # Compare types too, so that `1` is not taken for `True`.
@@ -317,9 +388,6 @@ class AbstractAdapterConfig:
                 "`layers_to_transform`/`layers_pattern` cannot be combined with a Predicate "
                 "`target_modules`; compose the predicate with `peftx.in_layers(...)` instead."
             )
-        layers = self.layers_to_transform
-        if any(i < 0 for i in ((layers,) if isinstance(layers, int) else layers or ())):
-            raise ValueError(f"`layers_to_transform` must be layer indices >= 0; got {layers!r}.")
 
     def __hash__(self) -> int:
         values = tuple(_hashable(getattr(self, f.name)) for f in dataclasses.fields(self))
@@ -495,15 +563,6 @@ class LoraConfig(AbstractAdapterConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "lora_dropout", float(self.lora_dropout))
-        if self.r < 1:
-            raise ValueError(f"`r` (the LoRA rank) must be a positive integer; got {self.r}.")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(
-                f"`lora_dropout` must be a probability in [0, 1); got {self.lora_dropout}."
-            )
-        bad = {k: v for k, v in self.rank_pattern.items() if v < 1}
-        if bad:
-            raise ValueError(f"`rank_pattern` ranks must be positive integers; got {bad}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -553,6 +612,58 @@ _TOML_TABLES: dict[str, type[AbstractAdapterConfig]] = {"lora": LoraConfig, "ia3
 # -- files ----------------------------------------------------------------------------------
 
 
+def read_text(path: str | os.PathLike[str], kind: str) -> str:
+    """The text of the `kind` file (`"TOML"`, `"JSON"`) at `path`, which must be a regular
+    file (a FIFO or device could block or never end) of UTF-8 text. `FileNotFoundError`
+    when it is missing, `ConfigFileError` for the rest, each naming the file."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        raise ConfigFileError(f"{path} is a directory, not a {kind} file.")
+    if not path.exists():
+        raise FileNotFoundError(f"No such file: {str(path)!r}.")
+    if not path.is_file():
+        raise ConfigFileError(
+            f"{path} is not a regular file (a device, pipe or socket); name a {kind} file."
+        )
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(
+            f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            f"{kind} files are UTF-8."
+        ) from None
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The tables of the TOML file at `path` (see `read_text` for the file checks); a
+    syntax error names `file:line`."""
+    text = read_text(path, "TOML")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        line = re.search(r"at line (\d+)", str(e))
+        where = f"{path}:{line.group(1)}" if line else str(path)
+        raise ConfigFileError(f"{where}: invalid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigFileError(
+            f"{path}: invalid TOML: arrays or tables nested too deep to read."
+        ) from None
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """The value in the JSON file at `path` (see `read_text` for the file checks)."""
+    text = read_text(path, "JSON")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ConfigFileError(
+            f"{path} is not valid JSON: arrays or objects nested too deep to read."
+        ) from None
+    except ValueError as e:  # JSONDecodeError, or an integer of over 4300 digits
+        raise ConfigFileError(f"{path} is not valid JSON: {e}") from None
+
+
 def _read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = pathlib.Path(path)
     if path.is_dir():
@@ -567,10 +678,7 @@ def _read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
         file = path
     else:
         raise FileNotFoundError(f"No such file or directory: {str(path)!r}.")
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{str(file)!r} is not valid JSON: {e}") from e
+    data = read_json(file)
     if not isinstance(data, dict):
         raise ValueError(f"{str(file)!r} holds a {type(data).__name__}, not a JSON object.")
     return data
@@ -666,12 +774,7 @@ def from_toml(path: str | os.PathLike[str]) -> AbstractAdapterConfig:
     learning_rate = 5e-4
     ```
     """
-    path = pathlib.Path(path)
-    with path.open("rb") as file:
-        try:
-            data = tomllib.load(file)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{str(path)!r} is not valid TOML: {e}") from e
+    data = read_toml(path)
     tables = [name for name in _TOML_TABLES if name in data]
     if len(tables) != 1:
         raise ValueError(

@@ -49,3 +49,13 @@ class DenseWeightError(AssertionError):
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be loaded: a file, key, shape or model type is not as expected."""
+
+
+class ConfigFileError(ValueError):
+    """A config file (TOML or JSON) cannot be read: not a regular file, not UTF-8 text, not
+    valid, or nested too deep."""
+
+
+class ConfigValueError(ValueError):
+    """A model's `config.json` (or the dict it was read into) holds a value of the wrong
+    type or out of range; the message names the key."""

@@ -2,9 +2,8 @@
 transformers' `BitsAndBytesConfig` describes them, ready for QLoRA with `get_peft_model`."""
 
 import dataclasses
+import math
 import os
-import pathlib
-import tomllib
 import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -12,6 +11,7 @@ from typing import Any, Literal
 import equinox as eqx
 import jax.numpy as jnp
 
+from ._config import read_toml
 from ._select import Predicate, of_type, peft_targets, select
 from ._targets import output_head
 from .adapters import quantize_int8, quantize_nf4
@@ -24,6 +24,21 @@ _DEFAULTS_ELSEWHERE = {
     "llm_int8_enable_fp32_cpu_offload": False,
     "llm_int8_has_fp16_weight": False,
     "bnb_4bit_quant_storage": "uint8",
+}
+
+_FIELD_TYPES = {
+    "load_in_4bit": (lambda v: isinstance(v, bool), "a bool"),
+    "load_in_8bit": (lambda v: isinstance(v, bool), "a bool"),
+    "bnb_4bit_quant_type": (lambda v: isinstance(v, str), "a string"),
+    "bnb_4bit_use_double_quant": (lambda v: isinstance(v, bool), "a bool"),
+    "bnb_4bit_compute_dtype": (
+        lambda v: v is None or isinstance(v, str),
+        f"None or one of {_COMPUTE_DTYPES}",
+    ),
+    "llm_int8_skip_modules": (
+        lambda v: v is None or isinstance(v, list | tuple) and all(isinstance(x, str) for x in v),
+        "None or a list of module names",
+    ),
 }
 
 
@@ -50,6 +65,14 @@ class QuantizationConfig:
     llm_int8_skip_modules: list[str] | tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            check, expected = _FIELD_TYPES[field.name]
+            value = getattr(self, field.name)
+            if not check(value):
+                raise TypeError(
+                    f"QuantizationConfig: `{field.name}` must be {expected}; got {value!r} of "
+                    f"type {type(value).__name__}."
+                )
         if self.load_in_4bit == self.load_in_8bit:
             raise ValueError(
                 "set exactly one of load_in_4bit and load_in_8bit; got "
@@ -84,6 +107,10 @@ class QuantizationConfig:
         if method != "bitsandbytes":
             raise ValueError(f"quant_method {method!r} is not supported; expected 'bitsandbytes'.")
         known = {f.name for f in dataclasses.fields(cls)}
+        for key, value in d.items():
+            # no field takes a float; an ignored setting is still no place for NaN or inf
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"quantization setting `{key}` must be finite; got {value}.")
         ignored = sorted(
             k
             for k in d
@@ -100,8 +127,9 @@ class QuantizationConfig:
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> "QuantizationConfig | None":
         """The `[quantization]` table of a TOML file (e.g. next to `[lora]`), or None."""
-        with pathlib.Path(path).open("rb") as file:
-            table = tomllib.load(file).get("quantization")
+        table = read_toml(path).get("quantization")
+        if table is not None and not isinstance(table, dict):
+            raise TypeError(f"`quantization` in {path} must be a table, got {table!r}.")
         return None if table is None else cls.from_dict(table)
 
 

@@ -325,7 +325,12 @@ def test_load_config_errors(tmp_path):
 
 # Errors raised by the constructor itself (the values have the right types).
 CONSTRUCTOR_ERRORS = [
-    (LoraConfig, dict(r=0), ValueError, r"`r` \(the LoRA rank\) must be a positive integer; got 0"),
+    (
+        LoraConfig,
+        dict(r=0),
+        ValueError,
+        r"`r` \(the LoRA rank\) must be a positive integer .*; got 0",
+    ),
     (LoraConfig, dict(lora_dropout=1.0), ValueError, r"`lora_dropout` .* \[0, 1\); got 1.0"),
     (LoraConfig, dict(lora_dropout=-0.1), ValueError, r"`lora_dropout` .* \[0, 1\); got -0.1"),
     (
@@ -495,7 +500,7 @@ def test_toml_errors(tmp_path):
     with pytest.raises(ValueError, match="cannot be loaded as IA3Config"):
         from_toml(path)
     path.write_text("[lora\n")
-    with pytest.raises(ValueError, match="is not valid TOML"):
+    with pytest.raises(ValueError, match=r"c\.toml:1: invalid TOML"):
         from_toml(path)
     path.write_text('[ia3]\ntarget_modules = ["k", "fc"]\nfeedforward_modules = ["fc"]\n')
     assert from_toml(path) == IA3Config(target_modules=["k", "fc"], feedforward_modules=["fc"])

