@@ -315,17 +315,45 @@ def require_matches(
     selection: Selection, predicate: Predicate, wanted: Sequence[str] = ()
 ) -> Selection:
     """`selection.at(predicate)`, or a `TargetNotFoundError` when nothing matches, listing
-    the module names present closest to each of `wanted`."""
+    the module names present closest to each of `wanted` (see `suggest_names`)."""
     chosen = selection.at(predicate)
     if len(chosen):
         return chosen
-    modules = [
-        p for p, _, n in selection.matches if isinstance(n, eqx.Module) and not is_implicit(n)
-    ]
-    names = sorted({p.rsplit(".", 1)[-1] for p in modules})
-    close = sorted({c for w in wanted for c in difflib.get_close_matches(w, names + modules, n=3)})
     raise TargetNotFoundError(
-        f"{predicate} matches no module of this model. Closest module names: "
-        f"{close or names[:10]}. Check the spelling, or list every module with "
-        "peftx.select(model).table()."
+        f"{predicate} matches no module of this model. {suggest_names(selection, wanted)} "
+        "Check the spelling, or list every module with peftx.select(model).table()."
     )
+
+
+# A layer index (`layers.3`) or a `LayerStack` segment's span of them (`layers.0-11`).
+_INDEX = re.compile(r"\d+(?:-\d+)?")
+_LAYERS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
+_SHOWN = 20
+
+
+def suggest_names(selection: Selection, wanted: Sequence[str]) -> str:
+    """A sentence naming the modules of `selection` a target could use that are close to
+    `wanted` (`difflib`): each module's last path component, or its path after the last
+    layer index (`self_attn.q_proj`). With none close, the names of the Linear, Conv and
+    Embedding layers, which targets usually name. Never a layer index or span."""
+    modules = [
+        (p, n) for p, _, n in selection.matches if isinstance(n, eqx.Module) and not is_implicit(n)
+    ]
+    candidates: set[str] = set()
+    for path, _ in modules:
+        parts = path.split(".")
+        after = max((i + 1 for i, s in enumerate(parts) if _INDEX.fullmatch(s)), default=0)
+        if parts[after:]:
+            candidates.update((parts[-1], ".".join(parts[after:])))
+    close = {c for w in wanted for c in difflib.get_close_matches(w, sorted(candidates), n=3)}
+    if close:
+        return f"Closest module names: {sorted(close)}."
+    layers = {p.rsplit(".", 1)[-1] for p, n in modules if isinstance(n, _LAYERS)}
+    names = _plain(layers) or _plain(candidates)
+    if len(names) > _SHOWN:
+        names = [*names[:_SHOWN], f"... {len(names) - _SHOWN} more"]
+    return f"No module name is close; the layers are named {names}."
+
+
+def _plain(names: set[str]) -> list[str]:
+    return sorted(n for n in names if "." not in n and not _INDEX.fullmatch(n))

@@ -2,7 +2,10 @@
 output head that `"all-linear"` leaves alone, and the checks on layer indices."""
 
 import dataclasses
+import os
 import re
+import sys
+import warnings
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -18,6 +21,7 @@ from ._select import (
     peft_targets,
     require_matches,
     select,
+    suggest_names,
 )
 from .models._stack import LayerStack, parse_span, split_stack
 
@@ -82,6 +86,15 @@ def model_type_of(model: Any) -> str | None:
     if isinstance(config, dict):
         return config.get("model_type")
     return getattr(config, "model_type", None)
+
+
+def name_or_path_of(model: Any) -> str | None:
+    """Where `model` was loaded from (`model.config.name_or_path`, set by
+    `peftx.models.from_pretrained`), or None."""
+    config = getattr(model, "config", None)
+    if isinstance(config, dict):
+        return config.get("name_or_path") or config.get("_name_or_path")
+    return getattr(config, "name_or_path", None)
 
 
 def with_defaults(config: Any, model: Any, model_type: str | None) -> Any:
@@ -152,7 +165,8 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Select
 
     Raises as `get_peft_model` would: `TargetNotFoundError` when nothing matches (with the
     closest module names), `UnsupportedTargetError` for a module the adapter cannot wrap,
-    `ValueError` for layer indices the model does not have.
+    `ValueError` for layer indices the model does not have; and warns about an entry of a
+    `target_modules` list that matches nothing while others match (PEFT ignores it).
     """
     config = with_defaults(config, model, model_type)
     check_layers(config, model)
@@ -166,13 +180,38 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Select
         if isinstance(target, tuple)
         else []
     )
+    modules = select(model).at(~of_type(jax.Array))
     chosen = require_matches(
-        select(model).at(~of_type(jax.Array)),
-        per_layer(predicate),
-        wanted=[w for w in wanted if isinstance(w, str)],
+        modules, per_layer(predicate), wanted=[w for w in wanted if isinstance(w, str)]
     )
+    if isinstance(target, tuple):
+        _warn_unmatched(modules, target)
     paths = set(_adaptable(chosen, config))
     return chosen.at(Predicate(lambda p, n: p in paths, "adaptable targets"))
+
+
+def _warn_unmatched(modules: Selection, target: tuple[str, ...]) -> None:
+    """Warn about each entry of a `target_modules` list that names no module while others
+    do: PEFT ignores it silently, so a typo (`"q_porj"`) would go unnoticed."""
+    paths = {q for p in modules.paths() for q in layer_paths(p)}
+    for entry in target:
+        if not any(p == entry or p.endswith("." + entry) for p in paths):
+            warnings.warn(
+                f"target_modules entry {entry!r} matches no module of this model, so it "
+                f"adapts nothing (the other entries do). {suggest_names(modules, [entry])}",
+                UserWarning,
+                stacklevel=_caller_level(),
+            )
+
+
+def _caller_level() -> int:
+    """The `stacklevel` of the first frame outside peftx and equinox (whose method
+    wrappers add frames), so that a warning points at the user's call."""
+    inside = tuple(os.path.dirname(m.__file__) + os.sep for m in (eqx, sys.modules["peftx"]))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def layer_paths(path: str) -> list[str]:

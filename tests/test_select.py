@@ -1,6 +1,7 @@
 """The selection DSL, and PEFT's `target_modules` semantics checked against PEFT itself."""
 
 import re
+import warnings
 
 import equinox as eqx
 import jax
@@ -180,3 +181,70 @@ def test_no_match_lists_the_closest_names(lm):
     with pytest.raises(TargetNotFoundError, match=r"Closest module names: \[.*'q_proj'.*\]"):
         require_matches(select(lm), peft_targets(["q_prj"]), wanted=["q_prj"])
     assert peftx.layer_index("model.layers.12.mlp.up_proj") == 12
+
+
+@pytest.fixture(scope="module")
+def stacked_lm(lm):
+    """`lm` with its layers in one `LayerStack` segment (paths `model.layers.0-3.…`)."""
+    return eqx.tree_at(lambda m: m.model.layers, lm, peftx.models.stack_layers(lm.model.layers))
+
+
+LAYER_NAMES = [
+    "down_proj",
+    "embed_tokens",
+    "k_proj",
+    "lm_head",
+    "o_proj",
+    "q_proj",
+    "up_proj",
+    "v_proj",
+]
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_suggestions_are_module_names_never_layer_indices(lm, stacked_lm, stacked):
+    """The issue's repro: with no close name, a target that matches nothing listed the
+    first ten names alphabetically, stack spans like '0-1' first and q_proj left out."""
+    model = stacked_lm if stacked else lm
+    assert "model.layers.0-3.self_attn.q_proj" in select(model).paths() or not stacked
+    with pytest.raises(TargetNotFoundError) as info:
+        peftx.targets(model, peftx.LoraConfig(target_modules=["qkv"]))
+    message = str(info.value)
+    assert f"No module name is close; the layers are named {LAYER_NAMES}." in message
+    with pytest.raises(TargetNotFoundError, match=r"Closest module names: \[.*'self_attn\.q_proj'"):
+        peftx.targets(model, peftx.LoraConfig(target_modules=["self_atn.q_proj"]))
+    for target in (["q_porj"], ["layer"], ["attn"]):
+        with pytest.raises(TargetNotFoundError) as info:
+            peftx.targets(model, peftx.LoraConfig(target_modules=target))
+        assert not re.search(r"'\d+(-\d+)?'", str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["list", "stacked"])
+def test_an_entry_that_matches_nothing_warns(lm, stacked_lm, stacked):
+    """PEFT ignores `"q_porj"` in `["q_porj", "v_proj"]` silently (the same layers are
+    chosen here); peftx warns, naming it and the closest names."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    model = stacked_lm if stacked else lm
+    config = peftx.LoraConfig(target_modules=["q_porj", "v_proj"])
+    with pytest.warns(UserWarning, match=r"entry 'q_porj' matches no module") as record:
+        chosen = peftx.targets(model, config)
+    assert len(record) == 1
+    assert "Closest module names: ['o_proj', 'q_proj', 'v_proj']" in str(record[0].message)
+    reference = LoraConfig(target_modules=["q_porj", "v_proj"])
+    want = [p for p in linear_paths(lm) if check_target_module_exists(reference, p)]
+    assert [q for p in chosen.paths() for q in peftx._targets.layer_paths(p)] == want
+
+
+def test_entries_that_all_match_do_not_warn(lm, stacked_lm):
+    """Also PEFT's expanded per-layer names on a stacked model, and container names."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        peftx.targets(lm, peftx.LoraConfig(target_modules=["q_proj", "mlp.up_proj"]))
+        peftx.targets(
+            stacked_lm,
+            peftx.LoraConfig(
+                target_modules=["model.layers.0.self_attn.q_proj", "layers.2.self_attn.v_proj"]
+            ),
+        )
