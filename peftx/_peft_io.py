@@ -17,6 +17,7 @@ import safetensors.numpy
 
 from ._config import CONFIG_NAME, load_config
 from ._errors import CheckpointError
+from ._files import replaced_directory
 from ._select import Predicate, Selection, dotted, select
 from ._targets import layer_paths, model_type_of
 from .adapters import AdapterSet, DoraArray, IA3Array, LoraArray, LoraEmbeddingArray
@@ -27,7 +28,6 @@ from .models._checkpoint import (
     key_mapper,
     listing,
     read_tensors,
-    temporary_file,
 )
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -267,7 +267,7 @@ def save_adapters(
         raise NotADirectoryError(
             f"{str(directory)!r} is a file; save_pretrained takes a directory to write into."
         )
-    planned: list[tuple[pathlib.Path, Callable[[str], None]]] = []
+    planned: list[tuple[str, dict[str, np.ndarray], str]] = []  # (folder, weights, config)
     for name in names:
         if name != "default" and (
             name in (".", "..") or any(sep in name for sep in ("/", "\\", os.sep))
@@ -277,7 +277,6 @@ def save_adapters(
                 "adapter goes in a subfolder named after it, so its name cannot be '.', "
                 "'..' or hold a path separator. Rename it (add it under another name)."
             )
-        folder = directory if name == "default" else directory / name
         tensors = _tensors(peft_model, name)
         arrays = {}
         for t in tensors:
@@ -292,57 +291,14 @@ def save_adapters(
             for key, row in zip(t.keys, rows, strict=True):
                 arrays[PREFIX + key] = np.ascontiguousarray(row.T if t.transposed else row)
         text = json.dumps(_saved_config(peft_model, name), indent=2, sort_keys=True) + "\n"
-        planned.append((folder / WEIGHTS_NAME, lambda tmp, a=arrays: _save_safetensors(a, tmp)))
-        planned.append((folder / CONFIG_NAME, lambda tmp, t=text: _write_text(t, tmp)))
-    written: list[tuple[str, pathlib.Path]] = []
-    try:
-        for target, write in planned:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            written.append((temporary_file(target), target))
-            write(written[-1][0])
-        _move_into_place(written)
-    except BaseException:
-        for tmp, _ in written:
-            pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _move_into_place(written: list[tuple[str, pathlib.Path]]) -> None:
-    """Rename each temporary file onto its target, all or none: the files a failed rename
-    would leave replaced are put back from hard-linked copies of the earlier ones."""
-    backups: list[tuple[str | None, pathlib.Path]] = []
-    try:
-        for tmp, target in written:
-            backup = None
-            if target.exists():
-                backup = temporary_file(target)
-                os.unlink(backup)
-                os.link(target, backup)
-            backups.append((backup, target))
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-    except BaseException:
-        for backup, target in backups[:-1]:  # the last one was not replaced
-            if backup is None:
-                target.unlink(missing_ok=True)
-            else:
-                os.replace(backup, target)
-        raise
-    finally:
-        for backup, _ in backups:
-            if backup is not None:
-                pathlib.Path(backup).unlink(missing_ok=True)
-
-
-def _save_safetensors(arrays: dict[str, np.ndarray], file: str) -> None:
-    safetensors.numpy.save_file(arrays, file, metadata={"format": "pt"})
-
-
-def _write_text(text: str, file: str) -> None:
-    with open(file, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        planned.append(("" if name == "default" else name, arrays, text))
+    with replaced_directory(directory) as tmp:
+        for folder, arrays, text in planned:
+            (tmp / folder).mkdir(exist_ok=True)
+            safetensors.numpy.save_file(
+                arrays, str(tmp / folder / WEIGHTS_NAME), metadata={"format": "pt"}
+            )
+            (tmp / folder / CONFIG_NAME).write_text(text, encoding="utf-8")
 
 
 def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:

@@ -295,8 +295,10 @@ class PeftModel(eqx.Module):
         (also a resized vocabulary's embedding that PEFT saved) in place of the base
         model's.
 
-        Every file is written under a temporary name and renamed only when all are
-        complete; nothing but JSON and safetensors is written.
+        The files are written into a new directory that replaces `save_directory` in
+        one atomic swap: a save killed at any point leaves the old adapters or the new
+        ones, never new weights beside an old config. Other files there (a tokenizer's)
+        are kept. Nothing but JSON and safetensors is written.
         """
         save_adapters(self, save_directory, selected_adapters, save_embedding_layers)
 

@@ -2,7 +2,17 @@ import itertools
 import warnings
 
 import jax
+import numpy as np
 import pytest
+from helpers import (
+    FILLER,
+    WORDS,
+    intents,
+    tiny_bert_config,
+    tiny_llama_config,
+    word_tokenizer,
+    write_jsonl,
+)
 
 from peftx.implicit import MaterializationWarning
 
@@ -19,3 +29,113 @@ def getkey():
     counter = itertools.count()
     base = jax.random.key(0)
     return lambda: jax.random.fold_in(base, next(counter))
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    """A tiny random BERT encoder with a tokenizer, and a job on a synthetic dataset."""
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("bert")
+    config = tiny_bert_config(
+        len(WORDS),
+        initializer_range=0.2,  # features large enough for a few steps to learn from
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(root / "base")
+    word_tokenizer(WORDS, cls_sep=True).save_pretrained(root / "base")
+    write_jsonl(root / "train.jsonl", intents(0, 96))
+    write_jsonl(root / "eval.jsonl", intents(1, 48))
+    (root / "job.toml").write_text(
+        """
+[model]
+path = "base"
+task = "classification"
+
+[data]
+train = "train.jsonl"
+eval = "eval.jsonl"
+text_column = "sentence"
+label_column = "intent"
+max_length = 16
+
+[lora]
+r = 4
+lora_alpha = 8
+lora_dropout = 0.1
+target_modules = ["query", "value"]
+
+[train]
+seed = 3
+batch_size = 16
+eval_batch_size = 32
+learning_rate = 2e-2
+warmup_steps = 2
+log_every = 5
+eval_every = 10
+"""
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny random Llama with a tokenizer, and a causal-LM job whose examples are a
+    prompt (left out of the loss) and a continuation that the prompt determines."""
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("llama")
+    config = tiny_llama_config(
+        len(WORDS),
+        bos_token_id=None,
+        eos_token_id=4,
+        initializer_range=0.2,  # an output head that can express confident predictions
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
+    word_tokenizer(WORDS).save_pretrained(root / "base")
+    rng = np.random.default_rng(0)
+
+    def rows(n: int) -> list[dict]:
+        out = []
+        for _ in range(n):
+            start = int(rng.integers(5, len(WORDS) - 8))
+            prompt = " ".join(rng.choice(FILLER, 3)) + f" {WORDS[start]}"
+            text = " ".join(WORDS[start + 1 : start + 6])  # counts on from the prompt
+            out.append({"question": prompt, "answer": text})
+        return out
+
+    write_jsonl(root / "train.jsonl", rows(120))
+    write_jsonl(root / "eval.jsonl", rows(30))
+    (root / "job.toml").write_text(
+        """
+[model]
+path = "base"
+task = "causal-lm"
+
+[data]
+train = "train.jsonl"
+eval = "eval.jsonl"
+text_column = "answer"
+prompt_column = "question"
+max_length = 16
+pack = true
+
+[lora]
+r = 4
+lora_alpha = 8
+lora_dropout = 0.05
+target_modules = ["q_proj", "v_proj", "down_proj"]
+
+[train]
+batch_size = 8
+learning_rate = 3e-2
+log_every = 5
+
+[output]
+merged = true
+"""
+    )
+    return root

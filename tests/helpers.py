@@ -1,5 +1,8 @@
 """Helpers shared by the tests: comparing pytrees, walking traced programs."""
 
+import json
+from pathlib import Path
+
 import jax
 import jax.extend.core as jexc
 import numpy as np
@@ -84,3 +87,26 @@ def run_cli(capsys, *argv):
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# -- the fine-tune jobs' data: words whose class a bag of words tells --------------------
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "</s>"]
+WORDS = [*SPECIAL, *(f"w{i}" for i in range(59))]
+CLASSES = {"red": WORDS[5:10], "green": WORDS[10:15], "blue": WORDS[15:20]}
+FILLER = WORDS[20:]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def intents(seed: int, n: int) -> list[dict]:
+    """Texts of 2 filler words and 4 words of their class, shuffled: learnable from the
+    bag of words."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        label = sorted(CLASSES)[i % 3]
+        words = [*rng.choice(FILLER, 2), *rng.choice(CLASSES[label], 4)]
+        rows.append({"sentence": " ".join(rng.permutation(words)), "intent": label})
+    return rows

@@ -20,137 +20,13 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
-from helpers import run_cli, tiny_bert_config, tiny_llama_config, word_tokenizer
+from helpers import WORDS, run_cli, write_jsonl
 
 import peftx
 from peftx.cli import main
 
 EPS = np.finfo(np.float32).eps
 CONFIGS = Path(__file__).parent.parent / "configs"
-SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "</s>"]
-WORDS = [*SPECIAL, *(f"w{i}" for i in range(59))]
-CLASSES = {"red": WORDS[5:10], "green": WORDS[10:15], "blue": WORDS[15:20]}
-FILLER = WORDS[20:]
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def _intents(seed: int, n: int) -> list[dict]:
-    """Texts of 2 filler words and 4 words of their class, shuffled: learnable from the
-    bag of words."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        label = sorted(CLASSES)[i % 3]
-        words = [*rng.choice(FILLER, 2), *rng.choice(CLASSES[label], 4)]
-        rows.append({"sentence": " ".join(rng.permutation(words)), "intent": label})
-    return rows
-
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    """A tiny random BERT encoder with a tokenizer, and a job on a synthetic dataset."""
-    root = tmp_path_factory.mktemp("bert")
-    config = tiny_bert_config(
-        len(WORDS),
-        initializer_range=0.2,  # features large enough for a few steps to learn from
-    )
-    torch.manual_seed(0)
-    transformers.BertModel(config).save_pretrained(root / "base")
-    word_tokenizer(WORDS, cls_sep=True).save_pretrained(root / "base")
-    _write_jsonl(root / "train.jsonl", _intents(0, 96))
-    _write_jsonl(root / "eval.jsonl", _intents(1, 48))
-    (root / "job.toml").write_text(
-        """
-[model]
-path = "base"
-task = "classification"
-
-[data]
-train = "train.jsonl"
-eval = "eval.jsonl"
-text_column = "sentence"
-label_column = "intent"
-max_length = 16
-
-[lora]
-r = 4
-lora_alpha = 8
-lora_dropout = 0.1
-target_modules = ["query", "value"]
-
-[train]
-seed = 3
-batch_size = 16
-eval_batch_size = 32
-learning_rate = 2e-2
-warmup_steps = 2
-log_every = 5
-eval_every = 10
-"""
-    )
-    return root
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    """A tiny random Llama with a tokenizer, and a causal-LM job whose examples are a
-    prompt (left out of the loss) and a continuation that the prompt determines."""
-    root = tmp_path_factory.mktemp("llama")
-    config = tiny_llama_config(
-        len(WORDS),
-        bos_token_id=None,
-        eos_token_id=4,
-        initializer_range=0.2,  # an output head that can express confident predictions
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
-    word_tokenizer(WORDS).save_pretrained(root / "base")
-    rng = np.random.default_rng(0)
-
-    def rows(n: int) -> list[dict]:
-        out = []
-        for _ in range(n):
-            start = int(rng.integers(5, len(WORDS) - 8))
-            prompt = " ".join(rng.choice(FILLER, 3)) + f" {WORDS[start]}"
-            text = " ".join(WORDS[start + 1 : start + 6])  # counts on from the prompt
-            out.append({"question": prompt, "answer": text})
-        return out
-
-    _write_jsonl(root / "train.jsonl", rows(120))
-    _write_jsonl(root / "eval.jsonl", rows(30))
-    (root / "job.toml").write_text(
-        """
-[model]
-path = "base"
-task = "causal-lm"
-
-[data]
-train = "train.jsonl"
-eval = "eval.jsonl"
-text_column = "answer"
-prompt_column = "question"
-max_length = 16
-pack = true
-
-[lora]
-r = 4
-lora_alpha = 8
-lora_dropout = 0.05
-target_modules = ["q_proj", "v_proj", "down_proj"]
-
-[train]
-batch_size = 8
-learning_rate = 3e-2
-log_every = 5
-
-[output]
-merged = true
-"""
-    )
-    return root
 
 
 def _error(capsys, code, *argv):
@@ -408,15 +284,15 @@ def test_errors(bert, tmp_path, capsys):
     assert "[data] needs 'train', a .jsonl or .csv file" in err
 
     odd = tmp_path / "odd_eval.jsonl"
-    _write_jsonl(odd, [{"sentence": "w30", "intent": "red"}, {"sentence": "w9", "intent": "mauve"}])
+    write_jsonl(odd, [{"sentence": "w30", "intent": "red"}, {"sentence": "w9", "intent": "mauve"}])
     err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={tmp_path / 'odd'}",
                  "--set", f"data.eval={odd}")  # fmt: skip
     assert f"{odd}: labels ['mauve'] never appear in {bert / 'train.jsonl'}" in err
 
     err = _error(capsys, 1, "finetune", job, *at, "--set", f"data.train={tmp_path / 'x.jsonl'}")
     assert f"data file '{tmp_path / 'x.jsonl'}' does not exist" in err
-    # the failed run left no checkpoint, so a changed job may reuse its directory
-    assert (out_dir / "job.json").exists()
+    # the job is checked whole before the output is touched: nothing was written
+    assert not out_dir.exists()
     err = _error(capsys, 1, "finetune", job, *at, "--set", f"data.train={tmp_path / 'y.jsonl'}")
     assert f"data file '{tmp_path / 'y.jsonl'}' does not exist" in err
 
@@ -443,12 +319,13 @@ def test_finished_run_and_overwrite_with_grad_accumulation(bert, finished, tmp_p
     assert f"{out_dir} holds a finished run; pass --overwrite to replace it" in err
     assert (out_dir / "summary.json").read_text() == first
 
-    # a run of micro-batches of 4, two to a step, replaces it
+    # a run of micro-batches of 4, two to a step, replaces it, keeping the user's files
     (out_dir / "notes.txt").write_text("mine")
     sets = ("train.batch_size=4", "train.grad_accumulation=2", "train.steps=6", "train.log_every=3")
     out = _finetune(capsys, job, out_dir, *sets, extra=["--overwrite"])
     assert "resuming" not in out and "after fine-tuning:" in out
-    assert not (out_dir / "notes.txt").exists()
+    assert (out_dir / "notes.txt").read_text() == "mine"
+    assert not any(p.name.startswith(".run.peftx") for p in tmp_path.iterdir())
     assert json.loads((out_dir / "summary.json").read_text())["steps"] == 6
     assert json.loads((out_dir / "job.json").read_text())["train"]["grad_accumulation"] == 2
     records = _records(out_dir)
@@ -458,9 +335,11 @@ def test_finished_run_and_overwrite_with_grad_accumulation(bert, finished, tmp_p
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={other}")
-    assert f"output.dir '{other}' is not empty; pass --overwrite" in err
-    assert (other / "notes.txt").read_text() == "mine"
+    for extra in ([], ["--overwrite"]):
+        err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={other}", *extra)
+        assert f"output.dir '{other}' is not empty and is not a peftx run directory" in err
+        assert [p.name for p in other.iterdir()] == ["notes.txt"]
+        assert (other / "notes.txt").read_text() == "mine"
 
 
 # -- the shipped configs --------------------------------------------------------------------
@@ -635,7 +514,7 @@ def _two_classifiers_job(bert, tmp_path, names, rewrite, lora, train):
     `tmp_path`; `train` is the `[train]` table's body."""
     for split in ("train", "eval"):
         rows = [json.loads(line) for line in (bert / f"{split}.jsonl").read_text().splitlines()]
-        _write_jsonl(tmp_path / f"{split}.jsonl", rewrite(rows))
+        write_jsonl(tmp_path / f"{split}.jsonl", rewrite(rows))
     job = tmp_path / "job.toml"
     job.write_text(
         f"""

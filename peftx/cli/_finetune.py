@@ -5,26 +5,28 @@ adapter in PEFT's format."""
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
-import sys
 import time
 import tomllib
 import warnings
 from pathlib import Path
 from typing import Any
 
-from ..models._checkpoint import temporary_file
+from .._files import temporary_file, write_text
 from ._common import (
     BUNDLED_MODEL,
     ModelSettings,
+    RunFailed,
     UsageError,
     job_model,
     model_class_for,
     read_toml,
     unknown_key,
 )
+from ._run_dir import Run, open_run, plan_output
 
 DATA_KEYS = {
     "train": None,
@@ -104,6 +106,58 @@ def _settings(job: dict[str, Any], table: str, defaults: dict[str, Any], path: P
     return {**defaults, **given}
 
 
+# the largest count a job may give: steps and sizes are int32 on the device
+MAX_COUNT = 2**31 - 1
+COUNTS = [("data", "max_length"), ("output", "keep_checkpoints")] + [
+    ("train", k)
+    for k in ("batch_size", "eval_batch_size", "grad_accumulation", "epochs", "log_every")
+]
+OPTIONAL_COUNTS = [("train", k) for k in ("steps", "eval_every", "checkpoint_every")]
+# (key, smallest allowed, whether the smallest is allowed)
+RATES = [("learning_rate", 0.0, False), ("weight_decay", 0.0, True), ("max_grad_norm", 0.0, True)]
+FLAGS = [("data", "pack"), ("output", "merged"), ("train", "quantize")]
+TEXT = [("data", "text_column"), ("data", "label_column")]
+
+
+def _check_numbers(job: "Job", path: Path) -> None:
+    """Every number, flag and name of `[data]`, `[train]` and `[output]` has the type and
+    range it must: counts are integers in 1..2**31-1, rates finite numbers."""
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for table, key in COUNTS + OPTIONAL_COUNTS:
+        value = getattr(job, table)[key]
+        if value is None and (table, key) in OPTIONAL_COUNTS:
+            continue
+        if not is_int(value) or value < 1:
+            raise UsageError(f"{path}: {table}.{key} must be a positive integer, got {value!r}")
+        if value > MAX_COUNT:
+            raise UsageError(f"{path}: {table}.{key} must be at most {MAX_COUNT}, got {value}")
+    t = job.train
+    if not is_int(t["warmup_steps"]) or not 0 <= t["warmup_steps"] <= MAX_COUNT:
+        raise UsageError(
+            f"{path}: train.warmup_steps must be an integer >= 0, got {t['warmup_steps']!r}"
+        )
+    if not is_int(t["seed"]) or not 0 <= t["seed"] < 2**32:
+        raise UsageError(f"{path}: train.seed must be an integer in 0..2**32-1, got {t['seed']!r}")
+    for key, low, inclusive in RATES:
+        value = t[key]
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise UsageError(f"{path}: train.{key} must be a number, got {value!r}")
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            bound = f">= {low:g}" if inclusive else f"> {low:g}"
+            raise UsageError(f"{path}: train.{key} must be a finite number {bound}, got {value!r}")
+    for table, key in FLAGS:
+        value = getattr(job, table)[key]
+        if not isinstance(value, bool):
+            raise UsageError(f"{path}: {table}.{key} must be true or false, got {value!r}")
+    for table, key in TEXT + [("data", "prompt_column"), ("output", "dir")]:
+        value = getattr(job, table)[key]
+        if not isinstance(value, str) and not (value is None and key in ("prompt_column", "dir")):
+            raise UsageError(f"{path}: {table}.{key} must be a string, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Adapter:
     """One adapter a job trains: its name, config, and its own train and eval files."""
@@ -132,20 +186,7 @@ class Job:
             raise UsageError(f"{path}: train.optimizer must be one of {', '.join(OPTIMIZERS)}")
         if self.train["schedule"] not in SCHEDULES:
             raise UsageError(f"{path}: train.schedule must be one of {', '.join(SCHEDULES)}")
-        positive = ["batch_size", "eval_batch_size", "grad_accumulation", "epochs", "log_every"]
-        optional = ["steps", "eval_every", "checkpoint_every"]
-        for table, key in [("data", "max_length"), ("output", "keep_checkpoints")] + [
-            ("train", k) for k in positive + optional
-        ]:
-            value = getattr(self, table)[key]
-            if value is None and key in optional:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise UsageError(f"{path}: {table}.{key} must be a positive integer, got {value!r}")
-        for key in ("learning_rate", "weight_decay", "warmup_steps", "max_grad_norm"):
-            value = self.train[key]
-            if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-                raise UsageError(f"{path}: train.{key} must be a number >= 0, got {value!r}")
+        _check_numbers(self, path)
         self.multi = "adapters" in raw
         self.adapters = self._several(raw, path) if self.multi else [self._single(raw, path)]
         out = self.output["dir"] or f"runs/{path.stem}"
@@ -175,6 +216,10 @@ class Job:
         for name in ("train", "eval"):
             if self.data[name] is None:
                 raise UsageError(f"{path}: [data] needs {name!r}, a .jsonl or .csv file")
+            if not isinstance(self.data[name], str):
+                raise UsageError(
+                    f"{path}: data.{name} must be a file name, got {self.data[name]!r}"
+                )
         config = self._config(tables[0], raw[tables[0]], f"{path}: [{tables[0]}]")
         return Adapter(
             "default", config, path.parent / self.data["train"], path.parent / self.data["eval"]
@@ -263,42 +308,6 @@ def run(args: argparse.Namespace) -> int:
     job = Job(Path(args.config), args.overrides)
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
         return _finetune(job, overwrite=args.overwrite)
-
-
-def _prepare_output(job: Job, overwrite: bool) -> bool:
-    """Make the output directory ready; True when a run of this job is to be resumed."""
-    from ..train import latest_checkpoint
-
-    out, resolved = job.out, job.resolved()
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output.dir {str(out)!r} is a file")
-    if (out / "summary.json").exists() and not overwrite:
-        raise UsageError(
-            f"{out} holds a finished run; pass --overwrite to replace it, or set output.dir"
-        )
-    if overwrite and out.exists():
-        shutil.rmtree(out)
-    saved = out / "job.json"
-    if saved.exists() and latest_checkpoint(out / "checkpoints") is None:
-        shutil.rmtree(out)  # a run that failed before its first checkpoint: nothing to keep
-    if saved.exists():
-        if json.loads(saved.read_text()) != resolved:
-            raise UsageError(
-                f"{out} holds checkpoints of a different job; pass --overwrite to start over, "
-                "or set output.dir"
-            )
-        return True
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"output.dir {str(out)!r} is not empty; pass --overwrite or pick another")
-    out.mkdir(parents=True, exist_ok=True)
-    _write(saved, json.dumps(resolved, indent=2))
-    return False
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = temporary_file(path)
-    Path(tmp).write_text(text)
-    os.replace(tmp, path)
 
 
 def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, list[str] | None]:
@@ -475,16 +484,61 @@ def _report(job: Job, when: str, metrics: dict) -> None:
         print(f"  {a.name}: {_describe(metrics[a.name])} (on its data, {BASE}: {base})")
 
 
+def _protected(job: Job) -> list[tuple[str, Path]]:
+    """What a run's output may not be or hold: the model and the data."""
+    files = [("data file", p) for a in job.adapters for p in (a.train, a.eval)]
+    return [("model directory", job.model.path), *files]
+
+
+def _check_finite(n: int, metrics: dict, last_checkpoint: Path | None, lr: float) -> None:
+    """`RunFailed` if step `n`'s loss or gradient norm is not finite."""
+    if bool(metrics["finite"]):
+        return
+    loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    kept = (
+        f"the last good checkpoint stays in {last_checkpoint}"
+        if last_checkpoint is not None
+        else "no checkpoint was saved"
+    )
+    raise RunFailed(
+        f"the run diverged at step {n}: loss {loss}, gradient norm {norm}; lower "
+        f"train.learning_rate (now {lr:g}) or set train.max_grad_norm. No adapter was "
+        f"written; {kept}"
+    )
+
+
+def _restore(ckpt_dir: Path, state: Any, total: int) -> tuple[Any, dict] | None:
+    """The newest checkpoint in `ckpt_dir` that restores, and its info: a damaged one is
+    passed over with one line saying so."""
+    from .. import train
+    from .._errors import CheckpointError
+
+    for ckpt in reversed(train.checkpoints(ckpt_dir)):
+        try:
+            restored, info = train.restore_checkpoint(ckpt, state)
+            batches, before = info.get("batches"), info.get("before")
+            if not isinstance(batches, int) or not 1 <= batches <= total:
+                raise CheckpointError(f"'batches' is {batches!r}, not a step in 1..{total}")
+            if batches != info["step"]:
+                raise CheckpointError(f"'batches' is {batches}, 'step' {info['step']}")
+            if not isinstance(before, dict):
+                raise CheckpointError(f"'before' is {before!r}, not the first evaluation")
+            return restored, info
+        except CheckpointError as e:
+            print(f"checkpoint {ckpt} is damaged, passed over: {' '.join(str(e).split())}")
+    return None
+
+
 def _finetune(job: Job, *, overwrite: bool) -> int:
     import jax
-    import numpy as np
-    from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from .. import BASE, train
+    from .. import train
 
-    resume = _prepare_output(job, overwrite)
-    out, t = job.out, job.train
+    protected = _protected(job)
+    plan_output(job.out, job.resolved(), overwrite=overwrite, protected=protected)
+    # the whole job is checked (model, data, adapters) before the output is touched
+    t = job.train
     tokenizer = AutoTokenizer.from_pretrained(job.model.path, local_files_only=True)
     pairs, labels = _datasets(job, tokenizer)
     names = [a.name for a in job.adapters]
@@ -492,15 +546,49 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
     share = batch // len(names)  # each adapter's rows of a step
     per_epoch = max(train.batches_per_epoch(tr, share) for tr, _ in pairs)
     total = t["steps"] or t["epochs"] * per_epoch
+    if total > MAX_COUNT:
+        raise UsageError(f"train.epochs makes {total} steps, more than {MAX_COUNT}")
     optimizer, schedule = _optimizer(job, total)
     model_key, train_key = jax.random.split(jax.random.key(t["seed"]))
     peft_model = _model(job, labels, model_key)
-    for name in names:
-        if job.multi:
-            print(f"{name}: ", end="")
-        peft_model.set_adapter(name).print_trainable_parameters()
     adapters = names if job.multi else None
     state, frozen = train.init_state(peft_model, optimizer, key=train_key, adapters=adapters)
+    with open_run(job.out, job.resolved(), overwrite=overwrite, protected=protected) as run:
+        for name in names:
+            if job.multi:
+                print(f"{name}: ", end="")
+            peft_model.set_adapter(name).print_trainable_parameters()
+        trained = _train(job, run, state, frozen, peft_model, pairs, labels, total, schedule)
+        written = _finish(job, run.work, *trained, frozen, tokenizer, labels, pairs)
+        run.commit()
+    print("wrote\n  " + "\n  ".join(written))
+    return 0
+
+
+def _train(
+    job: Job,
+    run: Run,
+    state: Any,
+    frozen: Any,
+    peft_model: Any,
+    pairs: list[tuple[dict, dict]],
+    labels: Any,
+    total: int,
+    schedule: Any,
+) -> tuple[Any, dict, dict]:
+    """Train `state` for the job's steps in `run.work` (from its checkpoints when it
+    resumes), logging and evaluating: the trained state and the metrics before and
+    after, or `RunFailed`."""
+    import numpy as np
+    from tqdm import tqdm
+
+    from .. import BASE, train
+
+    out, t = run.work, job.train
+    names = [a.name for a in job.adapters]
+    batch = t["batch_size"] * t["grad_accumulation"]
+    optimizer = _optimizer(job, total)[0]
+    initial = state.trainable
     loss_fn = train.classification_loss if labels else train.causal_lm_loss
     step_fn = train.make_train_step(loss_fn, optimizer, grad_accumulation=t["grad_accumulation"])
     if job.multi:
@@ -513,14 +601,17 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
     log = Log(out / "metrics.jsonl")
 
     ckpt_dir, start = out / "checkpoints", 0
-    last = train.latest_checkpoint(ckpt_dir) if resume else None
-    if last is not None:
-        state, info = train.restore_checkpoint(last, state)
-        start = info["batches"]
-        before = info["before"]
+    restored = _restore(ckpt_dir, state, total) if run.resume else None
+    last_ckpt = None
+    if restored is not None:
+        state, info = restored
+        start, before = info["batches"], info["before"]
+        last_ckpt = ckpt_dir / f"checkpoint-{start:08d}"
         log.truncate(after=start)
-        print(f"resuming from {last} (step {start} of {total})")
+        print(f"resuming from {last_ckpt} (step {start} of {total})")
     else:
+        if run.resume and train.checkpoints(ckpt_dir):
+            print(f"no checkpoint in {ckpt_dir} restores: starting from step 0")
         log.truncate(after=0)
         before = evaluate(state)
         log.write(*_eval_records(job, 0, before))
@@ -539,15 +630,20 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
     else:
         batches = train.train_batches(pairs[0][0], batch, seed=seed, start=start)
     every = lambda n, k: bool(k) and n % k == 0  # noqa: E731
-    tick, seen = time.perf_counter(), 0
+    check = lambda n, m: _check_finite(n, m, last_ckpt, t["learning_rate"])  # noqa: E731
+    tick, seen, pending = time.perf_counter(), 0, None
     with tqdm(
         total=total, initial=start, desc="fine-tuning", unit="step", dynamic_ncols=True
     ) as bar:
         for n in range(start + 1, total + 1):
             state, metrics = step_fn(state, frozen, next(batches))
+            if pending is not None:  # a step late, so the device is never left waiting
+                check(*pending)
+            pending = (n, metrics)
             seen += batch
             bar.update()
             if every(n, t["log_every"]) or n == total:
+                check(n, metrics)
                 loss = float(metrics["loss"])
                 rate = seen / (time.perf_counter() - tick)
                 lr = float(schedule(n - 1))
@@ -567,18 +663,44 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
                 log.write(*_eval_records(job, n, evaluate(state)))
                 plot(log.path, out / "curves.png")
             if every(n, t["checkpoint_every"]) and n != total:
-                train.save_checkpoint(
+                check(n, metrics)
+                last_ckpt = train.save_checkpoint(
                     ckpt_dir,
                     state,
                     frozen,
                     info={"batches": n, "before": before},
                     keep=job.output["keep_checkpoints"],
                 )
+    if pending is not None:
+        check(*pending)
+    _check_trained(initial, state.trainable, total)
     after = evaluate(state)
     log.write(*_eval_records(job, total, after))
     plot(log.path, out / "curves.png")
     _report(job, "after fine-tuning: ", after)
-    return _finish(job, state, frozen, tokenizer, labels, before, after, pairs)
+    return state, before, after
+
+
+def _check_trained(initial: Any, trained: Any, steps: int) -> None:
+    """`RunFailed` if a trained array is not finite, or none changed in training."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    pairs = list(
+        zip(
+            jax.tree.leaves(eqx.filter(initial, eqx.is_array)),
+            jax.tree.leaves(eqx.filter(trained, eqx.is_array)),
+            strict=True,
+        )
+    )
+    if not all(bool(jnp.isfinite(b).all()) for _, b in pairs):
+        raise RunFailed("the trained weights are not finite; no adapter was written")
+    if all(bool(jnp.array_equal(a, b)) for a, b in pairs):
+        raise RunFailed(
+            f"{steps} steps changed no trained weight: nothing was learned (is every "
+            "gradient zero?); no adapter was written"
+        )
 
 
 def _serving_check(model: Any, names: list[str], pairs: list[tuple[dict, dict]]) -> dict:
@@ -620,14 +742,17 @@ def _serving_check(model: Any, names: list[str], pairs: list[tuple[dict, dict]])
 
 def _finish(
     job: Job,
+    work: Path,
     state: Any,
+    before: dict,
+    after: dict,
     frozen: Any,
     tokenizer: Any,
     labels: Any,
-    before: dict,
-    after: dict,
     pairs: list[tuple[dict, dict]],
-) -> int:
+) -> list[str]:
+    """Write the run's results into `work`; returns what was written, by where it will be
+    once the run is committed to `output.dir`."""
     import equinox as eqx
 
     from .. import models
@@ -635,6 +760,11 @@ def _finish(
     out = job.out
     peft_model = eqx.combine(state.trainable, frozen)
     summary = {"before": before, "after": after, "steps": int(state.step)}
+    for split, metrics in (("before", before), ("after", after)):
+        if not _all_finite(metrics):
+            raise RunFailed(
+                f"the evaluation {split} training is not finite ({metrics}); no adapter was written"
+            )
     if job.multi:
         check = _serving_check(peft_model, [a.name for a in job.adapters], pairs)
         print(
@@ -642,24 +772,22 @@ def _finish(
             f"{check['max_abs_diff']:.3g} (tolerance {check['tolerance']:.3g})"
         )
         if not check["max_abs_diff"] <= check["tolerance"]:
-            print(
-                f"peftx: error: serving check failed: a mixed batch differs from each adapter "
-                f"run alone by {check['max_abs_diff']:.3g}, over the tolerance "
-                f"{check['tolerance']:.3g}; nothing was saved",
-                file=sys.stderr,
+            raise RunFailed(
+                f"serving check failed: a mixed batch differs from each adapter run alone by "
+                f"{check['max_abs_diff']:.3g}, over the tolerance {check['tolerance']:.3g}; "
+                "nothing was saved"
             )
-            return 1
         summary["serving"] = check
+    peft_model.save_pretrained(work / "adapter")
+    tokenizer.save_pretrained(work / "adapter")
     adapter = out / "adapter"
-    peft_model.save_pretrained(adapter)
-    tokenizer.save_pretrained(adapter)
     if job.multi:  # PEFT's layout: an adapter not named "default" in the subfolder of its name
         where = {a.name: adapter if a.name == "default" else adapter / a.name for a in job.adapters}
         written = [f"adapter {name!r} (PEFT format): {d}" for name, d in where.items()]
     else:
         written = [f"adapter (PEFT format): {adapter}"]
     if labels:
-        _write(out / "labels.json", json.dumps(labels))
+        write_text(work / "labels.json", json.dumps(labels))
         written.append(f"labels: {out / 'labels.json'}")
     if job.output["merged"]:
         if job.train["quantize"]:
@@ -667,15 +795,28 @@ def _finish(
                 "output.merged needs a dense base; merge a QLoRA adapter with "
                 "`peftx merge BASE_DIR ADAPTER_DIR OUT_DIR`"
             )
-        merged = out / "merged"
-        models.save_pretrained(peft_model.merge_and_unload(), merged)
-        tokenizer.save_pretrained(merged)
-        written.append(f"merged model: {merged}")
+        models.save_pretrained(peft_model.merge_and_unload(safe_merge=True), work / "merged")
+        tokenizer.save_pretrained(work / "merged")
+        written.append(f"merged model: {out / 'merged'}")
     written += [f"metrics: {out / 'metrics.jsonl'}", f"curves: {out / 'curves.png'}"]
-    _write(out / "summary.json", json.dumps(summary, indent=2))
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    print("wrote\n  " + "\n  ".join(written))
-    return 0
+    write_text(work / "summary.json", json.dumps(summary, indent=2))
+    shutil.rmtree(work / "checkpoints", ignore_errors=True)
+    return written
+
+
+def _all_finite(tree: Any) -> bool:
+    if isinstance(tree, dict):
+        return all(_all_finite(v) for v in tree.values())
+    return not isinstance(tree, float) or math.isfinite(tree)
+
+
+def _finite_or_null(value: Any) -> Any:
+    """A record's value as strict JSON allows: a non-finite float becomes null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    return value
 
 
 class Log:
@@ -685,17 +826,25 @@ class Log:
         self.path = path
 
     def write(self, *records: dict[str, Any]) -> None:
-        with self.path.open("a") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in records))
+        lines = [json.dumps(_finite_or_null(r), allow_nan=False) + "\n" for r in records]
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write("".join(lines))
 
     def truncate(self, after: int) -> None:
-        """Drop the records past step `after` (a killed run's, after its last checkpoint)."""
+        """Drop the records past step `after` (a killed run's, after its last checkpoint),
+        and any line a kill tore."""
         if not self.path.exists():
             return
-        kept = [
-            line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= after
-        ]
-        _write(self.path, "".join(line + "\n" for line in kept))
+        kept = []
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                if record["step"] <= after:
+                    kept.append(line)
+        write_text(self.path, "".join(line + "\n" for line in kept))
 
 
 def plot(metrics: Path, png: Path) -> None:
@@ -705,7 +854,7 @@ def plot(metrics: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines()]
     train_rows = [r for r in records if r["split"] == "train"]
     eval_rows = [r for r in records if r["split"] == "eval"]
     extra = "accuracy" if eval_rows and "accuracy" in eval_rows[0] else "perplexity"
@@ -727,6 +876,9 @@ def plot(metrics: Path, png: Path) -> None:
     ax_extra.set(xlabel="step", ylabel=extra, title=f"eval {extra}")
     fig.tight_layout()
     tmp = temporary_file(png)
-    fig.savefig(tmp, dpi=80, format="png")
-    plt.close(fig)
-    os.replace(tmp, png)
+    try:
+        fig.savefig(tmp, dpi=80, format="png")
+        os.replace(tmp, png)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)

@@ -7,7 +7,7 @@ from typing import NoReturn
 
 from .._errors import TargetNotFoundError, UnknownAdapterError
 from . import _env, _finetune, _generate, _inspect, _merge
-from ._common import UsageError
+from ._common import RunFailed, UsageError
 
 COMMANDS = {
     "finetune": (_finetune, "fine-tune a model as a TOML job describes"),
@@ -18,7 +18,7 @@ COMMANDS = {
 }
 
 # Errors that are the user's to fix (a file, a key, a value): one line, no traceback.
-USER_ERRORS = (OSError, ValueError, TypeError, TargetNotFoundError, UnknownAdapterError)
+USER_ERRORS = (OSError, ValueError, TypeError, TargetNotFoundError, UnknownAdapterError, RunFailed)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import safetensors.numpy
 from safetensors import SafetensorError, safe_open
 
 from .._errors import CheckpointError
+from .._files import replaced_directory
 from .._select import dotted
 from ._stack import LayerStack, Layout, parse_span
 
@@ -595,10 +595,11 @@ def save_pretrained(
     - `max_shard_size`: bytes, or a size such as `"5GB"` or `"500MiB"`; a tensor larger
       than this gets a shard of its own.
 
-    Every file is written under a temporary name first and renamed only when all of
-    them are complete, so a save that fails leaves `path` as it was; weight files of an
-    earlier save that the new one does not replace are then removed (as transformers
-    does), so the directory holds one checkpoint.
+    The files are written into a new directory beside `path` that replaces it in one
+    atomic swap, so a save that fails or is killed at any point leaves `path` as it was
+    or as the new checkpoint, never a mix. Other files in `path` (a tokenizer's) are
+    kept; weight files of an earlier save are not (as transformers does), so the
+    directory holds one checkpoint.
     """
     from .._peft_model import PeftModel
     from ..implicit import is_implicit
@@ -619,7 +620,6 @@ def save_pretrained(
     arch = architecture(config.model_type)
     name = next(n for n, c in arch.classes.items() if c is type(model))
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     limit = _size(max_shard_size)
 
     arrays = eqx.filter(model, eqx.is_array)
@@ -651,43 +651,26 @@ def save_pretrained(
         names = [WEIGHTS_NAME]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    written: list[tuple[str, Path]] = []  # (temporary file, final name)
-    try:
+    with replaced_directory(path, drop=_is_weight_file) as tmp:
         for shard, fname in zip(shards, names):
-            written.append((temporary_file(path / fname), path / fname))
-            safetensors.numpy.save_file(shard, written[-1][0], metadata={"format": "pt"})
+            safetensors.numpy.save_file(shard, str(tmp / fname), metadata={"format": "pt"})
         if len(shards) > 1:
             index = {
                 "metadata": {"total_size": sum(sizes)},
                 "weight_map": {k: f for shard, f in zip(shards, names) for k in sorted(shard)},
             }
-            written.append((temporary_file(path / INDEX_NAME), path / INDEX_NAME))
-            Path(written[-1][0]).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        # config.json last: it names the architecture of the weights beside it
-        written.append((temporary_file(path / CONFIG_NAME), path / CONFIG_NAME))
-        Path(written[-1][0]).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    except BaseException:
-        for tmp, _ in written:
-            Path(tmp).unlink(missing_ok=True)
-        raise
-    for tmp, target in written:
-        os.replace(tmp, target)
-    keep = {target.name for _, target in written}
-    for stale in _weight_files(path):
-        if stale.name not in keep:
-            stale.unlink()
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (tmp / CONFIG_NAME).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
 
 
-def _weight_files(path: Path) -> list[Path]:
-    """Weight files of a transformers checkpoint in `path`."""
-    pattern = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
-    return [f for f in path.iterdir() if pattern.fullmatch(f.name) or f.name == TORCH_NAME]
+_WEIGHT_FILE = re.compile(
+    r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|" + re.escape(TORCH_NAME)
+)
 
 
-def temporary_file(target: Path) -> str:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
-    return tmp
+def _is_weight_file(path: Path) -> bool:
+    """A weight file of a transformers checkpoint (an earlier save's, not to be kept)."""
+    return _WEIGHT_FILE.fullmatch(path.name) is not None
 
 
 def _size(size: int | str) -> int:

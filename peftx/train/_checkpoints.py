@@ -4,7 +4,6 @@ to a temporary directory and renamed into place."""
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +11,10 @@ import equinox as eqx
 import jax
 import numpy as np
 import safetensors.numpy
+from safetensors import SafetensorError
 
 from .._errors import CheckpointError
+from .._files import remove_leftovers, replaced_directory
 from ._step import TrainState
 
 STATE_FILE = "train_state.safetensors"
@@ -38,32 +39,20 @@ def save_checkpoint(
     """Write `directory/checkpoint-<step>/`: the adapter (`PeftModel.save_pretrained`, so
     PEFT loads any checkpoint) and the training state (optimizer state, step, PRNG key
     and the exact trainable leaves, in safetensors; `info` such as the data position in
-    JSON). The files go to a temporary directory renamed into place when complete, so a
-    run killed mid-write leaves the previous checkpoints intact. The `keep` newest
+    JSON). The files go to a new directory swapped into place when complete, so a run
+    killed mid-write leaves the previous checkpoints intact. The `keep` newest
     checkpoints are kept (None: all)."""
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1 (or None: keep all), got {keep}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob(f".{_PREFIX}*"):  # left by a run killed while saving
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_leftovers(directory)  # of a run killed while saving
     step = int(state.step)
     final = directory / f"{_PREFIX}{step:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=directory))
-    try:
+    with replaced_directory(final) as tmp:
         eqx.combine(state.trainable, frozen).save_pretrained(tmp)
         safetensors.numpy.save_file(_arrays(state), str(tmp / STATE_FILE))
         (tmp / INFO_FILE).write_text(json.dumps({"step": step, **(info or {})}, indent=2))
-        if final.exists():  # the same step again: swap, so a crash keeps one of the two
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=directory))
-            os.replace(final, old / "replaced")
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if keep is not None:
         for old in checkpoints(directory)[:-keep]:
             shutil.rmtree(old)
@@ -97,9 +86,14 @@ def restore_checkpoint(path: str | os.PathLike, like: TrainState) -> tuple[Train
     path = Path(path)
     try:
         saved = safetensors.numpy.load_file(str(path / STATE_FILE))
-        info = json.loads((path / INFO_FILE).read_text())
-    except (OSError, ValueError) as e:
+        info = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError, SafetensorError) as e:
         raise CheckpointError(f"cannot read the training checkpoint {path}: {e}") from None
+    if not isinstance(info, dict) or not _is_count(info.get("step")):
+        raise CheckpointError(
+            f"{path / INFO_FILE} is damaged: it needs 'step', a count of steps, got "
+            f"{info.get('step') if isinstance(info, dict) else info!r}"
+        )
     expected = _arrays(like)
     if set(saved) != set(expected):
         odd = sorted(set(saved) ^ set(expected))
@@ -121,4 +115,13 @@ def restore_checkpoint(path: str | os.PathLike, like: TrainState) -> tuple[Train
         jax.tree.unflatten(jax.tree.structure(arrays), leaves), static
     )
     key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(like.key))
+    if int(step) != info["step"]:
+        raise CheckpointError(
+            f"{path} is damaged: {INFO_FILE} says step {info['step']}, {STATE_FILE} "
+            f"holds step {int(step)}"
+        )
     return TrainState(trainable, opt_state, step, key), info
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

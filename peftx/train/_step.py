@@ -128,7 +128,9 @@ def make_train_step(
     cut into `n` micro-batches run one after the other under `lax.scan` (memory of one
     micro-batch), and the update equals that of the whole batch at once. Each step draws
     fresh dropout keys (LoRA dropout, and the model's own dropout if it takes a `key`).
-    `metrics`: `loss` (the mean), `grad_norm`, and the loss function's sums.
+    `metrics`: `loss` (the mean), `grad_norm`, `finite` (whether both are finite: a run
+    that diverged, to stop on; the check needs no extra pass) and the loss function's
+    sums.
     """
     if grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be at least 1, got {grad_accumulation}")
@@ -161,7 +163,9 @@ def make_train_step(
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
         trainable = eqx.apply_updates(state.trainable, updates)
-        metrics = {"loss": total / count, "grad_norm": optax.tree.norm(grads), **sums}
+        loss, norm = total / count, optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+        metrics = {"loss": loss, "grad_norm": norm, "finite": finite, **sums}
         return TrainState(trainable, opt_state, state.step + 1, key), metrics
 
     return step

@@ -1,0 +1,228 @@
+"""How peftx writes files: under temporary names, moved into place whole, with the user's
+umask, never deleting what peftx did not write.
+
+A save of several files (a sharded checkpoint, an adapter's config and weights, a
+fine-tuning run) is written into a new directory beside its target, and that directory
+replaces the target in one rename. On Linux the swap is `renameat2(RENAME_EXCHANGE)`, so a
+process killed at any point leaves either the old directory or the new one at the target,
+never a mix. Entries of the old directory that the save does not write are carried into
+the new one as hard links, so the user's own files survive the swap.
+"""
+
+import contextlib
+import ctypes
+import errno
+import glob
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+TMP_SUFFIX = ".peftx-tmp"
+# `.{target}.peftx-{new|old}-{pid}-{random}`: beside a directory being replaced
+_SIBLING = re.compile(r"\.(?P<target>.+)\.peftx-(?P<kind>new|old)-(?P<pid>\d+)-[^.]+")
+
+
+def _umask() -> int:
+    try:  # Linux: read it without changing it (os.umask would race with other threads)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode of a new regular file under the current umask (as `open` would create)."""
+    return 0o666 & ~_umask()
+
+
+def dir_mode() -> int:
+    """The mode of a new directory under the current umask (as `mkdir` would create)."""
+    return 0o777 & ~_umask()
+
+
+def temporary_file(target: Path) -> str:
+    """A new empty file beside `target` with a name peftx recognizes as its own temporary
+    (`.{name}.<random>.peftx-tmp`), with the umask's mode (`mkstemp` would give 0600)."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=TMP_SUFFIX)
+    os.fchmod(fd, file_mode())
+    os.close(fd)
+    return tmp
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary file renamed onto it."""
+    tmp = temporary_file(path)
+    try:
+        Path(tmp).write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def remove_leftovers(directory: Path) -> list[Path]:
+    """Delete what killed writes of peftx left under `directory`: its temporary files
+    (`*.peftx-tmp`) and the unfinished directories of replacements whose process is gone.
+    Returns them."""
+    return [p for p in sorted(Path(directory).rglob(".*")) if p.exists() and _tidy(p)]
+
+
+def _tidy(path: Path) -> bool:
+    """Delete `path` if it is a leftover of a killed write (see `remove_leftovers`), or put
+    it back where the fallback swap was cut between its two renames; True if deleted."""
+    if path.name.endswith(TMP_SUFFIX) and path.is_file():
+        path.unlink(missing_ok=True)
+        return True
+    m = _SIBLING.fullmatch(path.name)
+    if m is None or not path.is_dir() or _alive(int(m["pid"])):
+        return False
+    target = path.parent / m["target"]
+    if m["kind"] == "old" and not target.exists():
+        os.rename(path, target)
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    return Path(
+        tempfile.mkdtemp(prefix=f".{target.name}.peftx-{kind}-{os.getpid()}-", dir=target.parent)
+    )
+
+
+def _recover(target: Path) -> None:
+    """Tidy what earlier replacements of `target`, killed part-way, left beside it."""
+    if target.parent.is_dir():
+        for p in target.parent.glob(f".{glob.escape(target.name)}.peftx-*"):
+            _tidy(p)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux `renameat2`); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _carry_over(old: Path, new: Path, drop: Callable[[Path], bool]) -> None:
+    """Hard-link into `new` each entry of `old` that `new` lacks and `drop` does not claim
+    (recursing into directories both have), so swapping `new` in keeps them."""
+    for entry in old.iterdir():
+        there = new / entry.name
+        if drop(entry):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            if not there.exists():
+                shutil.copytree(entry, there, symlinks=True, copy_function=_link_or_copy)
+            elif there.is_dir():
+                _carry_over(entry, there, drop)
+        elif not there.exists() and not there.is_symlink():
+            if entry.is_symlink():
+                os.symlink(os.readlink(entry), there)
+            else:
+                _link_or_copy(entry, there)
+
+
+def _link_or_copy(src: str | Path, dst: str | Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a file system without hard links
+        shutil.copy2(src, dst)
+
+
+def swap_in(new: Path, target: Path, *, drop: Callable[[Path], bool] = lambda p: False) -> None:
+    """Make the directory `new` (a sibling of `target`) the directory at `target`, keeping
+    the entries of an existing `target` that `new` lacks unless `drop(entry)`.
+
+    A kill at any point leaves `target` as the old or the new directory; leftovers beside
+    it are tidied by the next replacement of `target`."""
+    if not target.exists():
+        os.rename(new, target)
+        return
+    if not target.is_dir():
+        raise NotADirectoryError(f"{str(target)!r} is a file, not a directory to replace")
+    os.chmod(new, target.stat().st_mode & 0o7777)
+    _carry_over(target, new, drop)
+    if _exchange(new, target):
+        shutil.rmtree(new)  # now the old directory
+        return
+    aside = _sibling(target, "old")
+    aside.rmdir()  # a free name: `target` is renamed to it
+    os.rename(target, aside)
+    os.rename(new, target)  # killed before this, the next `_recover` puts `aside` back
+    shutil.rmtree(aside)
+
+
+def _follow_umask(directory: Path) -> None:
+    """Give `directory` and everything in it the modes the umask gives new files (writers
+    such as `mkdtemp` and safetensors make them private)."""
+    os.chmod(directory, dir_mode())
+    for p in directory.rglob("*"):
+        if not p.is_symlink():
+            os.chmod(p, dir_mode() if p.is_dir() else file_mode())
+
+
+@contextlib.contextmanager
+def replaced_directory(
+    target: str | os.PathLike[str], *, drop: Callable[[Path], bool] = lambda p: False
+) -> Iterator[Path]:
+    """A new directory to write into; when the block ends without an error, it replaces
+    `target` as a whole (see `swap_in`; entries of the old `target` that the block did not
+    write are kept unless `drop(entry)`). On an error, `target` is left as it was.
+
+    ```python
+    with replaced_directory(out) as tmp:
+        write_weights(tmp / "model.safetensors")
+        write_config(tmp / "config.json")
+    ```
+    """
+    target = Path(target)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"{str(target)!r} is a file; name a directory to write into")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _recover(target)
+    new = _sibling(target, "new")
+    try:
+        yield new
+        _follow_umask(new)
+        swap_in(new, target, drop=drop)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise

@@ -1,0 +1,192 @@
+"""A fine-tuning run's output directory: marked as peftx's, locked while a run writes it,
+and replaced only by a run that has succeeded, keeping every file peftx did not write."""
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from .._files import file_mode, remove_leftovers, swap_in, write_text
+from ._common import UsageError
+
+MARKER = ".peftx-run"
+LOCK = ".peftx-lock"
+JOB = "job.json"
+SUMMARY = "summary.json"
+# every entry a run writes; anything else in a run directory is the user's and is kept
+RUN_ENTRIES = frozenset(
+    {MARKER, LOCK, JOB, SUMMARY, "metrics.jsonl", "curves.png", "labels.json"}
+    | {"adapter", "merged", "checkpoints"}
+)
+Plan = Literal["new", "resume", "replace"]
+
+
+def staging_dir(out: Path) -> Path:
+    """Where a run that replaces the one in `out` is written until it succeeds."""
+    return out.parent / f".{out.name}.peftx-next"
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def _user_entries(path: Path) -> list[str]:
+    return sorted(e.name for e in path.iterdir() if e.name not in RUN_ENTRIES)
+
+
+def plan_output(
+    out: Path, job: dict[str, Any], *, overwrite: bool, protected: list[tuple[str, Path]]
+) -> Plan:
+    """What a run of `job` (its `job.json`) does with `out`: start there (`"new"`), go on
+    from its checkpoints (`"resume"`), or run beside it and replace it when done
+    (`"replace"`). Reads only; a directory that is not peftx's, or that a run may not
+    replace, is a `UsageError`. `protected` (the model directory, the data files, each
+    with what it is) may not be `out` or lie inside it."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output.dir {str(out)!r} is a file; name a directory")
+    real = out.resolve()
+    for what, path in protected:
+        other = path.resolve()
+        if other == real or real in other.parents:
+            relation = "is" if other == real else "contains"
+            raise UsageError(
+                f"output.dir {str(out)!r} {relation} the {what} {str(path)!r}; a run's output "
+                "goes in a directory of its own, e.g. runs/NAME"
+            )
+    if not out.exists() or all(e.name == LOCK for e in out.iterdir()):
+        return "new"
+    if not is_run_dir(out):
+        raise UsageError(
+            f"output.dir {str(out)!r} is not empty and is not a peftx run directory (it has "
+            f"no {MARKER}); peftx writes only into a new or empty directory, or one of its "
+            "own runs: pick another output.dir"
+        )
+    if (out / SUMMARY).exists():
+        if not overwrite:
+            raise UsageError(
+                f"{out} holds a finished run; pass --overwrite to replace it, or set output.dir"
+            )
+        return "replace"
+    if not (out / JOB).exists() or not (out / "checkpoints").is_dir():
+        return "new"  # killed before its first checkpoint: nothing to go on from
+    if _read_job(out) != job:
+        if not overwrite:
+            raise UsageError(
+                f"{out} holds checkpoints of a different job; pass --overwrite to start over, "
+                "or set output.dir"
+            )
+        return "replace"
+    return "replace" if overwrite else "resume"
+
+
+def _read_job(run: Path) -> Any:
+    try:
+        return json.loads((run / JOB).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # damaged: not this job
+
+
+class Lock:
+    """`directory/.peftx-lock`: held with `flock` (so the kernel frees it when its process
+    dies), naming its holder's process id while held."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / LOCK
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, file_mode())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UsageError(
+                f"{self.path.parent} is in use by another peftx run (process {holder}, as "
+                f"{self.path} says); wait for it to end, or set output.dir"
+            ) from None
+        left = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        if left and left != str(os.getpid()):
+            print(f"taking over {self.path}, left by process {left}, which is gone")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # an empty lock file: no holder, none died holding it
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+class Run:
+    """A run's place on disk while it trains: `work`, the directory it writes (`out` itself,
+    or beside it when it replaces a run), and whether it goes on from checkpoints there."""
+
+    def __init__(self, out: Path, work: Path, resume: bool):
+        self.out, self.work, self.resume = out, work, resume
+
+    def commit(self) -> None:
+        """Put a finished run at `out`: a replacement run is swapped in whole, keeping the
+        old directory's files that peftx did not write."""
+        if self.work != self.out:
+            swap_in(self.work, self.out, drop=lambda entry: entry.name in RUN_ENTRIES)
+
+
+@contextlib.contextmanager
+def open_run(
+    out: Path, job: dict[str, Any], *, overwrite: bool, protected: list[tuple[str, Path]]
+) -> Iterator[Run]:
+    """Lock `out`, decide again under the lock what to do with it (`plan_output`), and make
+    the run's directory ready: marked, with its `job.json`, and tidied of what a killed
+    run left. The lock is released when the block ends."""
+    out.mkdir(parents=True, exist_ok=True)
+    locks = [Lock(out)]
+    try:
+        locks[0].acquire()
+        plan = plan_output(out, job, overwrite=overwrite, protected=protected)
+        work = out
+        if plan == "replace":
+            work = staging_dir(out)
+            if work.exists() and not is_run_dir(work):
+                raise UsageError(f"{work} is in the way of the run replacing {out}; move it")
+            work.mkdir(exist_ok=True)
+            locks.append(Lock(work))
+            locks[-1].acquire()
+            if _resumable(work, job):
+                plan = "resume"
+            else:
+                _clear(work)
+            print(f"writing the new run to {work}; it replaces {out} when it has succeeded")
+        elif plan == "new":
+            _clear(out)
+        if plan == "resume":
+            remove_leftovers(work)
+        else:
+            write_text(work / MARKER, json.dumps({"peftx": "fine-tuning run"}) + "\n")
+            write_text(work / JOB, json.dumps(job, indent=2))
+        yield Run(out, work, resume=plan == "resume")
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+
+
+def _resumable(run: Path, job: dict[str, Any]) -> bool:
+    """Whether `run` (a replacement run's directory) holds checkpoints of `job` to go on from."""
+    unfinished = is_run_dir(run) and not (run / SUMMARY).exists()
+    return unfinished and (run / "checkpoints").is_dir() and _read_job(run) == job
+
+
+def _clear(run: Path) -> None:
+    """Delete what an earlier run wrote in `run` (only that), to start afresh there."""
+    for entry in run.iterdir():
+        if entry.name in RUN_ENTRIES - {LOCK}:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()

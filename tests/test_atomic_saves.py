@@ -1,0 +1,262 @@
+"""Multi-file saves are replaced as a whole: a process killed, or a save failing, at any
+write or rename leaves the old files or the new ones, never a mix, and the user's own
+files beside them survive. A kill is simulated exactly by copying the directory as it
+stands before each file-system call of the save (what a kill there would leave)."""
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+import stat
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import peftx
+import peftx._files as files
+from peftx import models
+
+# every call through which a save changes the file system
+MUTATORS = [
+    (os, "rename"),
+    (os, "replace"),
+    (os, "link"),
+    (os, "unlink"),
+    (os, "rmdir"),
+    (os, "mkdir"),
+    (os, "chmod"),
+    (os, "symlink"),
+    (shutil, "rmtree"),
+    (pathlib.Path, "write_text"),
+    (safetensors.numpy, "save_file"),
+    (files, "_exchange"),
+]
+
+
+def _state(directory: pathlib.Path) -> dict[str, bytes | None] | None:
+    """Every entry under `directory` by relative path: a file's bytes, None for a folder."""
+    if not directory.exists():
+        return None
+    return {
+        str(p.relative_to(directory)): None if p.is_dir() else p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+    }
+
+
+@contextlib.contextmanager
+def _watched(monkeypatch, root: pathlib.Path, *, fail_at: int | None = None):
+    """Copy `root` aside before each file-system call (the states a kill could leave), or
+    raise `OSError` at call number `fail_at`. Yields the list of copies."""
+    copies: list[pathlib.Path] = []
+    calls = [0]
+    busy = [False]
+    snapshots = root.parent / f"{root.name}-kills"
+    snapshots.mkdir()
+    real_copytree = shutil.copytree
+
+    def wrap(owner, name):
+        real = getattr(owner, name)
+
+        def watched(*args, **kwargs):
+            if not busy[0]:
+                busy[0] = True
+                try:
+                    calls[0] += 1
+                    if fail_at is not None and calls[0] == fail_at:
+                        raise OSError(f"injected failure at call {fail_at} ({name})")
+                    if fail_at is None:
+                        copy = snapshots / str(len(copies))
+                        real_copytree(root, copy, symlinks=True)
+                        copies.append(copy)
+                finally:
+                    busy[0] = False
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, watched)
+
+    for owner, name in MUTATORS:
+        wrap(owner, name)
+    yield copies, calls
+    monkeypatch.undo()
+
+
+def _check_all_kills(monkeypatch, tmp_path, target_name, save_old, save_new, *, exchange):
+    """Save old, then new, with a copy of the directory before every call of the second
+    save: after the recovery the next save does, each copy holds the old files or the new
+    ones at the target, and the user's file."""
+    root = tmp_path / "root"
+    target = root / target_name
+    save_old(target)
+    (target / "notes.txt").write_text("the user's own")
+    old = _state(target)
+    if not exchange:
+        monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    with _watched(monkeypatch, root) as (copies, _):
+        save_new(target)
+    new = _state(target)
+    assert new != old and new["notes.txt"] == b"the user's own"
+    assert len(copies) > 5
+    seen = set()
+    for copy in copies:
+        with monkeypatch.context() as m:
+            m.setattr(files, "_alive", lambda pid: False)  # the killed process is gone
+            files._recover(copy / target_name)
+        state = _state(copy / target_name)
+        assert state in (old, new), f"a kill before call {copy.name} leaves a mix"
+        seen.add("old" if state == old else "new")
+    assert seen == {"old", "new"}
+
+
+def _check_all_failures(monkeypatch, tmp_path, target_name, save_old, save_new, calls):
+    """A save that raises at any one of its calls leaves the old files or the new ones
+    (some failures, such as a hard link refused, are handled by the save itself)."""
+    raised = 0
+    for k in range(1, calls + 1):
+        root = tmp_path / f"fail{k}"
+        target = root / target_name
+        save_old(target)
+        (target / "notes.txt").write_text("the user's own")
+        old = _state(target)
+        with _watched(monkeypatch, root, fail_at=k):
+            try:
+                save_new(target)
+            except OSError as e:
+                assert "injected failure" in str(e)
+                raised += 1
+        assert _state(target) in (old, _state_after(tmp_path, save_new, target_name)), k
+    assert raised > calls // 2
+
+
+_AFTER: dict = {}
+
+
+def _state_after(tmp_path, save_new, target_name):
+    if "new" not in _AFTER:
+        clean = tmp_path / "clean" / target_name
+        save_new(clean)
+        _AFTER["new"] = _state(clean)
+    return {**_AFTER["new"], "notes.txt": b"the user's own"}
+
+
+@pytest.fixture(scope="module")
+def llama_model(llama):
+    return models.from_pretrained(llama / "base")
+
+
+def _model_saves(model):
+    # the new save has fewer, larger shards: the old shard files must not survive it
+    old = lambda d: models.save_pretrained(model, d, max_shard_size=6_000)  # noqa: E731
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    doubled = eqx.combine(jax.tree.map(lambda x: 2 * x, params), static)
+    new = lambda d: models.save_pretrained(doubled, d, max_shard_size=40_000)  # noqa: E731
+    return old, new
+
+
+def _adapter_saves(model):
+    def peft(alpha):
+        config = peftx.LoraConfig(r=2, lora_alpha=alpha, target_modules=["q_proj", "v_proj"])
+        m = peftx.get_peft_model(model, config, key=jax.random.key(alpha))
+        return m.add_adapter("other", config, key=jax.random.key(alpha + 1))
+
+    old, new = peft(4), peft(16)
+    return (lambda d: old.save_pretrained(d)), (lambda d: new.save_pretrained(d))
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_sharded_checkpoint_killed_anywhere(monkeypatch, tmp_path, llama_model, exchange):
+    old, new = _model_saves(llama_model)
+    _check_all_kills(monkeypatch, tmp_path, "ckpt", old, new, exchange=exchange)
+    ckpt = tmp_path / "root" / "ckpt"
+    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+    assert sorted(p.name for p in ckpt.glob("model-*")) == sorted(set(index["weight_map"].values()))
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_adapter_save_killed_anywhere(monkeypatch, tmp_path, llama_model, exchange):
+    old, new = _adapter_saves(llama_model)
+    _check_all_kills(monkeypatch, tmp_path, "adapter", old, new, exchange=exchange)
+
+
+def test_failing_saves_leave_old_or_new(monkeypatch, tmp_path, llama_model):
+    for name, (old, new) in {
+        "ckpt": _model_saves(llama_model),
+        "adapter": _adapter_saves(llama_model),
+    }.items():
+        _AFTER.clear()
+        root = tmp_path / name
+        root.mkdir()
+        # count the calls of one save, then fail each in turn
+        probe = root / "probe"
+        old(probe / name)
+        with _watched(monkeypatch, probe, fail_at=10**9) as (_, calls):
+            new(probe / name)
+        _check_all_failures(monkeypatch, root, name, old, new, calls[0])
+
+
+def test_new_weights_never_meet_an_old_config(monkeypatch, tmp_path, llama_model):
+    """The repro: a kill between the renames of adapter_config.json and the weights left
+    new weights with the old lora_alpha, which loaded silently."""
+    old, new = _adapter_saves(llama_model)
+    root = tmp_path / "root"
+    old(root / "adapter")
+    with _watched(monkeypatch, root) as (copies, _):
+        new(root / "adapter")
+    for copy in copies:
+        folder = copy / "adapter"
+        config = peftx.load_config(folder)
+        weights = safetensors.numpy.load_file(str(folder / "adapter_model.safetensors"))
+        ref = tmp_path / ("ref16" if config.lora_alpha == 16 else "ref4")
+        if not ref.exists():
+            (new if config.lora_alpha == 16 else old)(ref)
+        want = safetensors.numpy.load_file(str(ref / "adapter_model.safetensors"))
+        assert sorted(weights) == sorted(want)
+        for k in want:
+            np.testing.assert_array_equal(weights[k], want[k])
+
+
+def test_modes_follow_the_umask(tmp_path, llama_model):
+    old, _ = _adapter_saves(llama_model)
+    previous = os.umask(0o027)
+    try:
+        models.save_pretrained(llama_model, tmp_path / "ckpt")
+        old(tmp_path / "adapter")
+        tmp = files.temporary_file(tmp_path / "x")
+    finally:
+        os.umask(previous)
+    for d in (tmp_path / "ckpt", tmp_path / "adapter", tmp_path / "adapter" / "other"):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o750, d
+        for f in d.iterdir():
+            if f.is_file():
+                assert stat.S_IMODE(f.stat().st_mode) == 0o640, f
+    assert stat.S_IMODE(os.stat(tmp).st_mode) == 0o640
+
+
+def test_replacing_keeps_the_modes_of_the_directory(tmp_path, llama_model):
+    target = tmp_path / "ckpt"
+    models.save_pretrained(llama_model, target)
+    target.chmod(0o700)
+    models.save_pretrained(llama_model, target)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o700
+
+
+def test_leftovers_of_dead_processes_are_tidied(tmp_path):
+    target = tmp_path / "adapter"
+    target.mkdir()
+    dead = 2**22 + 12345  # above the default pid_max: no such process
+    stale_new = tmp_path / f".adapter.peftx-new-{dead}-abc"
+    stale_new.mkdir()
+    (stale_new / "adapter_model.safetensors").write_bytes(b"half")
+    live = tmp_path / f".adapter.peftx-new-{os.getpid()}-def"  # a save still going on
+    live.mkdir()
+    mine = tmp_path / ".adapter.notes"  # not peftx's
+    mine.write_text("keep")
+    tmp = files.temporary_file(target / "adapter_config.json")
+    with files.replaced_directory(target) as new:
+        (new / "adapter_config.json").write_text("{}")
+    assert not stale_new.exists() and live.is_dir() and mine.read_text() == "keep"
+    assert files.remove_leftovers(target) == [pathlib.Path(tmp)]
+    assert not pathlib.Path(tmp).exists()
