@@ -16,10 +16,10 @@ import numpy as np
 import safetensors.numpy
 
 from ._config import CONFIG_NAME, load_config
-from ._errors import CheckpointError
+from ._errors import CheckpointError, TargetNotFoundError
 from ._files import replaced_directory
 from ._select import Predicate, Selection, dotted, select
-from ._targets import layer_paths, model_type_of
+from ._targets import layer_paths, model_type_of, name_or_path_of
 from .adapters import AdapterSet, DoraArray, IA3Array, LoraArray, LoraEmbeddingArray
 from .models._checkpoint import (
     ARCHITECTURES,
@@ -405,17 +405,28 @@ def load_adapter_into(
             f"{folder} has {CONFIG_NAME} but no {WEIGHTS_NAME} (it holds {found})."
         )
     stored = read_tensors(file)
+    _check_floating(stored, file)
+    base = peft_model.disable_adapters()
+    origin = _origin(config, base)
+    _check_belongs(stored, base, folder, origin)
     # PEFT's initializers that change the base (PiSSA) must not run: the weights come
     # from the file.
     init = {"init_lora_weights": True} if hasattr(config, "init_lora_weights") else {}
-    skeleton = peft_model._add(
-        adapter_name,
-        dataclasses.replace(config, **init),
-        jax.random.key(0),
-        model_type,
-    )
+    try:
+        skeleton = peft_model._add(
+            adapter_name,
+            dataclasses.replace(config, **init),
+            jax.random.key(0),
+            model_type,
+        )
+    except TargetNotFoundError:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME} does not fit this model: its target_modules "
+            f"{config.target_modules!r} match no module of this {type(base).__name__}, "
+            f"though {file.name} holds weights for modules it has. {origin}"
+        ) from None
     tensors = _tensors(skeleton, adapter_name)
-    values = _match(tensors, stored, file, _arch(skeleton.base_model))
+    values = _match(tensors, stored, file, _arch(skeleton.base_model), origin)
     loaded = eqx.tree_at(
         lambda m: (lambda memo: [t.where(m, memo) for t, _ in values])({}),
         skeleton,
@@ -423,6 +434,68 @@ def load_adapter_into(
     )
     resolved = dataclasses.replace(skeleton.peft_config[adapter_name], **_original(config))
     return dataclasses.replace(loaded, configs=(*peft_model.configs, (adapter_name, resolved)))
+
+
+def _check_floating(stored: dict[str, np.ndarray], file: pathlib.Path) -> None:
+    """Refuse integer and boolean tensors: every adapter weight is floating, and a cast
+    would load whatever the file holds (as the model loader refuses them too)."""
+    bad = [k for k, v in stored.items() if not jax.numpy.issubdtype(v.dtype, jax.numpy.floating)]
+    if bad:
+        kinds = sorted({str(stored[k].dtype) for k in bad})
+        raise CheckpointError(
+            f"{file} stores {listing(sorted(bad), 3)} as {', '.join(kinds)}; adapter weights "
+            "are floating tensors, and peftx does not cast integers or booleans to them. Was "
+            "the file written for an adapter?"
+        )
+
+
+def _origin(config: Any, base: Any) -> str:
+    """A sentence on which base model the adapter was made for and where this model
+    came from, for errors that say the two do not fit."""
+    made = config.base_model_name_or_path
+    here = name_or_path_of(base)
+    said = (
+        f"The adapter was made for base model {made!r}"
+        if made
+        else "Its adapter_config.json does not name its base model (base_model_name_or_path "
+        "is null)"
+    )
+    return said + (f"; this model was loaded from {here!r}." if here else ".")
+
+
+# A key's tensor name after its module path (PEFT's adapter tensors, and the base
+# layer's own weight and bias it saves beside them)
+_MODULE_SUFFIXES = tuple(f".{n}" for n in (*_FILE_NAMES.values(), "base_layer.weight")) + (
+    ".base_layer.bias",
+)
+
+
+def _module_of(key: str) -> str:
+    """The module path a key of an adapter file (without `PREFIX`) belongs to."""
+    for suffix in _MODULE_SUFFIXES:
+        if key.endswith(suffix):
+            return key.removesuffix(suffix)
+    # a `modules_to_save` copy's array, or a bias saved with `bias="all"`
+    key = key.replace(".original_module.", ".").replace(".modules_to_save.", ".")
+    return key.rsplit(".", 1)[0]
+
+
+def _check_belongs(
+    stored: dict[str, np.ndarray], base: Any, folder: pathlib.Path, origin: str
+) -> None:
+    """Refuse an adapter most of whose modules this model does not have: one made for
+    another architecture. (A few stray keys are left to `_match`, which lists them.)"""
+    modules = {_module_of(k.removeprefix(PREFIX)) for k in stored if k.startswith(PREFIX)}
+    present = {q for p in select(base).paths() for q in layer_paths(p)}
+    arch = _arch(base)
+    to_file = key_mapper(arch, present, modules) if arch else lambda k: k
+    absent = sorted(modules - {to_file(p) for p in present})
+    if 2 * len(absent) > len(modules):
+        raise CheckpointError(
+            f"the adapter in {folder} does not belong to this model: {len(absent)} of the "
+            f"{len(modules)} modules it adapts are not in this {type(base).__name__} "
+            f"({listing(absent, 4)}). {origin} Load it on the model it was made for."
+        )
 
 
 def _original(config: Any) -> dict[str, Any]:
@@ -447,6 +520,7 @@ def _match(
     stored: dict[str, np.ndarray],
     file: pathlib.Path,
     arch: Architecture | None,
+    origin: str,
 ) -> list[tuple[_Tensor, Any]]:
     """The value of each tensor from the file's arrays, after checking that the file has
     exactly the keys and shapes the adapter needs."""
@@ -485,7 +559,7 @@ def _match(
                     f"{unprefixed[key]!r} in {file} has shape {tuple(value.shape)}, but the "
                     f"module {key.rsplit('.', 1)[0]!r} of this model needs {want}"
                     f"{' (transposed from the file)' if t.transposed else ''}. Was the "
-                    "adapter made for another model or config?"
+                    f"adapter made for another model or config? {origin}"
                 )
             rows.append(value)
         array = np.stack(rows) if t.stacked else rows[0]

@@ -17,7 +17,14 @@ from jaxtyping import Array, Int, PRNGKeyArray
 from ._errors import UnknownAdapterError
 from ._peft_io import load_adapter_into, save_adapters, stored_transposed
 from ._select import Predicate, of_type, peft_targets, require_matches, select
-from ._targets import ADAPTABLE, layer_paths, rank_and_alpha, targets, with_defaults
+from ._targets import (
+    ADAPTABLE,
+    layer_paths,
+    name_or_path_of,
+    rank_and_alpha,
+    targets,
+    with_defaults,
+)
 from .adapters import (
     AdapterSet,
     DoraArray,
@@ -526,6 +533,10 @@ class PeftModel(eqx.Module):
                 "cannot join them (as in PEFT). Start from the base model (`unload()`)."
             )
         config = with_classifier(with_defaults(config, self.base_model, model_type))
+        if config.base_model_name_or_path is None:
+            # PEFT's record of the base model, which `AutoPeftModel` loads the adapter on
+            path = name_or_path_of(self.base_model)
+            config = dataclasses.replace(config, base_model_name_or_path=path)
         selection = targets(self.base_model, config)
         model = selection.model  # stacks split where the chosen modules change
         layers = list(zip(selection.paths(), selection.get()))
@@ -635,7 +646,10 @@ def get_peft_model(
     - `model`: any Equinox model (targets are found by dotted path, e.g.
       `layers.3.self_attn.q_proj`, see `peftx.select`).
     - `config`: a `LoraConfig` or `IA3Config`. With `target_modules=None`, PEFT's default
-      for the architecture applies (`model_type`, or `model.config.model_type`).
+      for the architecture applies (`model_type`, or `model.config.model_type`). With
+      `base_model_name_or_path=None`, the directory the model was loaded from
+      (`model.config.name_or_path`) is recorded there, as PEFT does, so that
+      `peft.AutoPeftModelForCausalLM` finds the base of the saved adapter.
     - `key`: PRNG key for the adapter's initialization.
     - `adapter_name`: the adapter's name (more can be added with `add_adapter`).
     - `model_type`: the transformers model type, for default targets.

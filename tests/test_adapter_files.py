@@ -646,12 +646,14 @@ def test_unknown_config_key_warns_and_loads(saved, base, tmp_path):
 
 
 def test_adapter_of_another_architecture(base, tmp_path):
-    """A GPT-2 adapter (c_attn) on a Llama: refused, naming what is missing."""
+    """A GPT-2 adapter (c_attn) on a Llama: refused as not belonging (not as a typo),
+    naming its modules; see also test_adapter_trust.py."""
     gpt2 = peftx.get_peft_model(
         base("gpt2"), peftx.LoraConfig(r=4, target_modules=["c_attn"]), key=jax.random.key(0)
     )
     gpt2.save_pretrained(tmp_path / "gpt2")
-    _expect_load_error(base, tmp_path / "gpt2", "c_attn", (peftx.CheckpointError, KeyError))
+    message = _expect_load_error(base, tmp_path / "gpt2", r"does not belong to this model")
+    assert "'transformer.h.0.attn.c_attn'" in message and "spelling" not in message
 
 
 def test_adapter_saved_under_another_name(saved, base, tmp_path):

@@ -15,7 +15,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -437,6 +437,8 @@ def from_pretrained(
     arch = architecture(hf["model_type"])
     cls = _pick_class(arch, hf, model_class)
     config = arch.config_class.from_hf_config(hf)
+    # where the model came from, for the `base_model_name_or_path` of its adapters
+    config = replace(config, name_or_path=os.path.abspath(path))
     with _Reader(path) as reader:
         present = reader.keys()
         if dtype is None:

@@ -202,9 +202,17 @@ def write_cache(
 @dataclasses.dataclass(frozen=True)
 class HFConfig:
     """Base of the architectures' configs: typed fields plus the full `config.json`
-    (`raw`, as JSON text so the config stays hashable) to write back unchanged."""
+    (`raw`, as JSON text so the config stays hashable) to write back unchanged, and
+    `name_or_path`, the directory `from_pretrained` read (transformers'
+    `config.name_or_path`; None for a model built in code), which adapters record as
+    `base_model_name_or_path`."""
 
     raw: str = dataclasses.field(default="{}", repr=False, compare=False)
+    # Not compared, so models of one architecture loaded from two directories keep one
+    # tree structure (they share jit traces and `eqx.combine`). A model that comes out of
+    # a shared trace carries the first one's path: `get_peft_model` records it in the
+    # adapter's config (which compares) before any training step for that reason.
+    name_or_path: str | None = dataclasses.field(default=None, compare=False)
 
     def hf_dict(self) -> dict[str, Any]:
         return json.loads(self.raw)
