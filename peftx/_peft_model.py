@@ -16,7 +16,7 @@ from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._errors import UnknownAdapterError
 from ._peft_io import load_adapter_into, save_adapters, stored_transposed
-from ._select import Predicate, of_type, peft_targets, require_matches, select
+from ._select import Predicate, dotted, of_type, peft_targets, require_matches, select
 from ._targets import (
     ADAPTABLE,
     layer_paths,
@@ -468,12 +468,17 @@ class PeftModel(eqx.Module):
         the active adapter). Several names are merged one after the other, each onto the
         weight the previous ones left, as PEFT does (so IA3 scales multiply and a DoRA
         norm is taken of the weight it is merged into). The active adapter's
-        `modules_to_save` copies take the place of the originals, as in PEFT."""
+        `modules_to_save` copies take the place of the originals, as in PEFT.
+
+        `safe_merge`: raise `ValueError` naming the layer (and the adapter) if a merged
+        weight or bias holds NaN or infinity, as PEFT's `safe_merge` does; it reads the
+        values, so call it outside `jax.jit`.
+        """
         names = self._known(
             (self.active_adapter,) if adapter_names is None else tuple(adapter_names)
         )
 
-        def merged(layer: Any) -> Any:
+        def merged(path: str, layer: Any) -> Any:
             s = layer.weight
             layer = eqx.tree_at(lambda m: m.weight, layer, s.weight)
             for name in names:
@@ -481,10 +486,16 @@ class PeftModel(eqx.Module):
                     continue
                 one = AdapterSet(layer.weight, {name: s.adapters[name]}, None, (name,))
                 layer = _scale_ia3_bias(eqx.tree_at(lambda m: m.weight, layer, one))
-                layer = eqx.tree_at(lambda m: m.weight, layer, merge(one, safe=safe_merge))
+                layer = eqx.tree_at(lambda m: m.weight, layer, merge(one))
+                if safe_merge:
+                    _check_finite(layer, path, name)
             return layer
 
-        merged_model = _map_layers(self.base_model, merged)
+        merged_model = jax.tree_util.tree_map_with_path(
+            lambda keypath, x: merged(dotted(keypath), x) if _is_adapted_layer(x) else x,
+            self.base_model,
+            is_leaf=_is_adapted_layer,
+        )
         return self._with_saved(merged_model, (self.active_adapter,), None)
 
     def unload(self) -> Any:
@@ -699,6 +710,25 @@ def _adapter(config: Any, path: str, layer: Any, base: Any, key: PRNGKeyArray) -
         key=key,
     )
     return dora(adapter) if config.use_dora else adapter
+
+
+def _check_finite(layer: Any, path: str, adapter_name: str) -> None:
+    """Raise if the merged weight or bias of `layer` (at `path`) holds NaN or infinity,
+    naming the first such layer of a stack by its own path."""
+    kernel_ndim = layer.num_spatial_dims if isinstance(layer, eqx.nn.Conv) else 0
+    paths = layer_paths(path)
+    for array in (layer.weight, getattr(layer, "bias", None)):
+        if array is None:
+            continue
+        lead = array.ndim - (2 + kernel_ndim if array is layer.weight else 1)
+        finite = np.asarray(jnp.isfinite(array).reshape(*array.shape[:lead], -1).all(-1))
+        bad = np.flatnonzero(~finite.reshape(-1))
+        if bad.size:
+            where = paths[bad[0]] if len(paths) == finite.size else path
+            raise ValueError(
+                f"merging adapter {adapter_name!r} into {where} gives NaN or infinite values: "
+                "the adapter is broken (a diverged training run?), so nothing was merged."
+            )
 
 
 def _gated(layer: Any, gate: Array, active: tuple[str, ...]) -> Any:

@@ -1,11 +1,13 @@
 """Adapters a user can trust (issue 22): the adapter records its base model so that PyTorch
 PEFT's `AutoPeftModelForCausalLM` loads it; the loader refuses integer and boolean tensors
-and adapters of another model, and a failed load changes nothing. Tiny random-init
-transformers checkpoints, fp32; no network."""
+and adapters of another model, and a failed load changes nothing; `merge_and_unload` and
+`peftx merge` refuse to write non-finite weights. Tiny random-init transformers checkpoints,
+fp32; no network."""
 
 import copy
 import dataclasses
 import json
+import re
 import shutil
 
 import equinox as eqx
@@ -17,7 +19,7 @@ import peft
 import pytest
 import torch
 import transformers
-from helpers import tiny_llama_config
+from helpers import run_cli, tiny_llama_config
 from safetensors.numpy import load_file, save_file
 
 import peftx
@@ -240,3 +242,55 @@ def test_a_failed_load_leaves_the_model_untouched(saved, llama, tmp_path, case):
     assert model.adapter_names == ("default",) and model.active_adapter == "default"
     assert jax.tree.structure(model) == tree
     assert all(x is y for x, y in zip(jax.tree.leaves(model), leaves, strict=True))
+
+
+# ---------------------------------------------------------------- merging safely
+
+
+def _with_nan(peft_model, field_path, index):
+    """`peft_model` with one row of the trainable leaf whose key path contains all of
+    `field_path` set to NaN."""
+    trainable, frozen = peftx.partition(peft_model)
+    flat, tree = jax.tree_util.tree_flatten_with_path(trainable)
+    hits = [
+        i for i, (p, _) in enumerate(flat) if all(s in jax.tree_util.keystr(p) for s in field_path)
+    ]
+    assert len(hits) == 1
+    leaves = [x for _, x in flat]
+    leaves[hits[0]] = leaves[hits[0]].at[index].set(jnp.nan)
+    return eqx.combine(jax.tree.unflatten(tree, leaves), frozen)
+
+
+def test_safe_merge_names_the_layer_of_a_stack(llama):
+    model = _with_nan(lora(llama), ("q_proj", "lora_B"), (1, 0, 0))  # layer 1 of the stack
+    with pytest.raises(
+        ValueError, match=r"adapter 'default' into model\.layers\.1\.self_attn\.q_proj "
+    ):
+        model.merge_and_unload(safe_merge=True)
+    merged = model.merge_and_unload()  # PEFT's default: no check
+    assert not all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(merged))
+
+
+@pytest.fixture(scope="module")
+def merge_inputs(checkpoints, llama, tmp_path_factory):
+    """Adapters of the tiny Llama: a broken LoRA factor, a broken `modules_to_save` copy."""
+    root = tmp_path_factory.mktemp("merge")
+    _with_nan(lora(llama), ("q_proj", "lora_B"), (1, 0, 0)).save_pretrained(root / "factor")
+    head = lora(llama, modules_to_save=["lm_head"])
+    _with_nan(head, ("lm_head",), (0, 0)).save_pretrained(root / "head")
+    return root
+
+
+@pytest.mark.parametrize(
+    "adapter, named",
+    [("factor", r"model\.layers\.1\.self_attn\.q_proj"), ("head", "lm_head")],
+)
+def test_merge_command_writes_nothing_non_finite(
+    checkpoints, merge_inputs, tmp_path, capsys, adapter, named
+):
+    out = tmp_path / "merged"
+    code, stdout, err = run_cli(capsys, "merge", checkpoints / "llama", merge_inputs / adapter, out)
+    assert code == 1 and stdout == "" and err.count("\n") == 1, (stdout, err)
+    assert err.startswith("peftx: error: ") and "NaN or infinite" in err
+    assert re.search(named, err), err
+    assert not out.exists()

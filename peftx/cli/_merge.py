@@ -1,5 +1,7 @@
 """`peftx merge BASE_DIR ADAPTER_DIR OUT_DIR`: an adapter (peftx's or PEFT's) merged into
-its base, saved as a transformers checkpoint with the base's tokenizer."""
+its base, saved as a transformers checkpoint with the base's tokenizer. The merge is
+PEFT's `safe_merge`: a merged weight with NaN or infinity is an error naming the layer,
+and nothing is written."""
 
 import argparse
 import json
@@ -80,6 +82,24 @@ def _load_base(base: Path, adapter: Path, task_type: str | None, scratch: Path) 
     return from_pretrained(base, model_class=name)
 
 
+def _check_finite(model: Any, out: Path) -> None:
+    """Raise naming the first array of the merged model that holds NaN or infinity (an
+    adapter's own copy of a head, which merging does not check, or a broken base)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from .._select import dotted
+
+    arrays = eqx.filter(model, eqx.is_inexact_array)
+    for keypath, array in jax.tree_util.tree_flatten_with_path(arrays)[0]:
+        if not bool(jnp.all(jnp.isfinite(array))):
+            raise ValueError(
+                f"the merged model's {dotted(keypath)} holds NaN or infinite values; nothing "
+                f"was written to {out}"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     from .._config import load_config
     from .._peft_model import PeftModel
@@ -101,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(adapter)
     with tempfile.TemporaryDirectory() as scratch:
         model = _load_base(base, adapter, config.task_type, Path(scratch))
-        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        # PEFT's safe_merge: a broken adapter is named, and nothing is written
+        merged = PeftModel.from_pretrained(model, adapter).merge_and_unload(safe_merge=True)
+        _check_finite(merged, out)
         save_pretrained(merged, out)
     copied = [name for name in TOKENIZER_FILES if (base / name).is_file()]
     for name in copied:
