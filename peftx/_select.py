@@ -236,7 +236,8 @@ class Selection:
         return eqx.tree_at(self.where_fn(), self.model, list(values), is_leaf=lambda x: x is None)
 
     def table(self) -> str:
-        """What is selected, as a table: path, type, shape, parameter count."""
+        """What is selected, as a table (a string: `print(selection.table())`): path,
+        type, shape, parameter count."""
         rows = [("path", "type", "shape", "params")]
         total = 0
         for path, _, node in self.matches:
