@@ -98,7 +98,6 @@ def _check_vocab(tokenizer: Any, ids: np.ndarray, vocab_size: int | None) -> Non
     """Every id (padding included) must index the model's embedding table."""
     if vocab_size is None or ids.size == 0:
         return
-    _positive_int(vocab_size, "vocab_size")
     top = int(ids.max())
     if top >= vocab_size:
         row = int(np.argwhere(ids == top)[0][0]) + 1
@@ -130,6 +129,8 @@ def encode_classification(
       outside `[0, num_labels)` is a `ValueError` (it would make the loss NaN).
     """
     _positive_int(max_length, "max_length")
+    if vocab_size is not None:
+        _positive_int(vocab_size, "vocab_size")
     texts = _checked_texts(texts, "texts")
     if isinstance(labels, str | bytes) or not isinstance(labels, Sequence | np.ndarray):
         raise TypeError(f"labels must be a sequence of int (one per row), got {_describe(labels)}")
@@ -214,6 +215,8 @@ def encode_causal_lm(
     `supervised_tokens` for the count of a split).
     """
     _positive_int(max_length, "max_length", least=2)
+    if vocab_size is not None:
+        _positive_int(vocab_size, "vocab_size")
     texts = _checked_texts(texts, "texts")
     if prompts is not None:
         prompts = _checked_texts(prompts, "prompts")
