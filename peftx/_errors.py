@@ -54,8 +54,3 @@ class CheckpointError(ValueError):
 class ConfigFileError(ValueError):
     """A config file (TOML or JSON) cannot be read: not a regular file, not UTF-8 text, not
     valid, or nested too deep."""
-
-
-class ConfigValueError(ValueError):
-    """A model's `config.json` (or the dict it was read into) holds a value of the wrong
-    type or out of range; the message names the key."""

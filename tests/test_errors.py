@@ -5,10 +5,11 @@ import contextlib
 import json
 import math
 import re
+from pathlib import Path
 
 import jaxtyping
 import pytest
-from helpers import run_cli
+from helpers import run_cli, word_tokenizer
 from hypothesis import given, settings, strategies as st
 
 from peftx import IA3Config, LoraConfig, QuantizationConfig, from_toml, load_config
@@ -235,3 +236,259 @@ def test_json_file_errors_name_the_file(tmp_path):
     (tmp_path / "adapter_config.json").write_text('{"r": ' + "1" * 5000 + "}")
     with pytest.raises(ConfigFileError, match=r"is not valid JSON: Exceeds the limit"):
         load_config(tmp_path)
+
+
+# --- a checkpoint's config.json: the file and key named, before anything is built ----------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A tiny LlamaForCausalLM checkpoint (config.json, model.safetensors and a word-level
+    tokenizer), saved by peftx."""
+    import jax
+
+    import peftx.models as pm
+
+    config = pm.LlamaConfig(
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    path = tmp_path_factory.mktemp("llama")
+    pm.save_pretrained(pm.LlamaForCausalLM(config, key=jax.random.key(0)), path)
+    words = ["[UNK]", "[PAD]", "</s>", "once", "upon", "a", "time"]
+    word_tokenizer(words).save_pretrained(path)  # `peftx finetune` reads it
+    return path
+
+
+def _with_config(llama_dir, tmp_path, text):
+    """A copy of the tiny checkpoint whose config.json holds `text` (str or bytes)."""
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(llama_dir, path)
+    config = path / "config.json"
+    config.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return path
+
+
+def _edited(llama_dir, **changes):
+    return json.dumps({**json.loads((llama_dir / "config.json").read_text()), **changes})
+
+
+CONFIG_JSON_ERRORS = [
+    # (the config.json text, from a function of the good one; what the error says)
+    (lambda good: b"\xff\xfe garbage", r"config\.json is not UTF-8 text \(byte 0xff at offset 0\)"),
+    (lambda good: "{not json", r"config\.json is not valid JSON"),
+    (lambda good: "null", r"config\.json holds null, not a JSON object"),
+    (lambda good: "[1, 2]", r"config\.json holds \[1, 2\], not a JSON object"),
+    (lambda good: "[" * 100_000, r"config\.json is not valid JSON: arrays or objects nested too"),
+    (
+        lambda good: {**good, "model_type": ["llama"]},
+        r'config\.json: model_type must be a string such as "llama"; got \["llama"\]',
+    ),
+    (
+        lambda good: {**good, "hidden_size": -16},
+        r"config\.json: hidden_size must be an integer from 1 to 1048576; got -16\.",
+    ),
+    (
+        lambda good: {**good, "num_hidden_layers": 0},
+        r"config\.json: num_hidden_layers must be an integer from 1 to 4096; got 0\.",
+    ),
+    (
+        lambda good: {**good, "num_hidden_layers": 10**9},
+        r"; got 1000000000 \(far above any released model; such a model would not fit in",
+    ),
+    (
+        lambda good: {**good, "num_hidden_layers": "2"},
+        r'num_hidden_layers must be an integer from 1 to 4096; got "2"',
+    ),
+    (lambda good: {**good, "vocab_size": 61.0}, r"vocab_size must be an integer .*; got 61\.0"),
+    (lambda good: {**good, "tie_word_embeddings": "no"}, r"tie_word_embeddings must be true, fa"),
+    (lambda good: {**good, "rms_norm_eps": math.nan}, r"rms_norm_eps must be a finite number >= 0"),
+    (
+        lambda good: {**good, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4}},
+        r"config\.json: rope_parameters of rope type 'linear' needs factor",
+    ),
+    (
+        lambda good: {**good, "rope_parameters": {"rope_theta": -1}},
+        r"config\.json: rope_parameters\.rope_theta must be a finite number > 0; got -1",
+    ),
+    (
+        lambda good: {**good, "num_key_value_heads": 3},
+        r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)",
+    ),
+    (
+        lambda good: {**good, "head_dim": 5},
+        r"head_dim \(5\) times partial_rotary_factor gives 5 rotary features; .* even",
+    ),
+    (lambda good: {**good, "architectures": "LlamaForCausalLM"}, r"architectures must be null or"),
+    (lambda good: {**good, "hidden_act": "mish"}, r"activation 'mish' is not supported"),
+]
+
+
+@pytest.mark.parametrize("edit, match", CONFIG_JSON_ERRORS)
+def test_config_json_errors_name_file_and_key(llama_dir, tmp_path, edit, match):
+    import time
+
+    import peftx.models as pm
+    from peftx import CheckpointError
+
+    good = json.loads((llama_dir / "config.json").read_text())
+    text = edit(good)
+    text = text if isinstance(text, str | bytes) else json.dumps(text)
+    path = _with_config(llama_dir, tmp_path, text)
+    start = time.monotonic()
+    with as_users_run(), pytest.raises(CheckpointError, match=match) as info:
+        pm.from_pretrained(path)
+    assert "\n" not in str(info.value)
+    assert str(path / "config.json") in str(info.value)
+    assert time.monotonic() - start < 20  # num_hidden_layers=10**9 used to hang
+
+
+def test_config_json_errors_in_the_cli(llama_dir, tmp_path, capsys):
+    """`peftx inspect` and `peftx finetune` read config.json through the same checks."""
+    path = _with_config(llama_dir, tmp_path, _edited(llama_dir, num_hidden_layers=10**9))
+    job = Path(__file__).parents[1] / "configs" / "lora_llama_causal.toml"
+    runs = [
+        ("inspect", path),
+        ("finetune", job, "--set", f"model.path={path}", "--set", f"output.dir={tmp_path / 'o'}"),
+    ]
+    for argv in runs:
+        code, out, err = run_cli(capsys, *argv)
+        assert code != 0 and err.count("\n") == 1, err
+        assert f"{path / 'config.json'}: num_hidden_layers must be an integer from 1 to 4096" in err
+        assert not (tmp_path / "o").exists()
+
+
+def test_config_json_that_the_weights_do_not_hold(llama_dir, tmp_path):
+    # valid values that describe another model: refused by the weights' shapes, naming both
+    import peftx.models as pm
+    from peftx import CheckpointError
+
+    path = _with_config(llama_dir, tmp_path, _edited(llama_dir, num_hidden_layers=4096))
+    with pytest.raises(
+        CheckpointError,
+        match=r"ckpt/config\.json describes 4096 layers, but the weights hold 2 "
+        r"\('model\.layers\.2\.[a-z_.]+' is missing\)",
+    ):
+        pm.from_pretrained(path)
+    path.joinpath("config.json").write_text(_edited(llama_dir, hidden_size=1024))
+    with pytest.raises(CheckpointError, match=r"has shape \(61, 16\); .* expects \(61, 1024\)"):
+        pm.from_pretrained(path)
+
+
+def _size(v):
+    return _int(v) and 1 <= v <= 2**31 - 1
+
+
+def _size_or_null(v):  # null: the default (e.g. head_dim = hidden_size // heads)
+    return v is None or _size(v)
+
+
+def _nonnegative(v):
+    return _number(v) and math.isfinite(v) and v >= 0
+
+
+def _std(v):  # of fresh weights (0.02 in practice); peftx's bound is 1000
+    return _nonnegative(v) and v <= 1000
+
+
+def _probability(v):
+    return _number(v) and 0 <= v < 1
+
+
+TINY = dict(vocab_size=61, num_hidden_layers=2, max_position_embeddings=64)
+TINY_LLAMA = dict(TINY, hidden_size=16, intermediate_size=32, num_attention_heads=4)
+TINY_BERT = dict(TINY_LLAMA, type_vocab_size=2)
+TINY_GPT2 = dict(vocab_size=61, n_layer=2, n_positions=64, n_embd=16, n_head=4)
+# (model_type, the rest of a tiny config.json, {numeric key: what a valid value is}): the
+# oracle is the documented meaning (sizes are positive ints, epsilons finite and >= 0,
+# dropouts probabilities), written independently of peftx's checks
+CONFIG_KEYS = [
+    (
+        "llama",
+        dict(TINY_LLAMA, num_key_value_heads=2),
+        {
+            **{k: _size for k in ["vocab_size", "num_labels", "hidden_size", "intermediate_size"]},
+            **{k: _size for k in ["num_hidden_layers", "num_attention_heads"]},
+            "max_position_embeddings": _size,
+            "num_key_value_heads": _size_or_null,
+            "head_dim": _size_or_null,
+            "rms_norm_eps": _nonnegative,
+            "rope_theta": lambda v: _nonnegative(v) and v > 0,
+            "initializer_range": _std,
+            "pad_token_id": lambda v: v is None or _int(v),
+        },
+    ),
+    (
+        "qwen2",
+        dict(TINY_LLAMA, num_key_value_heads=2, use_sliding_window=True, sliding_window=8),
+        {
+            "max_window_layers": lambda v: _int(v) and v >= 0,
+            "sliding_window": lambda v: v is None or _int(v) and v >= 0,  # 0 or null: none
+        },
+    ),
+    (
+        "gpt2",
+        TINY_GPT2,
+        {
+            **{k: _size for k in ["vocab_size", "num_labels", "n_positions", "n_embd"]},
+            **{k: _size for k in ["n_layer", "n_head"]},
+            "n_inner": _size_or_null,
+            "layer_norm_epsilon": _nonnegative,
+            "initializer_range": _std,
+        },
+    ),
+    (
+        "bert",
+        TINY_BERT,
+        {
+            **{k: _size for k in ["vocab_size", "num_labels", "hidden_size", "intermediate_size"]},
+            **{k: _size for k in ["num_hidden_layers", "num_attention_heads", "type_vocab_size"]},
+            "max_position_embeddings": _size,
+            "layer_norm_eps": _nonnegative,
+            "hidden_dropout_prob": _probability,
+            "attention_probs_dropout_prob": _probability,
+            "classifier_dropout": lambda v: v is None or _probability(v),
+            "initializer_range": _std,
+        },
+    ),
+]
+CONFIG_KEY_CASES = [
+    (model_type, base, key, valid)
+    for model_type, base, keys in CONFIG_KEYS
+    for key, valid in keys.items()
+]
+
+
+@pytest.mark.parametrize(
+    "model_type, base, key, valid",
+    CONFIG_KEY_CASES,
+    ids=[f"{t}.{key}" for t, _, key, _ in CONFIG_KEY_CASES],
+)
+@settings(max_examples=60, deadline=None)
+@given(value=VALUES)
+def test_config_json_values_are_valid_or_refused_by_name(model_type, base, key, valid, value):
+    """Property: any value of a numeric config.json key gives a `ValueError` naming the key,
+    or a config that is valid: the value in range, and the model builds (abstractly)."""
+    import equinox as eqx
+    import jax
+
+    from peftx.models._checkpoint import ARCHITECTURES
+
+    arch = ARCHITECTURES[model_type]
+    d = {**base, "model_type": model_type, key: value}
+    with as_users_run():
+        try:
+            config = arch.config_class.from_hf_config(d)
+        except ValueError as e:
+            assert key in str(e), str(e)
+            assert "\n" not in str(e)
+            return
+    assert valid(value), value
+    model = arch.classes[arch.default]
+    eqx.filter_eval_shape(lambda k: model(config, key=k), jax.random.key(0))

@@ -4,7 +4,7 @@ and `BertForMaskedLM`, so a checkpoint's keys are the model's dotted paths
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -14,7 +14,13 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from ._checkpoint import Architecture, register
 from ._common import (
     ACTIVATIONS,
+    COMMON_CHECKS,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_VOCAB,
+    MAX_WIDTH,
     BaseModelOutput,
+    Check,
     HFConfig,
     LayerNorm,
     MaskedLMOutput,
@@ -24,7 +30,10 @@ from ._common import (
     dot_product_attention,
     dropout,
     embed,
+    flag,
+    integer,
     linear,
+    number,
     tied_logits,
 )
 from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
@@ -58,7 +67,26 @@ class BertConfig(HFConfig):
     classifier_dropout: float | None = None
     tie_word_embeddings: bool = True
 
+    CHECKS: ClassVar[dict[str, Check]] = {
+        **COMMON_CHECKS,
+        "hidden_size": integer(1, MAX_WIDTH),
+        "num_hidden_layers": integer(1, MAX_LAYERS),
+        "num_attention_heads": integer(1, MAX_WIDTH),
+        "intermediate_size": integer(1, MAX_WIDTH),
+        "hidden_act": Check(lambda v: isinstance(v, str), "a string"),
+        "hidden_dropout_prob": number(0, 1, open_high=True),
+        "attention_probs_dropout_prob": number(0, 1, open_high=True),
+        "max_position_embeddings": integer(1, MAX_POSITIONS),
+        "type_vocab_size": integer(1, MAX_VOCAB),
+        "layer_norm_eps": number(0),
+        "position_embedding_type": Check(lambda v: v is None or isinstance(v, str), "a string"),
+        "classifier_dropout": number(0, 1, open_high=True, null=True),
+        "is_decoder": flag(),
+        "add_cross_attention": flag(),
+    }
+
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.model_type != "bert":
             raise ValueError(f"BertConfig reads model type 'bert', got {self.model_type!r}.")
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
@@ -86,10 +114,11 @@ class BertConfig(HFConfig):
     def from_hf_config(cls, config: Any) -> "BertConfig":
         """From a `config.json` dict or a `transformers.BertConfig`."""
         d = config if isinstance(config, dict) else config.to_dict()
-        for flag in ("is_decoder", "add_cross_attention"):
-            if d.get(flag):
+        cls.check_hf(d)
+        for key in ("is_decoder", "add_cross_attention"):
+            if d.get(key):
                 raise ValueError(
-                    f"the config sets {flag}=True; peftx's BERT is the bidirectional encoder "
+                    f"the config sets {key}=True; peftx's BERT is the bidirectional encoder "
                     f"only (BertModel, BertForSequenceClassification, BertForMaskedLM)."
                 )
         n_labels = len(d["id2label"]) if d.get("id2label") else d.get("num_labels", 2)

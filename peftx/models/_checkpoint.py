@@ -28,7 +28,8 @@ import numpy as np
 import safetensors.numpy
 from safetensors import SafetensorError, safe_open
 
-from .._errors import CheckpointError
+from .._config import read_json
+from .._errors import CheckpointError, ConfigFileError
 from .._files import replaced_directory
 from .._select import dotted
 from ._stack import LayerStack, Layout, parse_span
@@ -71,15 +72,34 @@ def architecture(model_type: str) -> Architecture:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
+    """`config.json` of the checkpoint directory `path`. For a supported `model_type`, the
+    architecture's config class checks every value it reads (types and ranges) before
+    anything is built from it; any problem is a `CheckpointError` naming the file and key."""
     file = path / CONFIG_NAME
-    if not file.is_file():
+    if not file.exists():
         raise CheckpointError(f"{file} is missing: a checkpoint directory needs config.json.")
     try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+        config = read_json(file)
+    except ConfigFileError as e:
+        raise CheckpointError(str(e)) from None
+    if not isinstance(config, dict):
+        shown = json.dumps(config)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        raise CheckpointError(
+            f'{file} holds {shown}, not a JSON object such as {{"model_type": "llama", ...}}.'
+        )
     if "model_type" not in config:
         raise CheckpointError(f"{file} has no 'model_type'; cannot tell the architecture.")
+    model_type = config["model_type"]
+    if not isinstance(model_type, str):
+        raise CheckpointError(
+            f'{file}: model_type must be a string such as "llama"; got {json.dumps(model_type)}.'
+        )
+    if model_type in ARCHITECTURES:
+        try:
+            ARCHITECTURES[model_type].config_class.from_hf_config(config)
+        except ValueError as e:
+            raise CheckpointError(f"{file}: {e}") from None
     return config
 
 
@@ -525,6 +545,12 @@ def _check(
                     f"{leaf.path} expects a floating tensor (loaded as {dtype})."
                 )
     if missing:
+        layers = _layers_held(leaves, present, to_ckpt)
+        if layers is not None:
+            raise CheckpointError(
+                f"{path / CONFIG_NAME} describes {layers[0]} layers, but the weights hold "
+                f"{layers[1]} ({layers[2]!r} is missing). Is config.json this checkpoint's?"
+            )
         raise CheckpointError(
             f"{path} lacks {len(missing)} tensor(s) {cls.__name__} needs: "
             f"{listing(missing)}. Is it a {hf['model_type']} checkpoint of this size?"
@@ -540,6 +566,29 @@ def _check(
                 message + " Is model_class right? Pass strict=False to ignore them."
             )
         warnings.warn(message, stacklevel=3)
+
+
+def _layers_held(
+    leaves: list[_Leaf], present: set[str], to_ckpt: Callable
+) -> tuple[int, int, str] | None:
+    """`(layers config.json describes, layers the weights hold, first missing key)` when
+    every stacked tensor is there for the same first layers and for no later one (a
+    shorter model, not a gap); else None."""
+    counts: dict[tuple[int, int], str] = {}  # (described, held): the first missing key
+    for leaf in leaves:
+        if leaf.span is not None:
+            keys = [
+                to_ckpt(leaf.template.format(i=i)) for i in range(leaf.span[0], leaf.span[1] + 1)
+            ]
+            there = [k in present for k in keys]
+            held = there.index(False) if False in there else len(there)
+            if any(there[held:]):
+                return None
+            counts.setdefault((len(keys), held), keys[held] if held < len(keys) else "")
+    if len(counts) != 1:
+        return None
+    (((described, held), key),) = counts.items()
+    return (described, held, key) if 0 < held < described else None
 
 
 def _ignored(arch: Architecture, key: str) -> bool:

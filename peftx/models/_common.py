@@ -3,7 +3,9 @@ the KV cache, and model outputs named as transformers names them."""
 
 import dataclasses
 import json
-from typing import Any
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -199,6 +201,135 @@ def write_cache(
     return k, v
 
 
+# -- what a config.json value must be -------------------------------------------------------
+
+# Bounds far above any released checkpoint (the deepest has 126 layers, the widest layer
+# 53248 features, the largest vocabulary about 260k tokens) that keep every loop over layers
+# and checkpoint keys short: a larger value is a typo or a hostile file, whose model would
+# not fit in memory, and building it would hang.
+MAX_LAYERS = 4096
+MAX_WIDTH = 2**20
+MAX_VOCAB = 2**24
+MAX_POSITIONS = 2**31 - 1  # position ids are int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """What one config value must be: `test` passes it, `expected` says so in words;
+    `bound` is peftx's own upper bound (one of the `MAX_...`), explained when exceeded."""
+
+    test: Callable[[Any], bool]
+    expected: str
+    bound: int | None = None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    # `math.isfinite` would raise OverflowError for an int beyond float's range
+    return isinstance(v, float) and math.isfinite(v) or _is_int(v) and abs(v) < 2**1000
+
+
+def _or_null(check: Check, null: bool) -> Check:
+    if not null:
+        return check
+    return Check(lambda v: v is None or check.test(v), f"null or {check.expected}", check.bound)
+
+
+def integer(low: int, high: int, *, null: bool = False) -> Check:
+    """An int (not a bool) in `[low, high]`."""
+    bound = high if high in (MAX_LAYERS, MAX_WIDTH, MAX_VOCAB) else None
+    return _or_null(
+        Check(lambda v: _is_int(v) and low <= v <= high, f"an integer from {low} to {high}", bound),
+        null,
+    )
+
+
+def number(
+    low: int | float | None = None,
+    high: int | float | None = None,
+    *,
+    open_low: bool = False,
+    open_high: bool = False,
+    null: bool = False,
+) -> Check:
+    """A finite int or float (not a bool) in the range, its ends included unless open."""
+
+    def test(v: Any) -> bool:
+        if not _is_number(v):
+            return False
+        above = low is None or (v > low if open_low else v >= low)
+        return above and (high is None or (v < high if open_high else v <= high))
+
+    if low is None and high is None:
+        words = "a finite number"
+    elif high is None:
+        words = f"a finite number {'>' if open_low else '>='} {low}"
+    else:
+        words = f"a number in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    return _or_null(Check(test, words), null)
+
+
+def flag() -> Check:
+    """true, false or null (transformers reads null as false)."""
+    return Check(lambda v: v is None or isinstance(v, bool), "true, false or null")
+
+
+def one_of(choices: tuple[str, ...] | list[str], *, null: bool = False) -> Check:
+    words = "one of " + ", ".join(json.dumps(c) for c in choices)
+    return _or_null(Check(lambda v: isinstance(v, str) and v in choices, words), null)
+
+
+def mapping(*, null: bool = True) -> Check:
+    return _or_null(Check(lambda v: isinstance(v, dict), "an object"), null)
+
+
+def strings(*, null: bool = True) -> Check:
+    return _or_null(
+        Check(
+            lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+            "a list of strings",
+        ),
+        null,
+    )
+
+
+def _shown(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_values(values: Mapping[str, Any], checks: Mapping[str, Check], prefix: str = "") -> None:
+    """A `ValueError` naming the first key of `values` (as `prefix + key`) that fails its
+    check; keys without a check are not looked at."""
+    for key, check in checks.items():
+        if key not in values or check.test(value := values[key]):
+            continue
+        why = ""
+        if check.bound is not None and _is_int(value) and value > check.bound:
+            why = " (far above any released model; such a model would not fit in memory)"
+        raise ValueError(f"{prefix}{key} must be {check.expected}; got {_shown(value)}{why}.")
+
+
+# The keys every architecture reads the same way.
+COMMON_CHECKS: dict[str, Check] = {
+    "model_type": Check(lambda v: isinstance(v, str), "a string"),
+    "architectures": strings(),
+    "vocab_size": integer(1, MAX_VOCAB),
+    "num_labels": integer(1, MAX_VOCAB),
+    "id2label": mapping(),
+    "pad_token_id": integer(-(2**31), 2**31 - 1, null=True),
+    # the std of fresh weights: ~0.02 in practice; far larger ones overflow float32
+    "initializer_range": number(0, 1000),
+    "tie_word_embeddings": flag(),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class HFConfig:
     """Base of the architectures' configs: typed fields plus the full `config.json`
@@ -213,6 +344,23 @@ class HFConfig:
     # a shared trace carries the first one's path: `get_peft_model` records it in the
     # adapter's config (which compares) before any training step for that reason.
     name_or_path: str | None = dataclasses.field(default=None, compare=False)
+
+    # what each key of `config.json` (and each field of the same name) must be
+    CHECKS: ClassVar[dict[str, Check]] = COMMON_CHECKS
+
+    def __post_init__(self) -> None:
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        check_values({k: getattr(self, k) for k in self.CHECKS if k in fields}, self.CHECKS)
+        for name, field in fields.items():
+            # JSON writes 0.0 as 0: a float field holds a float, whichever was written
+            if field.type in (float, float | None) and _is_int(getattr(self, name)):
+                object.__setattr__(self, name, float(getattr(self, name)))
+
+    @classmethod
+    def check_hf(cls, d: Mapping[str, Any]) -> None:
+        """A `ValueError` naming the first key of the `config.json` dict `d` whose value
+        has the wrong type or is out of range; run before anything is built from `d`."""
+        check_values(d, cls.CHECKS)
 
     def hf_dict(self) -> dict[str, Any]:
         return json.loads(self.raw)

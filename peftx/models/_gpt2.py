@@ -16,8 +16,13 @@ from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from ._checkpoint import Architecture, register
 from ._common import (
+    COMMON_CHECKS,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_WIDTH,
     BaseModelOutput,
     CausalLMOutput,
+    Check,
     HFConfig,
     KVCache,
     LayerNorm,
@@ -26,8 +31,11 @@ from ._common import (
     attention_mask as visible_keys,
     dot_product_attention,
     embed,
+    flag,
+    integer,
     last_token_index,
     linear,
+    number,
     tied_logits,
     write_cache,
 )
@@ -56,8 +64,23 @@ class GPT2Config(HFConfig):
     initializer_range: float = 0.02
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("gpt2",)
+    CHECKS: ClassVar[dict[str, Check]] = {
+        **COMMON_CHECKS,
+        "n_positions": integer(1, MAX_POSITIONS),
+        "n_embd": integer(1, MAX_WIDTH),
+        "n_layer": integer(1, MAX_LAYERS),
+        "n_head": integer(1, MAX_WIDTH),
+        "n_inner": integer(1, MAX_WIDTH, null=True),
+        "activation_function": Check(lambda v: isinstance(v, str), "a string"),
+        "layer_norm_epsilon": number(0),
+        "scale_attn_weights": flag(),
+        "scale_attn_by_inverse_layer_idx": flag(),
+        "reorder_and_upcast_attn": flag(),
+        "add_cross_attention": flag(),
+    }
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPT2Config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})."
@@ -68,6 +91,7 @@ class GPT2Config(HFConfig):
     def from_hf_config(cls, config: Any) -> "GPT2Config":
         """From a `config.json` dict or a `transformers.GPT2Config`."""
         d = config if isinstance(config, dict) else config.to_dict()
+        cls.check_hf(d)
         model_type = d.get("model_type", "gpt2")
         if model_type not in cls.MODEL_TYPES:
             raise ValueError(f"GPT2Config reads model types {cls.MODEL_TYPES}, got {model_type!r}.")

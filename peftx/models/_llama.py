@@ -13,25 +13,60 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ._checkpoint import Architecture, register
 from ._common import (
+    COMMON_CHECKS,
+    MAX_LAYERS,
+    MAX_POSITIONS,
+    MAX_WIDTH,
     BaseModelOutput,
     CausalLMOutput,
+    Check,
     HFConfig,
     KVCache,
     RMSNorm,
     SequenceClassifierOutput,
     activation,
     attention_mask,
+    check_values,
     dot_product_attention,
     embed,
+    flag,
+    integer,
     last_token_index,
     linear,
+    mapping,
+    number,
     positions_from_mask,
+    strings,
     tied_logits,
     write_cache,
 )
 from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+_NAME = Check(lambda v: isinstance(v, str), "a string")
+# the rope parameters (`rope_parameters`, or transformers 4's `rope_scaling`)
+ROPE_CHECKS: dict[str, Check] = {
+    "rope_theta": number(0, open_low=True),
+    "rope_type": _NAME,
+    "type": _NAME,
+    "factor": number(0, open_low=True, null=True),
+    "low_freq_factor": number(0, open_low=True),
+    "high_freq_factor": number(0, open_low=True),
+    "original_max_position_embeddings": integer(1, MAX_POSITIONS),
+    "partial_rotary_factor": number(0, 1, open_low=True),
+    "attention_factor": number(null=True),
+    "beta_fast": number(0, open_low=True, null=True),
+    "beta_slow": number(0, open_low=True, null=True),
+    "mscale": number(null=True),
+    "mscale_all_dim": number(null=True),
+    "truncate": flag(),
+}
+# the parameters each rope type reads without a default
+ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,15 +100,62 @@ class LlamaConfig(HFConfig):
     initializer_range: float = 0.02
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2")
+    CHECKS: ClassVar[dict[str, Check]] = {
+        **COMMON_CHECKS,
+        "hidden_size": integer(1, MAX_WIDTH),
+        "intermediate_size": integer(1, MAX_WIDTH),
+        "num_hidden_layers": integer(1, MAX_LAYERS),
+        "num_attention_heads": integer(1, MAX_WIDTH),
+        "num_key_value_heads": integer(1, MAX_WIDTH, null=True),
+        "head_dim": integer(1, MAX_WIDTH, null=True),
+        "hidden_act": _NAME,
+        "max_position_embeddings": integer(1, MAX_POSITIONS),
+        "rms_norm_eps": number(0),
+        "rope_theta": number(0, open_low=True),
+        "rope_scaling": mapping(),
+        "rope_parameters": mapping(),
+        "attention_bias": flag(),
+        "mlp_bias": flag(),
+        "sliding_window": integer(0, MAX_POSITIONS, null=True),
+        "use_sliding_window": flag(),
+        "max_window_layers": integer(0, MAX_POSITIONS),
+        "layer_types": strings(),
+    }
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        # named as the config has it: head_dim itself, or the two sizes it comes from
+        head_dim = f"head_dim ({self.head_dim})"
         if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+            object.__setattr__(self, "head_dim", self.hidden_size // heads)
+            head_dim = f"hidden_size ({self.hidden_size}) // num_attention_heads ({heads})"
+        if heads % kv:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                f"({kv}): each key/value head serves the same number of query heads."
+            )
+        rope = self.rope_parameters
+        check_values(rope, ROPE_CHECKS, "rope_parameters.")
+        rotary = int(self.head_dim * rope.get("partial_rotary_factor", 1.0))
+        if rotary < 2 or rotary % 2:
+            raise ValueError(
+                f"{head_dim} times partial_rotary_factor gives {rotary} rotary features; "
+                "rotary embeddings turn pairs of features, so it must be even and at least 2 "
+                "(set head_dim, or change the sizes)."
+            )
+        if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
+            raise ValueError(
+                f"sliding_windows has {len(self.sliding_windows)} entries for "
+                f"num_hidden_layers={self.num_hidden_layers}; give one per layer, or ()."
+            )
+        activation(self.hidden_act)  # an unknown name fails here, not at the first call
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "LlamaConfig":
         """From a `config.json` dict or a `transformers` config object."""
         d = config if isinstance(config, dict) else config.to_dict()
+        cls.check_hf(d)  # types and ranges first: nothing below loops over a bad count
         model_type = d.get("model_type", "llama")
         if model_type not in cls.MODEL_TYPES:
             raise ValueError(
@@ -83,13 +165,21 @@ class LlamaConfig(HFConfig):
         layers = d.get("num_hidden_layers", 32)
         # transformers' precedence: `rope_scaling` (transformers 4) over `rope_parameters`,
         # and a top-level `rope_theta` where the dict has none
+        source = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
         rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+        check_values(rope, ROPE_CHECKS, f"{source}.")
         rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
         legacy = rope.pop("type", None)  # transformers 4's name, kept by transformers 5
         rope.setdefault("rope_type", legacy or "default")
         if rope["rope_type"] not in ROPE_TYPES:
             raise ValueError(
                 f"rope type {rope['rope_type']!r} is not supported; supported: {ROPE_TYPES}."
+            )
+        _check_rope_needs(rope, source)
+        if d.get("layer_types") is not None and len(d["layer_types"]) != layers:
+            raise ValueError(
+                f"layer_types has {len(d['layer_types'])} entries for "
+                f"num_hidden_layers={layers}; give one per layer."
             )
         if model_type == "qwen2":
             window = d.get("sliding_window") if d.get("use_sliding_window") else None
@@ -116,7 +206,7 @@ class LlamaConfig(HFConfig):
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d.get("hidden_size", 4096) // heads,
+            head_dim=d.get("head_dim") or None,  # None: hidden_size // heads
             hidden_act=d.get("hidden_act", "silu"),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
@@ -200,6 +290,21 @@ class LlamaConfig(HFConfig):
     @property
     def rope_parameters(self) -> dict[str, Any]:
         return dict(self.rope)
+
+
+def _check_rope_needs(rope: dict[str, Any], source: str) -> None:
+    """The parameters `rope["rope_type"]` reads are present, and usable together."""
+    kind = rope["rope_type"]
+    missing = [k for k in ROPE_REQUIRED.get(kind, ()) if rope.get(k) is None]
+    if kind == "yarn" and rope.get("factor") is None:
+        missing += [] if "original_max_position_embeddings" in rope else ["factor"]
+    if missing:
+        raise ValueError(f"{source} of rope type {kind!r} needs {', '.join(missing)}.")
+    if kind == "llama3" and rope["low_freq_factor"] == rope["high_freq_factor"]:
+        raise ValueError(
+            f"{source}.low_freq_factor and high_freq_factor must differ (llama3 rope divides "
+            f"by their difference); both are {rope['low_freq_factor']}."
+        )
 
 
 def rope_frequencies(
