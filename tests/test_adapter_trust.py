@@ -46,7 +46,7 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llama(checkpoints):
+def base_llama(checkpoints):
     return pm.from_pretrained(checkpoints / "llama")
 
 
@@ -105,27 +105,57 @@ def test_auto_peft_model_loads_a_peftx_adapter(checkpoints, tmp_path, monkeypatc
     assert np.abs(want - unadapted).max() > EFFECT, "the adapter changes nothing"
 
 
-def test_models_from_two_directories_share_one_structure(checkpoints, tmp_path, llama):
+def test_auto_peft_model_loads_what_peftx_finetune_wrote(llama, tmp_path, capsys, monkeypatch):
+    """The issue's own words: PEFT's Auto class loads the adapter of a `peftx finetune`
+    run (the tiny causal-LM job of `conftest.py`), with peftx's outputs."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    out = tmp_path / "run"
+    sets = [f"output.dir={out}", "train.steps=6", "output.merged=false"]
+    code, stdout, err = run_cli(capsys, "finetune", llama / "job.toml", *_sets(sets))
+    assert code == 0, (stdout, err)
+    adapter = out / "adapter"
+    config = json.loads((adapter / CONFIG).read_text())
+    assert config["base_model_name_or_path"] == str(llama / "base")
+
+    theirs = peft.AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+    ids = np.random.default_rng(0).integers(5, 40, size=(2, 9))
+    with torch.no_grad():
+        want = theirs(torch.tensor(ids)).logits.numpy()
+        with theirs.disable_adapter():
+            unadapted = theirs(torch.tensor(ids)).logits.numpy()
+    ours = peftx.PeftModel.from_pretrained(pm.from_pretrained(llama / "base"), adapter)
+    got = np.asarray(_logits(ours, jnp.asarray(ids, jnp.int32)))
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL * scale)
+    assert np.abs(want - unadapted).max() > 10 * TOL * scale, "the adapter changes nothing"
+
+
+def _sets(items):
+    return [a for item in items for a in ("--set", item)]
+
+
+def test_models_from_two_directories_share_one_structure(checkpoints, tmp_path, base_llama):
     """The path is part of the config but not of its equality: the two models keep one
     tree structure (one jit trace, `eqx.combine` across them); each adapter's config,
     which compares, holds its own base's path, also through a shared jit trace."""
     shutil.copytree(checkpoints / "llama", tmp_path / "copy")
     other = pm.from_pretrained(tmp_path / "copy")
-    assert llama.config.name_or_path == str(checkpoints / "llama")
+    assert base_llama.config.name_or_path == str(checkpoints / "llama")
     assert other.config.name_or_path == str(tmp_path / "copy")
-    assert jax.tree.structure(llama) == jax.tree.structure(other)
+    assert jax.tree.structure(base_llama) == jax.tree.structure(other)
 
     identity = eqx.filter_jit(lambda m: m)
-    for model, path in ((llama, checkpoints / "llama"), (other, tmp_path / "copy")):
+    for model, path in ((base_llama, checkpoints / "llama"), (other, tmp_path / "copy")):
         adapted = identity(lora(model))
         assert adapted.peft_config["default"].base_model_name_or_path == str(path)
 
 
-def test_a_given_base_path_is_kept_and_an_unknown_one_stays_null(llama, tmp_path):
-    named = lora(llama, base_model_name_or_path="meta-llama/Llama-3.2-1B")
+def test_a_given_base_path_is_kept_and_an_unknown_one_stays_null(base_llama, tmp_path):
+    named = lora(base_llama, base_model_name_or_path="meta-llama/Llama-3.2-1B")
     named.save_pretrained(tmp_path / "named")
     built = pm.LlamaForCausalLM(
-        dataclasses.replace(llama.config, name_or_path=None), key=jax.random.key(0)
+        dataclasses.replace(base_llama.config, name_or_path=None), key=jax.random.key(0)
     )
     lora(built).save_pretrained(tmp_path / "built")
     read = {d: json.loads((tmp_path / d / CONFIG).read_text()) for d in ("named", "built")}
@@ -137,10 +167,10 @@ def test_a_given_base_path_is_kept_and_an_unknown_one_stays_null(llama, tmp_path
 
 
 @pytest.fixture(scope="module")
-def saved(llama, tmp_path_factory):
+def saved(base_llama, tmp_path_factory):
     """A Llama LoRA with random factors, saved; and the model."""
     path = tmp_path_factory.mktemp("adapter")
-    model = lora(llama)
+    model = lora(base_llama)
     model.save_pretrained(path)
     return path, model
 
@@ -162,7 +192,7 @@ Q1_A = PREFIX + "model.layers.1.self_attn.q_proj.lora_A.weight"
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.bool_])
-def test_integer_and_bool_tensors_are_refused(saved, llama, tmp_path, dtype):
+def test_integer_and_bool_tensors_are_refused(saved, base_llama, tmp_path, dtype):
     def cast(t):
         t[Q1_A] = (t[Q1_A] > 0).astype(dtype)
         return t
@@ -170,15 +200,15 @@ def test_integer_and_bool_tensors_are_refused(saved, llama, tmp_path, dtype):
     target = _edited(saved, tmp_path, cast)
     name = np.dtype(dtype).name
     with pytest.raises(peftx.CheckpointError, match=rf"{Q1_A}' as {name};") as info:
-        peftx.PeftModel.from_pretrained(llama, target)
+        peftx.PeftModel.from_pretrained(base_llama, target)
     assert str(target / WEIGHTS) in str(info.value)
 
 
-def test_an_adapter_of_another_architecture_does_not_belong(checkpoints, llama, tmp_path):
+def test_an_adapter_of_another_architecture_does_not_belong(checkpoints, base_llama, tmp_path):
     gpt2 = pm.from_pretrained(checkpoints / "gpt2")
     lora(gpt2, target_modules=["c_attn"]).save_pretrained(tmp_path / "gpt2")
     with pytest.raises(peftx.CheckpointError) as info:
-        peftx.PeftModel.from_pretrained(llama, tmp_path / "gpt2")
+        peftx.PeftModel.from_pretrained(base_llama, tmp_path / "gpt2")
     message = str(info.value)
     assert "does not belong to this model: 2 of the 2 modules it adapts" in message
     assert "'transformer.h.0.attn.c_attn'" in message
@@ -187,14 +217,14 @@ def test_an_adapter_of_another_architecture_does_not_belong(checkpoints, llama, 
     assert "spelling" not in message
 
 
-def test_an_adapter_without_a_base_path_says_so(checkpoints, llama, tmp_path):
+def test_an_adapter_without_a_base_path_says_so(checkpoints, base_llama, tmp_path):
     gpt2 = pm.from_pretrained(checkpoints / "gpt2")
     lora(gpt2, target_modules=["c_attn"]).save_pretrained(tmp_path / "gpt2")
     config = json.loads((tmp_path / "gpt2" / CONFIG).read_text())
     config["base_model_name_or_path"] = None
     (tmp_path / "gpt2" / CONFIG).write_text(json.dumps(config))
     with pytest.raises(peftx.CheckpointError, match="does not name its base model"):
-        peftx.PeftModel.from_pretrained(llama, tmp_path / "gpt2")
+        peftx.PeftModel.from_pretrained(base_llama, tmp_path / "gpt2")
 
 
 def _rename(t):
@@ -218,18 +248,18 @@ FAILURES = {
 
 
 @pytest.mark.parametrize("case", FAILURES)
-def test_a_failed_load_leaves_the_model_untouched(saved, llama, tmp_path, case):
+def test_a_failed_load_leaves_the_model_untouched(saved, base_llama, tmp_path, case):
     """The model passed, and a PeftModel's adapters, configs (with their dicts and lists)
     and `modules_to_save` copies are as they were: same structure, same array objects."""
     edit_tensors, edit_config, match = FAILURES[case]
     target = _edited(saved, tmp_path, edit_tensors, edit_config)
-    base_leaves, base_tree = jax.tree.flatten(llama)
+    base_leaves, base_tree = jax.tree.flatten(base_llama)
     with pytest.raises((peftx.CheckpointError, ValueError), match=match):
-        peftx.PeftModel.from_pretrained(llama, target)
-    assert jax.tree.structure(llama) == base_tree
-    assert all(x is y for x, y in zip(jax.tree.leaves(llama), base_leaves, strict=True))
+        peftx.PeftModel.from_pretrained(base_llama, target)
+    assert jax.tree.structure(base_llama) == base_tree
+    assert all(x is y for x, y in zip(jax.tree.leaves(base_llama), base_leaves, strict=True))
 
-    model = lora(llama, rank_pattern={"v_proj": 2}, modules_to_save=["lm_head"])
+    model = lora(base_llama, rank_pattern={"v_proj": 2}, modules_to_save=["lm_head"])
     configs = copy.deepcopy(model.configs)
     saved_modules = dict(model.saved_modules)
     leaves, tree = jax.tree.flatten(model)
@@ -261,8 +291,8 @@ def _with_nan(peft_model, field_path, index):
     return eqx.combine(jax.tree.unflatten(tree, leaves), frozen)
 
 
-def test_safe_merge_names_the_layer_of_a_stack(llama):
-    model = _with_nan(lora(llama), ("q_proj", "lora_B"), (1, 0, 0))  # layer 1 of the stack
+def test_safe_merge_names_the_layer_of_a_stack(base_llama):
+    model = _with_nan(lora(base_llama), ("q_proj", "lora_B"), (1, 0, 0))  # layer 1 of the stack
     with pytest.raises(
         ValueError, match=r"adapter 'default' into model\.layers\.1\.self_attn\.q_proj "
     ):
@@ -272,11 +302,11 @@ def test_safe_merge_names_the_layer_of_a_stack(llama):
 
 
 @pytest.fixture(scope="module")
-def merge_inputs(checkpoints, llama, tmp_path_factory):
+def merge_inputs(checkpoints, base_llama, tmp_path_factory):
     """Adapters of the tiny Llama: a broken LoRA factor, a broken `modules_to_save` copy."""
     root = tmp_path_factory.mktemp("merge")
-    _with_nan(lora(llama), ("q_proj", "lora_B"), (1, 0, 0)).save_pretrained(root / "factor")
-    head = lora(llama, modules_to_save=["lm_head"])
+    _with_nan(lora(base_llama), ("q_proj", "lora_B"), (1, 0, 0)).save_pretrained(root / "factor")
+    head = lora(base_llama, modules_to_save=["lm_head"])
     _with_nan(head, ("lm_head",), (0, 0)).save_pretrained(root / "head")
     return root
 
