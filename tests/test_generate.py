@@ -414,6 +414,11 @@ def test_errors(checkpoints):
         peftx.generate(ours, ids, 2, attention_mask=mask, do_sample=True)
     with pytest.raises(ValueError, match="top_p must be in"):
         peftx.generate(ours, ids, 2, do_sample=True, top_p=0.0, key=jax.random.key(0))
+    for bad in (0.0, float("inf"), float("nan")):
+        with pytest.raises(
+            ValueError, match=rf"temperature must be a finite number > 0, got {bad}"
+        ):
+            peftx.generate(ours, ids, 2, do_sample=True, temperature=bad, key=jax.random.key(0))
     with pytest.raises(ValueError, match="max_new_tokens must be a positive int"):
         peftx.generate(ours, ids, 0)
     with pytest.raises(ValueError, match="pad_token_id 500 is not an id"):

@@ -128,8 +128,10 @@ def generate(
                 "do_sample=True needs a PRNG key: pass key=jax.random.key(seed) (a new "
                 "key draws new tokens)."
             )
-        if not (isinstance(temperature, int | float) and temperature > 0):
-            raise ValueError(f"temperature must be a number > 0, got {temperature!r}.")
+        if not (
+            isinstance(temperature, int | float) and math.isfinite(temperature) and temperature > 0
+        ):  # an infinite temperature would sample every token alike
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}.")
         if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
             raise ValueError(f"top_k must be a positive int or None, got {top_k!r}.")
         if top_p is not None and not (isinstance(top_p, int | float) and 0 < top_p <= 1):
