@@ -113,6 +113,7 @@ COUNTS = [("data", "max_length"), ("output", "keep_checkpoints")] + [
     for k in ("batch_size", "eval_batch_size", "grad_accumulation", "epochs", "log_every")
 ]
 OPTIONAL_COUNTS = [("train", k) for k in ("steps", "eval_every", "checkpoint_every")]
+FLOAT32_MAX = 3.4028234663852886e38
 # (key, smallest allowed, whether the smallest is allowed)
 RATES = [("learning_rate", 0.0, False), ("weight_decay", 0.0, True), ("max_grad_norm", 0.0, True)]
 FLAGS = [("data", "pack"), ("output", "merged"), ("train", "quantize")]
@@ -145,9 +146,15 @@ def _check_numbers(job: "Job", path: Path) -> None:
         value = t[key]
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise UsageError(f"{path}: train.{key} must be a number, got {value!r}")
-        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+        # the optimizer computes in float32: a larger value is infinite there
+        finite = math.isfinite(value) and abs(value) <= FLOAT32_MAX
+        if not finite or value < low or (value == low and not inclusive):
             bound = f">= {low:g}" if inclusive else f"> {low:g}"
-            raise UsageError(f"{path}: train.{key} must be a finite number {bound}, got {value!r}")
+            raise UsageError(
+                f"{path}: train.{key} must be a finite number {bound} (float32: at most "
+                f"{FLOAT32_MAX:.4g}), got {value!r}"
+            )
+        t[key] = float(value)
     for table, key in FLAGS:
         value = getattr(job, table)[key]
         if not isinstance(value, bool):
