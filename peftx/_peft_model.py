@@ -324,10 +324,13 @@ class PeftModel(eqx.Module):
         none, its subfolder `adapter_name`).
 
         Strict, unlike PEFT: a missing or unexpected key or a wrong shape raises
-        `CheckpointError` naming the module and shapes, and a corrupt file one naming
-        the file. `is_trainable=False` (PEFT's default) loads the adapter frozen:
-        `partition` trains nothing of it. Config keys peftx does not know are ignored
-        with a warning naming them.
+        `CheckpointError` naming the module and shapes, a corrupt file one naming the
+        file, an integer or boolean tensor one naming the key and dtype, and an adapter
+        most of whose modules the model lacks one saying it was made for another model
+        (its `base_model_name_or_path`). On any error `model` is left as it was.
+        `is_trainable=False` (PEFT's default) loads the adapter frozen: `partition`
+        trains nothing of it. Config keys peftx does not know are ignored with a warning
+        naming them.
         """
         if isinstance(model, PeftModel):
             raise TypeError(
