@@ -186,7 +186,11 @@ def swap_in(new: Path, target: Path, *, drop: Callable[[Path], bool] = lambda p:
     aside = _sibling(target, "old")
     aside.rmdir()  # a free name: `target` is renamed to it
     os.rename(target, aside)
-    os.rename(new, target)  # killed before this, the next `_recover` puts `aside` back
+    try:
+        os.rename(new, target)  # killed before this, the next `_recover` puts `aside` back
+    except BaseException:
+        os.rename(aside, target)
+        raise
     shutil.rmtree(aside)
 
 

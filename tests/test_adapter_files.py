@@ -823,15 +823,7 @@ def _crash_in_second_rename(monkeypatch, io):
     [
         _crash_in_save_file,
         _crash_in_swap,
-        pytest.param(
-            _crash_in_second_rename,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="peftx._files.swap_in's fallback (no renameat2) leaves the old directory "
-                "renamed aside when the second rename raises; only the next save's _recover "
-                "puts it back",
-            ),
-        ),
+        _crash_in_second_rename,
     ],
     ids=["save_file", "swap", "second-rename"],
 )
