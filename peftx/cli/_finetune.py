@@ -76,7 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="override a config value, e.g. --set train.learning_rate=1e-3 (repeatable)",
     )
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace a finished output directory"
+        "--overwrite",
+        action="store_true",
+        help="replace the run in output.dir (only what peftx wrote) once the new one has succeeded",
     )
 
 
