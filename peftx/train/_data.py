@@ -172,14 +172,15 @@ def _prefix(full: list[int], plain: list[int], row: int) -> list[int]:
     )
 
 
-def _starts(tokenizer: Any, texts: list[str], prompts: list[str] | None) -> list[list[int]]:
+def _starts(
+    tokenizer: Any, texts: list[str], bodies: list[list[int]], prompts: list[str] | None
+) -> list[list[int]]:
     """Each row's start: `tokenizer(prompt)` with its special tokens, or without a prompt,
-    the special tokens `tokenizer(text)` puts in front of the text."""
+    the special tokens `tokenizer(text)` puts in front of the text's own ids (`bodies`)."""
     if prompts is not None:
         return [list(i) for i in tokenizer(prompts)["input_ids"]]
     full = tokenizer(texts)["input_ids"]
-    plain = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    return [_prefix(list(f), list(p), n) for n, (f, p) in enumerate(zip(full, plain), 1)]
+    return [_prefix(list(f), b, n) for n, (f, b) in enumerate(zip(full, bodies), 1)]
 
 
 def encode_causal_lm(
@@ -225,11 +226,11 @@ def encode_causal_lm(
     if not texts:
         raise ValueError("no rows to encode")
     eos = tokenizer.eos_token_id
-    starts = _starts(tokenizer, texts, prompts)
-    bodies = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    bodies = [list(b) for b in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    starts = _starts(tokenizer, texts, bodies, prompts)
     rows_ids, rows_labels = [], []
     for start, body in zip(starts, bodies, strict=True):
-        body = list(body) + ([eos] if eos is not None else [])
+        body = body + ([eos] if eos is not None else [])
         rows_ids.append(start + body)
         rows_labels.append([IGNORE] * len(start) + body)
     if pack:
