@@ -299,13 +299,13 @@ def _check_supervised(
         return
     culprits = np.flatnonzero(lost) if lost.any() else np.arange(rows)
     longest = max(starts[n] for n in culprits)
-    if longest >= max_length - 1:
+    if longest >= max_length:  # the prompt fills the row: no label of the text is left
         fix = (
-            f"raise max_length (now {max_length}) above {longest + 1}, or shorten the prompts "
-            f"(the longest of these has {longest} tokens with its special tokens)"
+            f"raise max_length (now {max_length}) above {longest}, the longest of these "
+            "prompts in tokens (special tokens included), or shorten the prompts"
         )
     else:
-        fix = "these rows have no text to learn from (an empty text, and no EOS token)"
+        fix = "these rows have no token the loss can predict: their text is empty or too short"
     if not total:
         raise ValueError(
             f"no supervised tokens: none of the {rows} rows keeps a label for the loss "
