@@ -1,10 +1,12 @@
 """Helpers shared by the tests: comparing pytrees, walking traced programs."""
 
+import contextlib
 import json
 from pathlib import Path
 
 import jax
 import jax.extend.core as jexc
+import jaxtyping
 import numpy as np
 
 
@@ -78,6 +80,17 @@ def tiny_bert_config(vocab_size, **overrides):
         max_position_embeddings=64,
     )
     return transformers.BertConfig(vocab_size=vocab_size, **{**fields, **overrides})
+
+
+@contextlib.contextmanager
+def as_users_run():
+    """Without the suite's runtime type checks (beartype on every annotated function), as
+    peftx runs for its users: the errors seen are peftx's own."""
+    jaxtyping.config.update("jaxtyping_disable", True)
+    try:
+        yield
+    finally:
+        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 def run_cli(capsys, *argv):

@@ -10,32 +10,19 @@ here: `LlamaTokenizer` (with and without its BOS), `GPT2Tokenizer` and a word-le
 `PreTrainedTokenizerFast` with BERT's `[CLS] ... [SEP]` around each text.
 """
 
-import contextlib
 import string
 import warnings
 
 import hypothesis
 import hypothesis.strategies as st
-import jaxtyping
 import numpy as np
 import pytest
 import transformers
-from helpers import word_tokenizer
+from helpers import as_users_run, word_tokenizer
 
 from peftx import train
 
 LETTERS = string.ascii_lowercase
-
-
-@contextlib.contextmanager
-def as_users_run():
-    """Without the suite's runtime type checks (beartype on every annotated function), as
-    peftx runs for its users: the errors seen are peftx's own."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 def _llama(bos: bool) -> transformers.PreTrainedTokenizerBase:

@@ -5,6 +5,7 @@ byte for byte, on the tiny BERT job of `conftest.py`."""
 import hashlib
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from helpers import run_cli
+from helpers import as_users_run, run_cli, write_jsonl
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import peftx.cli._finetune as finetune
@@ -96,8 +97,6 @@ def test_output_dir_may_not_hold_the_model_or_the_data(bert, tmp_path, capsys, w
     for name in ("job.toml", "train.jsonl", "eval.jsonl"):
         (root / name).write_bytes((bert / name).read_bytes())
     (root / "data" / "eval.jsonl").write_bytes((bert / "eval.jsonl").read_bytes())
-    import shutil
-
     shutil.copytree(bert / "base", root / "base")
     before = _tree(root)
     out = (root / where).resolve()
@@ -394,3 +393,46 @@ def test_the_job_validator_on_any_value(bert, field, value):
     assert 1 <= config.r and math.isfinite(config.lora_alpha) and 0 <= config.lora_dropout < 1
     _, schedule = finetune._optimizer(job, t["steps"] or 10)
     assert all(math.isfinite(float(schedule(n))) for n in (0, 1, (t["steps"] or 10) - 1))
+
+
+# -- data the model cannot learn from ---------------------------------------------------------
+
+
+def _causal_job(llama, tmp_path, rows, *sets):
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    at = tmp_path / "rows.jsonl"
+    return ["finetune", llama / "job.toml", "--set", f"output.dir={tmp_path / 'run'}",
+            "--set", f"data.train={at}", "--set", f"data.eval={at}",
+            *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+
+
+def test_a_list_column_is_not_text(llama, tmp_path, capsys):
+    """The repro: a `messages` column given as text_column trained on its repr."""
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3"}]
+    rows = [{"question": "w5", "answer": messages}] * 4
+    with as_users_run():
+        err, _ = _fails(capsys, 2, *_causal_job(llama, tmp_path, rows))
+    assert f"{tmp_path / 'rows.jsonl'}: column 'answer': row 1 holds a list" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_prompts_that_fill_max_length_leave_nothing_to_learn(llama, tmp_path, capsys):
+    """The repro: every response cut by max_length gave loss 0, perplexity 1 and an all-zero
+    lora_B."""
+    rows = [{"question": " ".join(["w30"] * 20), "answer": "w31 w32"}] * 8
+    with as_users_run():
+        err, _ = _fails(capsys, 2, *_causal_job(llama, tmp_path, rows, "data.pack=false"))
+    assert "no supervised tokens" in err and str(tmp_path / "rows.jsonl") in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tokenizer_larger_than_the_vocabulary(llama, tmp_path, capsys):
+    """The repro: a tokenizer with ids past the model's vocab_size made every step NaN."""
+    small = tmp_path / "small"
+    shutil.copytree(llama / "base", small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 40}))
+    rows = [{"question": "w1 w2", "answer": "w50 w51"}] * 4  # ids past 40
+    with as_users_run():
+        err, _ = _fails(capsys, 2, *_causal_job(llama, tmp_path, rows, f"model.path={small}"))
+    assert "outside the model's vocab_size 40" in err

@@ -8,20 +8,18 @@ The checkpoint is a tiny random Llama saved by transformers, with transformers' 
 `LlamaTokenizer` built offline over single letters, with its BOS and without.
 """
 
-import contextlib
 import shutil
 import string
 import subprocess
 import sys
 
 import jax
-import jaxtyping
 import numpy as np
 import peft
 import pytest
 import torch
 import transformers
-from helpers import run_cli, tiny_llama_config
+from helpers import as_users_run, run_cli, tiny_llama_config
 from jax.experimental.compilation_cache import compilation_cache
 
 import peftx
@@ -34,17 +32,6 @@ LETTERS = string.ascii_lowercase
 POSITIONS = 64
 # 5, 13 and 30 tokens with BOS: prompts padded inside to 16 and to 32 columns
 PROMPTS = ["a b", "the cat sat", "a quick brown fox jumps over"]
-
-
-@contextlib.contextmanager
-def as_users_run():
-    """Without the suite's runtime type checks (beartype on every annotated function), as
-    peftx runs for its users: the errors seen are peftx's own."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 def _tokenizer(bos: bool) -> transformers.PreTrainedTokenizerBase:

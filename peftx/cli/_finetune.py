@@ -9,9 +9,11 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 import tomllib
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from ._common import (
     ModelSettings,
     RunFailed,
     UsageError,
+    hf_config,
     job_model,
     model_class_for,
     read_toml,
@@ -319,10 +322,29 @@ def run(args: argparse.Namespace) -> int:
         return _finetune(job, overwrite=args.overwrite)
 
 
+def _encoded(file: Path, columns: dict[str, str], encode: Callable[[], dict]) -> dict:
+    """`encode()`'s data for `file`; its errors become one line naming the file and the
+    column (`columns`: the encoder's argument name to the column), its warnings too."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            data = encode()
+        except (TypeError, ValueError) as e:
+            message = str(e)
+            for argument, column in columns.items():
+                if message.startswith(f"{argument}:"):
+                    message = f"column {column!r}" + message.removeprefix(argument)
+            raise UsageError(f"{file}: {message}") from None
+    for w in caught:
+        print(f"peftx: warning: {file}: {w.message}", file=sys.stderr)
+    return data
+
+
 def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, list[str] | None]:
     from .. import train
 
     d = job.data
+    vocab_size = hf_config(job.model.path).get("vocab_size")
     if job.model.task == "classification":
         columns = [d["text_column"], d["label_column"]]
         rows = train.read_records(adapter.train, columns)
@@ -331,30 +353,46 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
         unseen = sorted({str(r[d["label_column"]]) for r in held} - set(labels))
         if unseen:
             raise UsageError(f"{adapter.eval}: labels {unseen} never appear in {adapter.train}")
+        names = {"texts": d["text_column"], "labels": d["label_column"]}
 
-        def encode(rs: list[dict]) -> dict:
-            return train.encode_classification(
-                tokenizer,
-                [str(r[d["text_column"]]) for r in rs],
-                [labels.index(str(r[d["label_column"]])) for r in rs],
-                max_length=d["max_length"],
+        def encode(file: Path, rs: list[dict]) -> dict:
+            return _encoded(
+                file,
+                names,
+                lambda: train.encode_classification(
+                    tokenizer,
+                    [r[d["text_column"]] for r in rs],
+                    [labels.index(str(r[d["label_column"]])) for r in rs],
+                    max_length=d["max_length"],
+                    vocab_size=vocab_size,
+                    num_labels=len(labels),
+                ),
             )
 
-        return encode(rows), encode(held), labels
+        return encode(adapter.train, rows), encode(adapter.eval, held), labels
     columns = [d["text_column"]] + ([d["prompt_column"]] if d["prompt_column"] else [])
+    names = {"texts": d["text_column"], "prompts": d["prompt_column"]}
 
     def encode_lm(file: Path) -> dict:
         rs = train.read_records(file, columns)
-        prompts = [str(r[d["prompt_column"]]) for r in rs] if d["prompt_column"] else None
-        return train.encode_causal_lm(
-            tokenizer,
-            [str(r[d["text_column"]]) for r in rs],
-            prompts,
-            max_length=d["max_length"],
-            pack=d["pack"],
+        prompts = [r[d["prompt_column"]] for r in rs] if d["prompt_column"] else None
+        return _encoded(
+            file,
+            names,
+            lambda: train.encode_causal_lm(
+                tokenizer,
+                [r[d["text_column"]] for r in rs],
+                prompts,
+                max_length=d["max_length"],
+                pack=d["pack"],
+                vocab_size=vocab_size,
+            ),
         )
 
-    return encode_lm(adapter.train), encode_lm(adapter.eval), None
+    data = encode_lm(adapter.train), encode_lm(adapter.eval)
+    counts = [train.supervised_tokens(x) for x in data]
+    print(f"supervised tokens: {counts[0]} in {adapter.train}, {counts[1]} in {adapter.eval}")
+    return *data, None
 
 
 def _datasets(job: Job, tokenizer: Any) -> tuple[list[tuple[dict, dict]], Any]:
