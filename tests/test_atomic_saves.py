@@ -13,6 +13,7 @@ import stat
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 import pytest
 import safetensors.numpy
 
@@ -260,3 +261,53 @@ def test_leftovers_of_dead_processes_are_tidied(tmp_path):
     assert not stale_new.exists() and live.is_dir() and mine.read_text() == "keep"
     assert files.remove_leftovers(target) == [pathlib.Path(tmp)]
     assert not pathlib.Path(tmp).exists()
+
+
+def _fake_run(directory: pathlib.Path, seed: int) -> None:
+    """What a finished `peftx finetune` run leaves (file contents by seed)."""
+    from peftx.cli._run_dir import MARKER
+
+    (directory / "adapter").mkdir(parents=True)
+    for name in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json",
+                 "job.json", "summary.json", "metrics.jsonl", MARKER):  # fmt: skip
+        (directory / name).write_text(f"{name} of run {seed}")
+    if seed == 0:
+        (directory / "merged").mkdir()  # the old run merged; the new one does not
+        (directory / "merged" / "model.safetensors").write_text("merged 0")
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_a_replacement_run_is_swapped_in_whole(monkeypatch, tmp_path, exchange):
+    from peftx.cli._run_dir import Run, staging_dir
+
+    out = tmp_path / "root" / "run"
+
+    def save_old(target):
+        _fake_run(target, 0)
+
+    def save_new(target):
+        staging = staging_dir(target)
+        _fake_run(staging, 1)
+        Run(target, staging, resume=False).commit()
+
+    _check_all_kills(monkeypatch, tmp_path, "run", save_old, save_new, exchange=exchange)
+    assert not (out / "merged").exists()  # the old run's, replaced as a whole
+    assert (out / "summary.json").read_text() == "summary.json of run 1"
+
+
+def test_a_checkpoint_of_the_same_step_is_replaced_whole(monkeypatch, tmp_path, llama_model):
+    from peftx import train
+
+    def state_of(alpha):
+        config = peftx.LoraConfig(r=2, lora_alpha=alpha, target_modules=["q_proj"])
+        model = peftx.get_peft_model(llama_model, config, key=jax.random.key(alpha))
+        return train.init_state(model, optax.sgd(0.1), key=jax.random.key(0))
+
+    old, new = state_of(4), state_of(16)
+
+    def save(state_and_frozen):
+        return lambda d: train.save_checkpoint(d.parent, *state_and_frozen, info={"batches": 0})
+
+    _check_all_kills(
+        monkeypatch, tmp_path, "checkpoint-00000000", save(old), save(new), exchange=True
+    )
