@@ -492,3 +492,195 @@ def test_config_json_values_are_valid_or_refused_by_name(model_type, base, key, 
     assert valid(value), value
     model = arch.classes[arch.default]
     eqx.filter_eval_shape(lambda k: model(config, key=k), jax.random.key(0))
+
+
+# --- the Python API: what a model, a dtype argument, a quantized model expect -------------
+
+
+def _tiny_models():
+    """A tiny model of each architecture (as built in code), by name."""
+    import equinox as eqx
+
+    import peftx.models as pm
+
+    llama = pm.LlamaConfig.from_hf_config({**TINY_LLAMA, "num_key_value_heads": 2})
+    gpt2 = pm.GPT2Config.from_hf_config(TINY_GPT2)
+    bert = pm.BertConfig.from_hf_config(TINY_BERT)
+    made = {
+        "llama": (pm.LlamaForCausalLM, llama),
+        "gpt2": (pm.GPT2LMHeadModel, gpt2),
+        "bert": (pm.BertForSequenceClassification, bert),
+    }
+    # built in one compiled program each: eager initialization runs op by op, slowly
+    return {
+        name: eqx.filter_jit(lambda k, cls=cls, config=config: cls(config, key=k))(_key())
+        for name, (cls, config) in made.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_models():
+    return _tiny_models()
+
+
+BAD_INPUTS = [
+    # (arguments, error, what it says, whether the issue's repro also goes through a
+    # PeftModel); each was a traceback from inside the model
+    (
+        lambda jnp: ([[1, 2, 3]],),
+        TypeError,
+        r"must be an integer array of shape \(batch, seq\), e\.g\. jnp\.asarray\(\[\[1, 2, 3",
+        True,
+    ),
+    (
+        lambda jnp: (jnp.asarray([1, 2, 3]),),
+        ValueError,
+        r"got shape \(3,\)\. For one sequence, add a batch axis: input_ids\[None\]",
+        True,
+    ),
+    (
+        lambda jnp: (jnp.ones((1, 3)),),
+        TypeError,
+        r"input_ids must be integer token ids .*; got dtype float32",
+        False,
+    ),
+    (
+        lambda jnp: (jnp.ones((1, 3), jnp.int32), [[1, 1, 1]]),
+        TypeError,
+        r"attention_mask must be None or an array of input_ids' shape \(1, 3\); got a list",
+        False,
+    ),
+    (
+        lambda jnp: (jnp.ones((1, 3), jnp.int32), jnp.ones((1, 4), jnp.int32)),
+        ValueError,
+        r"attention_mask has shape \(1, 4\); it must match input_ids \(1, 3\)",
+        False,
+    ),
+]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("args, error, match, via_peft", BAD_INPUTS)
+def test_model_inputs_say_what_is_expected(tiny_models, name, args, error, match, via_peft):
+    """Each used to be an AttributeError ('list' has no 'shape') or an unpacking error."""
+    import jax
+    import jax.numpy as jnp
+
+    import peftx
+
+    model = tiny_models[name]
+    calls = [model]
+    if via_peft:
+        targets = {"llama": ["q_proj"], "gpt2": ["c_attn"], "bert": ["query"]}[name]
+        config = LoraConfig(target_modules=targets)
+        calls.append(peftx.get_peft_model(model, config, key=jax.random.key(1)))
+    for call in calls:
+        with as_users_run(), pytest.raises(error, match=match):
+            call(*args(jnp))
+
+
+def test_numpy_ids_are_still_accepted(tiny_models):
+    import jax.numpy as jnp
+    import numpy as np
+
+    ids = np.asarray([[3, 4, 5]])
+    for model in tiny_models.values():
+        with as_users_run():  # the annotations say jax arrays; numpy ones have always run
+            ours = model(ids, np.ones_like(ids)).logits
+        np.testing.assert_array_equal(ours, model(jnp.asarray(ids)).logits)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda pm, config, path: pm.from_pretrained(path, dtype="bf16"),
+        lambda pm, config, path: pm.LlamaForCausalLM(config, key=_key(), dtype="bf16"),
+        lambda pm, config, path: pm.LlamaModel(config, key=_key(), dtype="bf16"),
+        lambda pm, config, path: pm.GPT2Model(pm.GPT2Config(n_layer=1), key=_key(), dtype="bf16"),
+        lambda pm, config, path: pm.BertModel(pm.BertConfig(), key=_key(), dtype="bf16"),
+    ],
+    ids=["from_pretrained", "LlamaForCausalLM", "LlamaModel", "GPT2Model", "BertModel"],
+)
+def test_dtype_names_are_listed(llama_dir, make):
+    import peftx.models as pm
+
+    config = pm.LlamaConfig.from_hf_config({**TINY_LLAMA, "num_key_value_heads": 2})
+    with (
+        as_users_run(),
+        pytest.raises(
+            TypeError,
+            match=r"`dtype` must be a floating dtype, got 'bf16'; valid names: 'float32', "
+            r"'bfloat16', 'float16', 'float64' \(or jnp\.float32 and the like\)\. Did you mean "
+            r"'bfloat16'\?",
+        ),
+    ):
+        make(pm, config, llama_dir)
+
+
+def _key():
+    import jax
+
+    return jax.random.key(0)
+
+
+def test_dtype_names_in_quantization_and_loading(llama_dir):
+    import jax.numpy as jnp
+
+    import peftx.models as pm
+    from peftx.adapters import Int8Array, NF4Array, quantize_int8, quantize_nf4
+
+    w = jnp.ones((4, 64))
+    with as_users_run():
+        with pytest.raises(TypeError, match=r"`dtype` .*got 'fp16'.*Did you mean 'float16'"):
+            quantize_nf4(w, dtype="fp16")
+        with pytest.raises(TypeError, match=r"`dtype` .*got 'fp32'.*Did you mean 'float32'"):
+            quantize_int8(w, dtype="fp32")
+        with pytest.raises(TypeError, match=r"`dtype` must be a floating dtype, got 'fp8'"):
+            Int8Array(jnp.zeros((4, 3), jnp.int8), jnp.ones(4), dtype="fp8")
+        q = quantize_nf4(w)
+        with pytest.raises(TypeError, match=r"`stored_dtype` must be .*, got 'bf'; valid names"):
+            NF4Array(q.packed, q.absmax, shape=(4, 64), dtype="float32", stored_dtype="bf")
+        # a real dtype that is not floating: the name of the dtype, not a bad-name hint
+        with pytest.raises(TypeError, match=r"`dtype` must be a floating dtype, got int8; valid"):
+            pm.from_pretrained(llama_dir, dtype="int8")
+    assert pm.from_pretrained(llama_dir, dtype="bfloat16").lm_head.weight.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("quantization", [dict(load_in_4bit=True), dict(load_in_8bit=True)])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_quantized_model_outside_use_implicit_args(tiny_models, name, quantization):
+    """A `quantize_model` result called directly used to fail with JAX's 'Error
+    interpreting argument to dot_general as a JAX value', which does not say why."""
+    import jax.numpy as jnp
+
+    import peftx
+    from peftx.implicit import use_implicit_args
+
+    model = peftx.quantize_model(tiny_models[name], QuantizationConfig(**quantization))
+    ids = jnp.ones((1, 3), jnp.int32)
+    kind = "NF4Array" if "load_in_4bit" in quantization else "Int8Array"
+    with (
+        as_users_run(),
+        pytest.raises(
+            TypeError,
+            match=rf"a layer's weight is an implicit array \({kind}: a quantized weight or an "
+            r"adapter\), and the model was called outside `use_implicit_args`\. Call it as "
+            r"`peftx\.implicit\.use_implicit_args\(model\)\(input_ids\)`",
+        ),
+    ):
+        model(ids)
+    use_implicit_args(model)(ids)  # the call the error names runs
+
+
+def test_adapted_base_model_outside_use_implicit_args(tiny_models):
+    import jax
+    import jax.numpy as jnp
+
+    import peftx
+
+    config = LoraConfig(target_modules=["lm_head"])  # the head only: past the backbone
+    peft_model = peftx.get_peft_model(tiny_models["llama"], config, key=jax.random.key(1))
+    ids = jnp.ones((1, 3), jnp.int32)
+    with as_users_run(), pytest.raises(TypeError, match=r"implicit array \(\w+: a quantized"):
+        peft_model.base_model(ids)
+    peft_model(ids)

@@ -21,6 +21,7 @@ from jax import lax
 from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Float32, Int8, Shaped, UInt8
 
+from .._dtypes import float_dtype
 from ..implicit import ImplicitArray, primitive_handler
 
 # bitsandbytes' NF4 code (`get_4bit_type("nf4")`), indexed by the 4-bit value.
@@ -155,7 +156,7 @@ class Int8Array(ImplicitArray):
     ):
         self.codes = codes
         self.scale = scale
-        self._dtype = jnp.dtype(dtype)
+        self._dtype = float_dtype(dtype)
 
     def __check_init__(self) -> None:
         if self.codes.dtype != jnp.int8 or self.scale.dtype != jnp.float32:
@@ -169,8 +170,6 @@ class Int8Array(ImplicitArray):
                 f"Int8Array: scale of shape {self.scale.shape} must have one entry per output "
                 f"channel, i.e. the leading axes of codes of shape {self.codes.shape}."
             )
-        if not jnp.issubdtype(self._dtype, jnp.floating):
-            raise TypeError(f"Int8Array represents a floating dtype, got {self._dtype}.")
 
     def aval(self) -> jax.core.ShapedArray:
         return jax.core.ShapedArray(self.codes.shape, self._dtype)
@@ -206,9 +205,10 @@ def quantize_int8(weight: Shaped[ArrayLike, "..."], *, dtype: DTypeLike | None =
     An `Int8Array` representing the weight.
     """
     stored = _float_dtype(weight, "quantize_int8")
+    dtype = stored if dtype is None else float_dtype(dtype)  # before any work
     if jnp.ndim(weight) == 0:
         raise ValueError("quantize_int8 needs a channel axis (axis 0), got a scalar weight.")
-    return Int8Array(*_int8_arrays(jnp.asarray(weight)), stored if dtype is None else dtype)
+    return Int8Array(*_int8_arrays(jnp.asarray(weight)), dtype)
 
 
 @jax.jit
@@ -283,8 +283,10 @@ class NF4Array(ImplicitArray):
         self.blocksize = blocksize
         self.nested_blocksize = nested_blocksize
         self._shape = tuple(shape)
-        self._dtype = jnp.dtype(dtype)
-        self._stored_dtype = self._dtype if stored_dtype is None else jnp.dtype(stored_dtype)
+        self._dtype = float_dtype(dtype)
+        self._stored_dtype = (
+            self._dtype if stored_dtype is None else float_dtype(stored_dtype, "stored_dtype")
+        )
 
     def __check_init__(self) -> None:
         nested = self.nested_absmax is not None
@@ -307,9 +309,6 @@ class NF4Array(ImplicitArray):
                     f"{' (double-quantized)' if name == 'absmax' and nested else ''}, "
                     f"got {value.dtype}{list(value.shape)}."
                 )
-        for name, dtype in (("dtype", self._dtype), ("stored_dtype", self._stored_dtype)):
-            if not jnp.issubdtype(dtype, jnp.floating):
-                raise TypeError(f"NF4Array: `{name}` must be a floating dtype, got {dtype}.")
         _check_blocksize("blocksize", self.blocksize)
         if not isinstance(self.nested_blocksize, int) or self.nested_blocksize < 1:
             raise ValueError(
@@ -540,10 +539,10 @@ def quantize_nf4(
     ```
     """
     stored = _float_dtype(weight, "quantize_nf4")
+    dtypes = {"dtype": stored if dtype is None else float_dtype(dtype), "stored_dtype": stored}
     _check_blocksize("blocksize", blocksize)
     w = jnp.asarray(weight)
     packed, absmax = _nf4_arrays(w, blocksize)
-    dtypes = {"dtype": stored if dtype is None else dtype, "stored_dtype": stored}
     if not double_quant:
         return NF4Array(packed, absmax, shape=w.shape, blocksize=blocksize, **dtypes)
     offset = jnp.mean(absmax)

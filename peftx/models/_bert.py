@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .._dtypes import float_dtype
 from ._checkpoint import Architecture, register
 from ._common import (
     ACTIVATIONS,
@@ -27,6 +28,7 @@ from ._common import (
     SequenceClassifierOutput,
     activation,
     attention_mask,
+    check_inputs,
     dot_product_attention,
     dropout,
     embed,
@@ -326,6 +328,7 @@ class BertModel(eqx.Module):
         remat_policy: RematPolicy = None,
     ):
         _policy(remat_policy)  # an unknown policy name fails before the weights are drawn
+        dtype = float_dtype(dtype)  # a bad name fails here, listing the valid ones
         ke, kl, kp = jax.random.split(key, 3)
         self.embeddings = BertEmbeddings(config, key=ke, dtype=dtype)
         self.encoder = BertEncoder(make_layers(BertLayer, config, layout, kl, dtype))
@@ -358,7 +361,12 @@ class BertModel(eqx.Module):
         `attention_probs_dropout_prob` on the attention weights.
         """
         c = self.config
-        b, s = input_ids.shape
+        b, s = check_inputs(
+            input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+        )
         if s > c.max_position_embeddings and position_ids is None:
             raise ValueError(
                 f"input_ids has {s} tokens; this BERT embeds at most "

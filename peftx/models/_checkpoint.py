@@ -29,6 +29,7 @@ import safetensors.numpy
 from safetensors import SafetensorError, safe_open
 
 from .._config import read_json
+from .._dtypes import float_dtype
 from .._errors import CheckpointError, ConfigFileError
 from .._files import replaced_directory
 from .._select import dotted
@@ -453,6 +454,8 @@ def from_pretrained(
     memory than the model itself.
     """
     path = Path(path)
+    if dtype is not None:
+        dtype = float_dtype(dtype)  # a bad name fails first, listing the valid ones
     hf = _read_config(path)
     arch = architecture(hf["model_type"])
     cls = _pick_class(arch, hf, model_class)
@@ -464,7 +467,7 @@ def from_pretrained(
         if dtype is None:
             floats = [d for d in (reader.dtype(k) for k in sorted(present)) if _is_float(d)]
             dtype = max(set(floats), key=floats.count) if floats else np.float32
-        dtype = jnp.dtype(dtype)
+        dtype = float_dtype(dtype)
         key = jax.random.PRNGKey(0)
 
         def build(k: Any) -> Any:

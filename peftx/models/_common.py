@@ -10,14 +10,65 @@ from typing import Any, ClassVar
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from ..implicit import ImplicitArray
+
+
+def check_inputs(input_ids: Any, **same_shape: Any) -> tuple[int, int]:
+    """`(batch, seq)` of `input_ids`, which must be an integer array of that shape; each of
+    `same_shape` (`attention_mask=...`, `position_ids=...`) must be None or an array of
+    the same shape. A `TypeError`/`ValueError` says what was expected."""
+    if not isinstance(input_ids, jax.Array | np.ndarray):
+        raise TypeError(
+            "input_ids must be an integer array of shape (batch, seq), e.g. "
+            f"jnp.asarray([[1, 2, 3]]); got a {type(input_ids).__name__}."
+        )
+    if input_ids.ndim != 2:
+        raise ValueError(
+            "input_ids must be an integer array of shape (batch, seq); got shape "
+            f"{tuple(input_ids.shape)}. For one sequence, add a batch axis: input_ids[None]."
+        )
+    if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise TypeError(
+            f"input_ids must be integer token ids of shape (batch, seq); got dtype "
+            f"{input_ids.dtype}. Convert them with input_ids.astype(jnp.int32)."
+        )
+    for name, value in same_shape.items():
+        if value is None:
+            continue
+        if not isinstance(value, jax.Array | np.ndarray):
+            raise TypeError(
+                f"{name} must be None or an array of input_ids' shape "
+                f"{tuple(input_ids.shape)}; got a {type(value).__name__}."
+            )
+        if value.shape != input_ids.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)}; it must match input_ids "
+                f"{tuple(input_ids.shape)}."
+            )
+    return input_ids.shape
+
+
+def _plain(weight: Any) -> Any:
+    """`weight`, which a forward outside `use_implicit_args` cannot use when it is an
+    implicit array (a quantized weight, an adapter): a `TypeError` says so."""
+    if isinstance(weight, ImplicitArray):
+        raise TypeError(
+            f"a layer's weight is an implicit array ({type(weight).__name__}: a quantized "
+            "weight or an adapter), and the model was called outside `use_implicit_args`. "
+            "Call it as `peftx.implicit.use_implicit_args(model)(input_ids)`; a PeftModel "
+            "(from `get_peft_model`) does this itself."
+        )
+    return weight
 
 
 def linear(layer: eqx.nn.Linear, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
     """`layer` applied to the last axis of `x` (`x @ W.T + b`), in one product with the
     tokens major, so adapters see a single `dot_general` whatever the batch shape."""
-    y = lax.dot_general(x, layer.weight, (((x.ndim - 1,), (1,)), ((), ())))
+    y = lax.dot_general(x, _plain(layer.weight), (((x.ndim - 1,), (1,)), ((), ())))
     if layer.bias is not None:
         y = y + layer.bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
     return y
@@ -28,12 +79,12 @@ def tied_logits(
 ) -> Float[Array, "*batch vocab"]:
     """`h` against the rows of `layer.weight`: an output head tied to the input
     embeddings, in one product with the tokens major, as `linear` does."""
-    return lax.dot_general(h, layer.weight, (((h.ndim - 1,), (1,)), ((), ())))
+    return lax.dot_general(h, _plain(layer.weight), (((h.ndim - 1,), (1,)), ((), ())))
 
 
 def embed(layer: eqx.nn.Embedding, ids: Int[Array, "*batch"]) -> Float[Array, "*batch dim"]:
     """Rows of `layer.weight` for integer `ids`."""
-    return jnp.take(layer.weight, ids, axis=0)
+    return jnp.take(_plain(layer.weight), ids, axis=0)
 
 
 class LayerNorm(eqx.Module):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
+from .._dtypes import float_dtype
 from ._checkpoint import Architecture, register
 from ._common import (
     COMMON_CHECKS,
@@ -29,6 +30,7 @@ from ._common import (
     SequenceClassifierOutput,
     activation,
     attention_mask as visible_keys,
+    check_inputs,
     dot_product_attention,
     embed,
     flag,
@@ -275,6 +277,7 @@ class GPT2Model(eqx.Module):
         remat_policy: RematPolicy = None,
     ):
         _policy(remat_policy)  # an unknown name fails here, before any work, not at a call
+        dtype = float_dtype(dtype)  # a bad name fails here, listing the valid ones
         kt, kp, kl = jax.random.split(key, 3)
         std, d = config.initializer_range, config.n_embd
         self.wte = eqx.nn.Embedding(
@@ -306,7 +309,7 @@ class GPT2Model(eqx.Module):
         attend to the cached ones; the returned cache has `index` moved past them.
         """
         c = self.config
-        b, s = input_ids.shape
+        b, s = check_inputs(input_ids, attention_mask=attention_mask, position_ids=position_ids)
         valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
         steps = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if cache is None:

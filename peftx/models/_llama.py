@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._dtypes import float_dtype
 from ._checkpoint import Architecture, register
 from ._common import (
     COMMON_CHECKS,
@@ -26,6 +27,7 @@ from ._common import (
     SequenceClassifierOutput,
     activation,
     attention_mask,
+    check_inputs,
     check_values,
     dot_product_attention,
     embed,
@@ -470,6 +472,7 @@ class LlamaModel(eqx.Module):
         remat_policy: RematPolicy = None,
     ):
         _policy(remat_policy)  # an unknown name fails here, before any work, not at a call
+        dtype = float_dtype(dtype)  # a bad name fails here, listing the valid ones
         ke, kl = jax.random.split(key)
         weight = config.initializer_range * jax.random.normal(
             ke, (config.vocab_size, config.hidden_size), dtype
@@ -498,7 +501,7 @@ class LlamaModel(eqx.Module):
         their default positions continue the count of the real tokens in the cache.
         """
         c = self.config
-        b, s = input_ids.shape
+        b, s = check_inputs(input_ids, attention_mask=attention_mask, position_ids=position_ids)
         valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
         if cache is None:
             slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
