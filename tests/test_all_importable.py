@@ -20,6 +20,7 @@ PUBLIC = {
         "read_records",
         "encode_classification",
         "encode_causal_lm",
+        "supervised_tokens",
         "train_batches",
         "eval_batches",
         "batches_per_epoch",
