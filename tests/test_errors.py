@@ -1,32 +1,19 @@
 """Clear errors for bad input (issue 22): configs, config files and the Python API each
 refuse a bad value early, in one line that names the file, key or argument at fault."""
 
-import contextlib
 import json
 import math
 import re
 from pathlib import Path
 
-import jaxtyping
 import pytest
-from helpers import run_cli, word_tokenizer
+from helpers import as_users_run, run_cli, word_tokenizer
 from hypothesis import given, settings, strategies as st
 
 from peftx import IA3Config, LoraConfig, QuantizationConfig, from_toml, load_config
 from peftx._errors import ConfigFileError
 
 FLOAT32_MAX = 3.4028234663852886e38
-
-
-@contextlib.contextmanager
-def as_users_run():
-    """Without the test suite's runtime type checks (jaxtyping + beartype on every
-    annotated function), as peftx runs for its users: the errors seen are peftx's own."""
-    jaxtyping.config.update("jaxtyping_disable", True)
-    try:
-        yield
-    finally:
-        jaxtyping.config.update("jaxtyping_disable", False)
 
 
 # --- adapter and quantization configs: every number finite and in range --------------------
