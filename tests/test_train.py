@@ -302,6 +302,25 @@ def test_grad_accumulation_needs_equal_micro_batches(causal_batch):
         train.make_train_step(train.causal_lm_loss, optimizer, grad_accumulation=0)
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_step_flags_a_non_finite_loss_or_gradient(causal_batch, accumulate):
+    """`metrics["finite"]` is whether the loss and the gradient norm are both finite, the
+    flag a training loop stops a diverging run on."""
+    _, model = _llama()
+    optimizer = optax.sgd(1.0)
+    state, frozen = train.init_state(model, optimizer, key=jax.random.key(0))
+    step = train.make_train_step(train.causal_lm_loss, optimizer, grad_accumulation=accumulate)
+    _, metrics = step(state, frozen, causal_batch)
+    assert bool(metrics["finite"]) and np.isfinite(float(metrics["loss"]))
+    for poison in (jnp.nan, jnp.inf):
+        trainable = jax.tree.map(lambda x: jnp.full_like(x, poison), state.trainable)
+        poisoned = train.TrainState(trainable, state.opt_state, state.step, state.key)
+        _, metrics = step(poisoned, frozen, causal_batch)
+        loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        assert not bool(metrics["finite"])
+        assert not (np.isfinite(loss) and np.isfinite(norm))
+
+
 # ---------------------------------------------------------------- mixed precision
 
 
