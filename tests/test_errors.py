@@ -155,6 +155,34 @@ def test_quantization_config_types(kwargs, match):
         QuantizationConfig.from_dict(kwargs)
 
 
+@pytest.mark.parametrize(
+    "field, valid",
+    [
+        ("bnb_4bit_use_double_quant", lambda v: isinstance(v, bool)),
+        ("bnb_4bit_compute_dtype", lambda v: v in (None, "float32", "bfloat16", "float16")),
+        (
+            "llm_int8_skip_modules",
+            lambda v: v is None or isinstance(v, list) and all(isinstance(x, str) for x in v),
+        ),
+    ],
+)
+@settings(max_examples=100, deadline=None)
+@given(value=VALUES)
+def test_quantization_fields_are_valid_or_refused_by_name(field, valid, value):
+    """The same property for `QuantizationConfig`, which has no numeric field: any value
+    is refused naming the field, or gives a config that round-trips through strict JSON."""
+    with as_users_run():
+        try:
+            config = QuantizationConfig.from_dict({"load_in_4bit": True, field: value})
+        except (TypeError, ValueError) as e:
+            assert field in str(e), str(e)
+            assert not valid(value), (value, str(e))
+            return
+    assert valid(value), value
+    text = json.dumps(config.to_dict(), allow_nan=False)
+    assert QuantizationConfig.from_dict(json.loads(text)) == config
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_quantization_settings_must_be_finite(value):
     # llm_int8_threshold is ignored by peftx, but a NaN there is still a mistake
@@ -211,6 +239,15 @@ def test_cli_job_file_errors_are_one_line(tmp_path, capsys, command):
         assert code == 2, (path, err)
         assert err.count("\n") == 1 and err.startswith("peftx: error: "), err
         assert re.search(match, err), (match, err)
+
+
+def test_cli_model_that_is_not_a_directory(tmp_path, capsys):
+    # was "model directory '/dev/null' has no config.json"
+    for model in ["/dev/null", tmp_path / "config.json"]:
+        Path(tmp_path / "config.json").write_text("{}")
+        code, out, err = run_cli(capsys, "inspect", model)
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"model '{model}' is not a directory: name a transformers checkpoint" in err
 
 
 def test_json_file_errors_name_the_file(tmp_path):
