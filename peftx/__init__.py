@@ -11,6 +11,7 @@ from ._config import (
 )
 from ._errors import (
     CheckpointError as CheckpointError,
+    ConfigFileError as ConfigFileError,
     TargetNotFoundError as TargetNotFoundError,
     UnknownAdapterError as UnknownAdapterError,
     UnsupportedTargetError as UnsupportedTargetError,

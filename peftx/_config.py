@@ -9,7 +9,6 @@ Resolving a config against a model (PEFT's per-architecture defaults when `targe
 `None`, expanding `"all-linear"`) is the model-level API's job, not this module's.
 """
 
-import contextlib
 import dataclasses
 import difflib
 import enum
@@ -17,13 +16,13 @@ import json
 import os
 import pathlib
 import re
-import tempfile
 import tomllib
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
 from ._errors import ConfigFileError
+from ._files import write_text
 from ._select import Predicate
 
 CONFIG_NAME = "adapter_config.json"
@@ -724,9 +723,9 @@ def save_config(config: AbstractAdapterConfig, directory: str | os.PathLike[str]
     """Write `config` to `directory/adapter_config.json` as PEFT's `save_pretrained` does
     (sorted keys, indent 2), creating `directory` if needed.
 
-    The file is written to a temporary file in the same directory and moved into place with
-    `os.replace`, so a reader never sees a half-written config, and a failed write leaves any
-    previous config untouched.
+    The file is written to a temporary file in the same directory (with the umask's mode)
+    and moved into place with `os.replace`, so a reader never sees a half-written config,
+    and a failed write leaves any previous config untouched.
 
     **Returns:** the path of the written file.
     """
@@ -739,19 +738,7 @@ def save_config(config: AbstractAdapterConfig, directory: str | os.PathLike[str]
     text = json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / CONFIG_NAME
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{CONFIG_NAME}.", suffix=".tmp")
-    try:
-        # mkstemp makes the file private (0600); the config is an ordinary shared file.
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_text(target, text)
     return target
 
 

@@ -75,6 +75,7 @@ PUBLIC = {
         "save_pretrained",
         "generate",
         "CheckpointError",
+        "ConfigFileError",
     ],
     peftx.models: [
         "from_pretrained",

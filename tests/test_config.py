@@ -220,8 +220,14 @@ def test_save_is_pretty_and_sorted_like_peft(tmp_path):
     data = json.loads(text)
     assert text == json.dumps(data, indent=2, sort_keys=True) + "\n"
     assert data["peft_type"] == "LORA" and data["target_modules"] == ["query", "value"]
-    assert oct(path.stat().st_mode & 0o777) == oct(0o644)
     assert config.save_pretrained(tmp_path / "b").read_text() == text
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600)):  # the mode follows the umask
+        previous = os.umask(umask)
+        try:
+            path = save_config(config, tmp_path / oct(umask))
+        finally:
+            os.umask(previous)
+        assert oct(path.stat().st_mode & 0o777) == oct(mode)
 
 
 def test_save_overwrites_atomically(tmp_path, monkeypatch):

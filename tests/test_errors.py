@@ -670,6 +670,18 @@ def test_dtype_names_in_quantization_and_loading(llama_dir):
     assert pm.from_pretrained(llama_dir, dtype="bfloat16").lm_head.weight.dtype == jnp.bfloat16
 
 
+def test_compute_dtype_names_are_listed():
+    import jax.numpy as jnp
+
+    from peftx.adapters import LoraArray
+
+    w, a, b = jnp.ones((4, 3)), jnp.ones((2, 3)), jnp.zeros((4, 2))
+    with as_users_run():
+        with pytest.raises(TypeError, match=r"`compute_dtype` .*got 'bf16'.*Did you mean"):
+            LoraArray(w, a, b, lora_alpha=2, compute_dtype="bf16")
+    assert LoraArray(w, a, b, lora_alpha=2, compute_dtype="bfloat16").compute_dtype == jnp.bfloat16
+
+
 @pytest.mark.parametrize("quantization", [dict(load_in_4bit=True), dict(load_in_8bit=True)])
 @pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
 def test_quantized_model_outside_use_implicit_args(tiny_models, name, quantization):

@@ -13,6 +13,7 @@ from jax import lax
 from jax.typing import ArrayLike
 from jaxtyping import Array, Key, PRNGKeyArray, UInt32
 
+from .._dtypes import float_dtype
 from ..implicit import (
     ImplicitArray,
     Transposed,
@@ -140,15 +141,7 @@ class LoraArray(_AbstractLowRank):
 
 
 def _checked_compute_dtype(dtype: Any) -> Any:
-    if dtype is None:
-        return None
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"compute_dtype must be a floating-point dtype (e.g. jnp.bfloat16) or None for "
-            f"the factors' own dtype, got {dtype}."
-        )
-    return dtype
+    return None if dtype is None else float_dtype(dtype, "compute_dtype")
 
 
 def _check_factors(weight: Any, lora_A: Any, lora_B: Any, lora_dropout: float) -> None:
