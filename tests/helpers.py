@@ -93,6 +93,30 @@ def as_users_run():
         jaxtyping.config.update("jaxtyping_disable", False)
 
 
+def transformers_greedy(base_dir, adapter_dir, prompt, n):
+    """transformers (+ PyTorch PEFT with `adapter_dir`) greedy decoding of `n` tokens after
+    `tokenizer(prompt)`, decoded: the reference for `peftx generate`."""
+    import peft
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir)
+    ids = torch.tensor([tok(prompt)["input_ids"]])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+        )
+    return tok.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
+
+
 def run_cli(capsys, *argv):
     """`peftx.cli.main(argv)` in process: `(exit status, stdout, stderr)`."""
     from peftx.cli import main

@@ -16,7 +16,13 @@ import peft
 import pytest
 import torch
 import transformers
-from helpers import run_cli, tiny_bert_config, tiny_llama_config, word_tokenizer
+from helpers import (
+    run_cli,
+    tiny_bert_config,
+    tiny_llama_config,
+    transformers_greedy,
+    word_tokenizer,
+)
 
 import peftx
 from peftx.cli import _env, main
@@ -190,26 +196,9 @@ def test_merge_missing_adapter(llama, tmp_path, capsys):
 # -- generate -------------------------------------------------------------------------------
 
 
-def _transformers_continuation(llama, prompt, n):
-    tok = transformers.AutoTokenizer.from_pretrained(llama / "base", local_files_only=True)
-    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
-    model = peft.PeftModel.from_pretrained(base, llama / "adapter")
-    ids = torch.tensor([tok(prompt)["input_ids"]])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-    return tok.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
-
-
 def test_generate_greedy_matches_transformers(llama, capsys):
     prompt = "w5 w9 w13 w2"
-    want = _transformers_continuation(llama, prompt, 10)
+    want = transformers_greedy(llama / "base", llama / "adapter", prompt, 10)
     assert want  # the continuation has words
     args = ("generate", llama / "base", prompt, "--adapter", llama / "adapter")
     code, out, _ = run_cli(capsys, *args, "--max-new-tokens", 10)
@@ -222,7 +211,10 @@ def test_generate_greedy_matches_transformers(llama, capsys):
 def test_generate_without_adapter_differs(llama, capsys):
     prompt = "w5 w9 w13 w2"
     code, out, _ = run_cli(capsys, "generate", llama / "base", prompt, "--max-new-tokens", 10)
-    assert code == 0 and out != _transformers_continuation(llama, prompt, 10) + "\n"
+    assert (
+        code == 0
+        and out != transformers_greedy(llama / "base", llama / "adapter", prompt, 10) + "\n"
+    )
 
 
 def test_generate_needs_a_causal_lm(bert, capsys):

@@ -301,6 +301,25 @@ def test_non_finite_numbers_are_refused(bert, tmp_path, capsys, key, value):
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    ("item", "says"),
+    [
+        ("train.steps=1000000000000000000", "train.steps must be at most 2147483647"),
+        ("train.epochs=2147483647", "train.epochs makes 12884901882 steps, more than"),
+        ("train.warmup_steps=-1", "train.warmup_steps must be an integer >= 0"),
+        ("train.seed=1.5", "train.seed must be an integer"),
+        ("data.pack=1", "data.pack must be true or false"),
+    ],
+)
+def test_huge_and_odd_numbers_are_one_line(bert, tmp_path, capsys, item, says):
+    """The repro: train.steps=10**18 was an OverflowError traceback."""
+    out = tmp_path / "run"
+    err, _ = _fails(capsys, 2, "finetune", bert / "job.toml", "--set", f"output.dir={out}",
+                    "--set", item)  # fmt: skip
+    assert says in err
+    assert not out.exists()
+
+
 def test_non_finite_adapter_numbers_are_refused(bert, tmp_path, capsys):
     for key in ("lora_alpha", "lora_dropout"):
         at = f"output.dir={tmp_path / 'run'}"

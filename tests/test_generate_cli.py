@@ -19,7 +19,7 @@ import peft
 import pytest
 import torch
 import transformers
-from helpers import as_users_run, run_cli, tiny_llama_config
+from helpers import as_users_run, run_cli, tiny_llama_config, transformers_greedy
 from jax.experimental.compilation_cache import compilation_cache
 
 import peftx
@@ -93,25 +93,6 @@ def _error(capsys, *argv):
     return err.removeprefix("peftx: error: ").rstrip("\n")
 
 
-def _transformers_greedy(base_dir, adapter_dir, prompt, n):
-    """transformers + PyTorch PEFT greedy decoding of `tokenizer(prompt)`, decoded."""
-    tok = _auto_tokenizer(base_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
-    if adapter_dir is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter_dir)
-    ids = torch.tensor([tok(prompt)["input_ids"]])
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.eos_token_id,
-        )
-    return tok.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
-
-
 # -- the BOS contract -----------------------------------------------------------------------
 
 
@@ -146,7 +127,7 @@ def test_generate_matches_transformers_on_the_tokenizers_ids(llama, kind, capsys
     """Each prompt continues as transformers continues `tokenizer(prompt)`, with the
     adapter (the left padding inside changes no token)."""
     for prompt in PROMPTS:
-        want = _transformers_greedy(llama / kind, llama / "adapter", prompt, 8)
+        want = transformers_greedy(llama / kind, llama / "adapter", prompt, 8)
         args = ("generate", llama / kind, prompt, "--adapter", llama / "adapter")
         code, out, _ = run_cli(capsys, *args, "--max-new-tokens", 8)
         assert code == 0 and out == want + "\n"
@@ -155,8 +136,8 @@ def test_generate_matches_transformers_on_the_tokenizers_ids(llama, kind, capsys
 
 def test_with_and_without_bos_the_continuations_differ(llama):
     """The arms differ: the model sees another sequence (what a user saw as a changed answer)."""
-    a = _transformers_greedy(llama / "bos", None, PROMPTS[1], 8)
-    b = _transformers_greedy(llama / "plain", None, PROMPTS[1], 8)
+    a = transformers_greedy(llama / "bos", None, PROMPTS[1], 8)
+    b = transformers_greedy(llama / "plain", None, PROMPTS[1], 8)
     assert a != b
 
 
@@ -231,8 +212,8 @@ def test_quantize_runs_a_qlora_adapter_over_an_nf4_base(llama, tmp_path, capsys)
     peftx.models.save_pretrained(dense, tmp_path / "dequantized")
     _auto_tokenizer(llama / "bos").save_pretrained(tmp_path / "dequantized")
     prompt = PROMPTS[2]
-    want = _transformers_greedy(tmp_path / "dequantized", llama / "adapter", prompt, 12)
-    assert want != _transformers_greedy(llama / "bos", llama / "adapter", prompt, 12)
+    want = transformers_greedy(tmp_path / "dequantized", llama / "adapter", prompt, 12)
+    assert want != transformers_greedy(llama / "bos", llama / "adapter", prompt, 12)
     args = ("generate", llama / "bos", prompt, "--adapter", llama / "adapter", "--quantize")
     code, out, _ = run_cli(capsys, *args, "--max-new-tokens", 12)
     assert code == 0 and out == want + "\n"

@@ -658,7 +658,8 @@ def test_checkpoints_sort_by_step_past_eight_digits(run, tmp_path):
         train.save_checkpoint(tmp_path, at, frozen, keep=None)
     assert train.latest_checkpoint(tmp_path).name == "checkpoint-100000000"
     # saving the same step again replaces it; stale temporaries of killed saves go away
-    (tmp_path / ".checkpoint-00000005.killed").mkdir()
+    dead = 2**22 + 99  # above the default pid_max: no such process
+    (tmp_path / f".checkpoint-00000005.peftx-new-{dead}-x").mkdir()  # a killed save's
     train.save_checkpoint(tmp_path, at, frozen, keep=1)
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-100000000"]
     with pytest.raises(ValueError, match="keep must be at least 1"):

@@ -605,7 +605,9 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
             if job.multi:
                 print(f"{name}: ", end="")
             peft_model.set_adapter(name).print_trainable_parameters()
-        trained = _train(job, run, state, frozen, peft_model, pairs, labels, total, schedule)
+        trained = _train(
+            job, run, state, frozen, peft_model, pairs, labels, total, (optimizer, schedule)
+        )
         written = _finish(job, run.work, *trained, frozen, tokenizer, labels, pairs)
         run.commit()
     print("wrote\n  " + "\n  ".join(written))
@@ -621,7 +623,7 @@ def _train(
     pairs: list[tuple[dict, dict]],
     labels: Any,
     total: int,
-    schedule: Any,
+    optimizer: tuple[Any, Any],
 ) -> tuple[Any, dict, dict]:
     """Train `state` for the job's steps in `run.work` (from its checkpoints when it
     resumes), logging and evaluating: the trained state and the metrics before and
@@ -634,7 +636,7 @@ def _train(
     out, t = run.work, job.train
     names = [a.name for a in job.adapters]
     batch = t["batch_size"] * t["grad_accumulation"]
-    optimizer = _optimizer(job, total)[0]
+    optimizer, schedule = optimizer
     initial = state.trainable
     loss_fn = train.classification_loss if labels else train.causal_lm_loss
     step_fn = train.make_train_step(loss_fn, optimizer, grad_accumulation=t["grad_accumulation"])

@@ -165,9 +165,8 @@ def open_run(
             print(f"writing the new run to {work}; it replaces {out} when it has succeeded")
         elif plan == "new":
             _clear(out)
-        if plan == "resume":
-            remove_leftovers(work)
-        else:
+        remove_leftovers(work)  # of a killed run's writes
+        if plan != "resume":
             write_text(work / MARKER, json.dumps({"peftx": "fine-tuning run"}) + "\n")
             write_text(work / JOB, json.dumps(job, indent=2))
         yield Run(out, work, resume=plan == "resume")
