@@ -575,7 +575,8 @@ class IA3Config(AbstractAdapterConfig):
     - `feedforward_modules`: the targets whose *input* is scaled (`ia3_l` of shape `(1, in)`)
       rather than their output (`(out, 1)`). When it and `target_modules` are both lists, it
       must be a subset of `target_modules` (PEFT's rule).
-    - `init_ia3_weights`: start the scaling vectors at ones (a no-op). `False` is for tests.
+    - `init_ia3_weights`: start the scaling vectors at ones (a no-op); `False` draws them
+      from a standard normal, as PEFT does (for tests of a non-identity adapter).
     - `layers_to_transform`, `layers_pattern`: as for `LoraConfig`. PEFT's `IA3Config` has no
       such fields: they are written to JSON only when set, and PEFT ignores them (with a
       warning) when loading such a file.

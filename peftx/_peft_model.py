@@ -694,7 +694,7 @@ def _adapter(config: Any, path: str, layer: Any, base: Any, key: PRNGKeyArray) -
     if config.peft_type == "IA3":
         ff = config.feedforward_modules or []
         is_ff = bool(peft_targets(ff)(path, layer)) if ff else False
-        return ia3(base, feedforward=is_ff)
+        return ia3(base, feedforward=is_ff, key=None if config.init_ia3_weights else key)
     r, alpha = rank_and_alpha(config, layer_paths(path)[0])
     init = {True: "default", False: "random"}.get(
         config.init_lora_weights, config.init_lora_weights

@@ -209,3 +209,51 @@ def test_astype_casts_the_base_and_keeps_the_scale(getkey):
     np.testing.assert_allclose(
         got.astype(jnp.float32), want.astype(jnp.float32), rtol=2e-2, atol=2e-2
     )
+
+
+class _MLP(eqx.Module):
+    up_proj: eqx.nn.Linear
+    down_proj: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.up_proj = eqx.nn.Linear(48, 256, key=k1)
+        self.down_proj = eqx.nn.Linear(256, 48, key=k2)
+
+
+def test_init_ia3_weights_false_draws_standard_normal_scales(getkey):
+    """The fix: `init_ia3_weights=False` was accepted, saved and never read (the scales
+    always started at ones); PEFT draws them from `torch.randn`, a standard normal."""
+    targets = dict(target_modules=["up_proj", "down_proj"], feedforward_modules=["down_proj"])
+    ones = peftx.get_peft_model(_MLP(getkey()), peftx.IA3Config(**targets), key=getkey())
+    drawn = peftx.get_peft_model(
+        _MLP(getkey()), peftx.IA3Config(init_ia3_weights=False, **targets), key=getkey()
+    )
+    for model in (ones, drawn):
+        assert model.base_model.up_proj.weight.adapters["default"].ia3_l.shape == (256, 1)
+        assert model.base_model.down_proj.weight.adapters["default"].ia3_l.shape == (
+            1,
+            256,
+        )  # feed-forward
+    assert all(
+        bool((a.weight.adapters["default"].ia3_l == 1).all())
+        for a in (ones.base_model.up_proj, ones.base_model.down_proj)
+    )
+    up, down = (
+        np.asarray(m.weight.adapters["default"].ia3_l).ravel()
+        for m in (drawn.base_model.up_proj, drawn.base_model.down_proj)
+    )
+    assert not np.array_equal(up, down)  # each layer its own draw
+    values = np.concatenate([up, down])  # 512 draws: mean 0 and std 1 within 5 standard errors
+    assert abs(values.mean()) < 5 / np.sqrt(512) and abs(values.std() - 1) < 5 / np.sqrt(2 * 512)
+    # the reference: PEFT's own layer with the same flag
+    import peft
+
+    torch_model = torch.nn.Sequential()
+    torch_model.add_module("up_proj", torch.nn.Linear(48, 256))
+    config = peft.IA3Config(
+        init_ia3_weights=False, target_modules=["up_proj"], feedforward_modules=[]
+    )
+    torch.manual_seed(0)
+    scales = peft.get_peft_model(torch_model, config).base_model.model.up_proj.ia3_l["default"]
+    assert tuple(scales.shape) == (256, 1) and not bool((scales == 1).all())

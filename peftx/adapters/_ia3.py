@@ -4,7 +4,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array
+from jaxtyping import Array, PRNGKeyArray
 
 from ..implicit import ImplicitArray, Transposed, materialize, primitive_handler
 from ._layout import WeightProduct, weight_dot_handlers
@@ -49,8 +49,15 @@ class IA3Array(ImplicitArray):
         return w * self.ia3_l.astype(w.dtype)
 
 
-def ia3(weight: Any, *, feedforward: bool = False, dtype: Any = jnp.float32) -> IA3Array:
-    """Wrap `weight` in an `IA3Array` initialized to ones, so the output is unchanged.
+def ia3(
+    weight: Any,
+    *,
+    feedforward: bool = False,
+    dtype: Any = jnp.float32,
+    key: PRNGKeyArray | None = None,
+) -> IA3Array:
+    """Wrap `weight` in an `IA3Array` initialized to ones, so the output is unchanged; with
+    a `key`, to standard normal values instead (PEFT's `init_ia3_weights=False`).
 
     **Arguments:**
 
@@ -58,9 +65,13 @@ def ia3(weight: Any, *, feedforward: bool = False, dtype: Any = jnp.float32) -> 
     - `feedforward`: scale the input features (`(1, in)`) instead of the outputs
       (`(out, 1)`), as PEFT does for `feedforward_modules`.
     - `dtype`: dtype of `ia3_l`.
+    - `key`: draws a random `ia3_l` (for tests of a non-identity adapter, as in PEFT).
     """
     out, in_ = weight.shape[-2:]
-    return IA3Array(weight, jnp.ones((1, in_) if feedforward else (out, 1), dtype))
+    shape = (1, in_) if feedforward else (out, 1)
+    if key is None:
+        return IA3Array(weight, jnp.ones(shape, dtype))
+    return IA3Array(weight, jax.random.normal(key, shape, dtype))
 
 
 def _ia3_dot(w: IA3Array, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
