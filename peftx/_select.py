@@ -16,6 +16,7 @@ import jax
 import jax.tree_util as jtu
 
 from ._errors import TargetNotFoundError
+from ._spans import INDEX_OR_SPAN
 from .implicit import is_implicit
 
 
@@ -65,7 +66,7 @@ def path_regex(pattern: str) -> Predicate:
 
 
 def _layer_match(path: str, layers_pattern: str | Sequence[str] | None) -> re.Match | None:
-    span = r"(?P<idx>\d+)(?:-(?P<last>\d+))?\."
+    span = INDEX_OR_SPAN + r"\."
     if not layers_pattern:
         return re.match(r".*?\.[^.]*\." + span, path)
     patterns = [layers_pattern] if isinstance(layers_pattern, str) else layers_pattern

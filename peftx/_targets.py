@@ -23,7 +23,8 @@ from ._select import (
     select,
     suggest_names,
 )
-from .models._stack import LayerStack, parse_span, split_stack
+from ._spans import find_span, parse_span
+from .models._stack import LayerStack, split_stack
 
 # PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
 # architectures peftx users load; tests compare them with PEFT's own tables.
@@ -217,12 +218,11 @@ def _caller_level() -> int:
 def layer_paths(path: str) -> list[str]:
     """The per-layer paths a path stands for: `layers.0-2.mlp` is `layers.0.mlp`,
     `layers.1.mlp` and `layers.2.mlp`; any other path is itself."""
-    parts = path.split(".")
-    for j, part in enumerate(parts):
-        if (span := parse_span(part)) is not None:
-            first, last = span
-            return [".".join([*parts[:j], str(i), *parts[j + 1 :]]) for i in range(first, last + 1)]
-    return [path]
+    found = find_span(path)
+    if found is None:
+        return [path]
+    parts, j, (first, last) = found
+    return [".".join([*parts[:j], str(i), *parts[j + 1 :]]) for i in range(first, last + 1)]
 
 
 def per_layer(predicate: Predicate) -> Predicate:

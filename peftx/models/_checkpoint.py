@@ -33,7 +33,8 @@ from .._dtypes import float_dtype
 from .._errors import CheckpointError, ConfigFileError
 from .._files import replaced_directory
 from .._select import dotted
-from ._stack import LayerStack, Layout, parse_span
+from .._spans import find_span
+from ._stack import LayerStack, Layout
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -381,14 +382,13 @@ def _leaves(skeleton: Any) -> tuple[list[_Leaf], Any]:
     leaves = []
     for keypath, leaf in flat:
         path = dotted(keypath)
-        parts = path.split(".")
-        span = None
-        for j, part in enumerate(parts):
-            if (s := parse_span(part)) is not None:
-                span = s
-                parts[j] = "{i}"
-                break
-        leaves.append(_Leaf(path, tuple(leaf.shape), leaf.dtype, ".".join(parts), span))
+        found = find_span(path)
+        if found is None:
+            template, span = path, None
+        else:
+            parts, j, span = found
+            template = ".".join([*parts[:j], "{i}", *parts[j + 1 :]])
+        leaves.append(_Leaf(path, tuple(leaf.shape), leaf.dtype, template, span))
     return leaves, treedef
 
 

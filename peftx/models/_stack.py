@@ -11,7 +11,6 @@ of them only: each segment is scanned in turn.
 
 import dataclasses
 import math
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -22,22 +21,10 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import PRNGKeyArray
 
+from .._spans import parse_span, span_name
 from ..implicit import Slot
 
 Layout = Literal["stacked", "unrolled"]
-
-_SPAN = re.compile(r"(\d+)-(\d+)")
-
-
-def span_name(first: int, last: int) -> str:
-    """The name of a segment holding layers `first..last` (inclusive)."""
-    return f"{first}-{last}"
-
-
-def parse_span(name: str) -> tuple[int, int] | None:
-    """`(first, last)` for a segment name such as `"0-11"`, else None."""
-    match = _SPAN.fullmatch(name)
-    return None if match is None else (int(match.group(1)), int(match.group(2)))
 
 
 @jtu.register_pytree_with_keys_class
