@@ -655,17 +655,15 @@ def save_pretrained(
     kept; weight files of an earlier save are not (as transformers does), so the
     directory holds one checkpoint.
     """
-    from .._peft_model import PeftModel
     from ..implicit import is_implicit
 
-    if isinstance(model, PeftModel):
-        raise TypeError(
-            "save_pretrained takes a zoo model; a PeftModel carries adapters. Merge them "
-            "(`peft_model.merge_and_unload()`) to save a full model."
-        )
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_hf_config"):
-        raise TypeError(f"save_pretrained takes a peftx.models model, got {type(model).__name__}.")
+        raise TypeError(
+            f"save_pretrained takes a peftx.models model, got {type(model).__name__}. A "
+            "PeftModel carries adapters: merge them (`peft_model.merge_and_unload()`) to save "
+            "a full model."
+        )
     if any(is_implicit(x) for x in jax.tree.leaves(model, is_leaf=is_implicit)):
         raise TypeError(
             "the model holds implicit arrays (adapters or quantized weights); merge or "
