@@ -197,10 +197,11 @@ def swap_in(new: Path, target: Path, *, drop: Callable[[Path], bool] = lambda p:
 def _follow_umask(directory: Path) -> None:
     """Give `directory` and everything in it the modes the umask gives new files (writers
     such as `mkdtemp` and safetensors make them private)."""
-    os.chmod(directory, dir_mode())
+    folders, files = dir_mode(), file_mode()  # the umask read once, not per file
+    os.chmod(directory, folders)
     for p in directory.rglob("*"):
         if not p.is_symlink():
-            os.chmod(p, dir_mode() if p.is_dir() else file_mode())
+            os.chmod(p, folders if p.is_dir() else files)
 
 
 @contextlib.contextmanager
