@@ -1,0 +1,91 @@
+"""What every weight kind declares on its class: how its arrays follow the axes of the
+weight it stands for, and, for an adapter, what it trains, how PEFT names it on disk and
+what dense weight it merges to. The PEFT layer (saving, loading, `partition`, counting,
+merging) and sharding read these declarations; no table outside the class lists them."""
+
+import abc
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import equinox as eqx
+import jax
+from jaxtyping import Array
+
+from ..implicit import ImplicitArray, materialize
+
+
+class AbstractWeight(ImplicitArray):
+    """An implicit array that stands for a weight (a layer's kernel or table).
+
+    `weight_axes` maps each array field to the axis of the represented weight that each of
+    the field's own axes runs along, or `None` for an axis of its own (a LoRA rank). Axes
+    are counted after any leading stacking axes (layers stacked by `eqx.filter_vmap`),
+    which every field shares; a field's axes beyond those listed, and any of length 1,
+    follow nothing. A field that flattens the weight row-major (NF4's packed codes) lists
+    axis 0: its one axis splits as the weight's rows do. Sharding places each field by
+    this map, so a new kind declares it once here.
+    """
+
+    weight_axes: eqx.AbstractClassVar[Mapping[str, tuple[int | None, ...]]]
+
+    def num_parameters(self) -> int:
+        """Its parameters as PEFT counts them (`print_trainable_parameters`): by default
+        the floating arrays of its fields, an inner weight by its own count."""
+        leaves = jax.tree.leaves(
+            [getattr(self, f.name) for f in dataclasses.fields(self)], is_leaf=_is_weight
+        )
+        return sum(_parameters(x) for x in leaves)
+
+
+class AbstractAdapter(AbstractWeight):
+    """An adapter: a base `weight` (dense or implicit) and trained arrays on top of it.
+
+    Subclasses declare
+
+    - `peft_keys`: each trained field and PEFT's name for its tensor after the module path
+      (`"lora_A" -> "lora_A.weight"`); the fields `partition` trains and `save_pretrained`
+      writes, in this order;
+    - `file_transposed`: the trained fields PEFT stores transposed relative to ours (none
+      of the kinds here: their layouts are PEFT's);
+    - `weight_axes` (see `AbstractWeight`);
+
+    and implement `merged(weight)`, the dense weight the adapter stands for on a dense
+    base `weight`: `materialize()` and `merge` use it, so the dense update is declared in
+    one place.
+    """
+
+    weight: eqx.AbstractVar[Any]
+    peft_keys: eqx.AbstractClassVar[Mapping[str, str]]
+    file_transposed: ClassVar[frozenset[str]] = frozenset()
+
+    @abc.abstractmethod
+    def merged(self, weight: Array) -> Array:
+        """The dense weight this adapter stands for, on the dense base `weight`."""
+
+    def materialize(self) -> Array:
+        return self.merged(materialize(self.weight))
+
+    def num_parameters(self) -> int:
+        """The trained fields' sizes and the base weight's count (kept statistics, such
+        as DoRA's base norms, are not parameters; PEFT has no such tensors)."""
+        trained = [getattr(self, name) for name in self.peft_keys]
+        return sum(_parameters(x) for x in [*trained, self.weight])
+
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
+
+
+def _is_weight(x: Any) -> bool:
+    return isinstance(x, AbstractWeight)
+
+
+def _parameters(x: Any) -> int:
+    if isinstance(x, AbstractWeight):
+        return x.num_parameters()
+    return x.size if eqx.is_inexact_array(x) else 0
+
+
+def trained_fields(adapter: AbstractAdapter) -> tuple[str, ...]:
+    """The fields of `adapter` that train, as its class declares them."""
+    return tuple(type(adapter).peft_keys)
