@@ -11,14 +11,8 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ..implicit import ImplicitArray, materialize, primitive_handler
 from ._layout import weight_dot_handlers
-from ._lora import (
-    LoraArray,
-    LoraInit,
-    _check_rank,
-    _lora_dot,
-    _lora_update,
-    cast_base_on_astype,
-)
+from ._lora import LoraArray, LoraInit, _lora_dot, _lora_update
+from ._products import cast_base_on_astype, check_rank
 
 
 class LoraEmbeddingArray(ImplicitArray):
@@ -78,7 +72,7 @@ class LoraEmbeddingArray(ImplicitArray):
                 f"{want_a} and lora_embedding_B {want_b} for rank r={r}, got lora_embedding_A "
                 f"{tuple(a.shape)} and lora_embedding_B {tuple(b.shape)}."
             )
-        _check_rank(r, shape, "an embedding table")
+        check_rank(r, shape, "an embedding table")
         for name, factor in (("lora_embedding_A", a), ("lora_embedding_B", b)):
             if not jnp.issubdtype(factor.dtype, jnp.floating):
                 raise TypeError(f"{name} must be a floating-point array, got dtype {factor.dtype}.")
@@ -224,7 +218,7 @@ def lora_embedding(
             "LoRA for embeddings needs a table of shape (num_embeddings, embedding_dim), "
             f"got shape {shape}."
         )
-    _check_rank(r, shape, "an embedding table")
+    check_rank(r, shape, "an embedding table")
     num, dim = shape
     a_key, b_key = jax.random.split(key)
     if init in ("default", "gaussian"):

@@ -8,7 +8,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ..implicit import ImplicitArray, Transposed, materialize, primitive_handler
 from ._layout import WeightProduct, weight_dot_handlers
-from ._lora import _rescale, cast_base_on_astype, wider_dtype
+from ._products import cast_base_on_astype, rescale, wider_dtype
 
 
 class IA3Array(ImplicitArray):
@@ -81,10 +81,10 @@ def _ia3_dot(w: IA3Array, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> A
     l_vec = w.ia3_l.reshape(*w.ia3_l.shape[:-2], -1)
     if scaled in p.x:
         # the scaled axis meets x: (W ⊙ l)·x == W·(l ⊙ x)
-        x = _rescale(x, p.along(l_vec, (*stack, scaled), p.x))
+        x = rescale(x, p.along(l_vec, (*stack, scaled), p.x))
         return p.arrange(*p.contract(x, p.x, w.weight, p.w))
     y = p.arrange(*p.contract(x, p.x, w.weight, p.w))
-    return _rescale(y, p.along(l_vec, (*stack, scaled), p.out))
+    return rescale(y, p.along(l_vec, (*stack, scaled), p.out))
 
 
 def _ia3_update(w: IA3Array, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array) -> Any:
@@ -94,7 +94,7 @@ def _ia3_update(w: IA3Array, x: Array, w_is_lhs: bool, params: dict[str, Any], b
     stack, scaled = p.w[:n], p.w[n + 1] if w.is_feedforward else p.w[n]
     l_minus_1 = w.ia3_l.reshape(*w.ia3_l.shape[:-2], -1) - 1
     if scaled in p.x:
-        x = _rescale(x, p.along(l_minus_1, (*stack, scaled), p.x))
+        x = rescale(x, p.along(l_minus_1, (*stack, scaled), p.x))
         return p.arrange(*p.contract(x, p.x, w.weight, p.w))
     wide = wider_dtype(base.dtype, l_minus_1.dtype)
     return base.astype(wide) * p.along(l_minus_1.astype(wide), (*stack, scaled), p.out)

@@ -1,17 +1,14 @@
 """LoRA and DoRA: `W + s·B·A` as implicit arrays, with HF PEFT's names, shapes and inits."""
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.typing import ArrayLike
-from jaxtyping import Array, Key, PRNGKeyArray, UInt32
+from jaxtyping import Array, PRNGKeyArray
 
 from .._dtypes import float_dtype
 from ..implicit import (
@@ -24,11 +21,19 @@ from ..implicit import (
     use_implicit_args,
 )
 from ._layout import Labels, WeightProduct, weight_dot_handlers
+from ._products import (
+    LayerKeys,
+    add_update,
+    branch_dtype,
+    cast_base_on_astype,
+    check_rank,
+    dropout,
+    fused_low_rank,
+    low_rank,
+    rescale,
+)
 
 LoraInit = Literal["default", "gaussian", "pissa", "random"]
-
-# A stacked adapter's dropout keys: one per layer (a single key when it is not stacked).
-_LayerKeys = Key[Array, "*layers"] | UInt32[Array, "*layers 2"] | UInt32[Array, "*layers 4"]
 
 
 class _AbstractLowRank(ImplicitArray):
@@ -37,7 +42,7 @@ class _AbstractLowRank(ImplicitArray):
     weight: Any
     lora_A: Array
     lora_B: Array
-    dropout_key: _LayerKeys | None
+    dropout_key: LayerKeys | None
     lora_alpha: float = eqx.field(static=True)
     use_rslora: bool = eqx.field(static=True)
     lora_dropout: float = eqx.field(static=True)
@@ -73,7 +78,7 @@ def _init_low_rank(
     lora_alpha: float | int,
     use_rslora: bool,
     lora_dropout: float | int,
-    dropout_key: _LayerKeys | None,
+    dropout_key: LayerKeys | None,
     compute_dtype: Any,
 ) -> None:
     _check_factors(weight, lora_A, lora_B, lora_dropout)
@@ -120,7 +125,7 @@ class LoraArray(_AbstractLowRank):
         lora_alpha: float | int,
         use_rslora: bool = False,
         lora_dropout: float | int = 0.0,
-        dropout_key: _LayerKeys | None = None,
+        dropout_key: LayerKeys | None = None,
         compute_dtype: Any = None,
     ):
         _init_low_rank(
@@ -157,7 +162,7 @@ def _check_factors(weight: Any, lora_A: Any, lora_B: Any, lora_dropout: float) -
             f"{want_b} for rank r={r}, got lora_A {tuple(lora_A.shape)} and lora_B "
             f"{tuple(lora_B.shape)}."
         )
-    _check_rank(r, shape)
+    check_rank(r, shape)
     for name, factor in (("lora_A", lora_A), ("lora_B", lora_B)):
         if not jnp.issubdtype(factor.dtype, jnp.floating):
             raise TypeError(f"{name} must be a floating-point array, got dtype {factor.dtype}.")
@@ -169,13 +174,6 @@ def _check_factors(weight: Any, lora_A: Any, lora_B: Any, lora_dropout: float) -
         raise ValueError(f"lora_dropout must be in [0, 1), got {lora_dropout}.")
 
 
-def _check_rank(r: int, shape: tuple[int, ...], what: str = "a weight") -> None:
-    # A rank above min(out, in) is wasteful but valid (PEFT allows it; "cat" combinations
-    # of adapters reach it).
-    if r < 1:
-        raise ValueError(f"LoRA rank r={r} for {what} of shape {shape} must be at least 1.")
-
-
 def _product(b: Array, a: Array, stack_ndim: int) -> Array:
     """`b @ a` for factors shaped like a weight (conv kernels flattened and restored)."""
     s = stack_ndim
@@ -184,45 +182,6 @@ def _product(b: Array, a: Array, stack_ndim: int) -> Array:
     flat_a = a.reshape(*a.shape[: s + 1], -1)
     out = jnp.matmul(flat_b, flat_a)
     return out.reshape(*b.shape[: s + 1], *a.shape[s + 1 :])
-
-
-def _dropout(
-    x: Array,
-    rate: float,
-    key: _LayerKeys | None,
-    x_labels: Labels = (),
-    key_labels: Labels = (),
-) -> Array:
-    """Inverted dropout: `x` with entries zeroed with probability `rate` and the others
-    scaled by `1/(1 - rate)`; `x` itself without a key. A stacked adapter holds one key per
-    layer, labelled `key_labels` (its weight's layer axes); each layer's slice of `x`
-    (labelled `x_labels`) takes its mask from its own key, as under `lax.scan`."""
-    if rate == 0.0 or key is None:
-        return x
-    key_shape = jax.random.key_data(key).shape[:-1]
-    if any(lab not in x_labels for lab in key_labels):
-        raise ValueError(
-            f"dropout on a stack of adapters (keys of shape {key_shape}) needs the "
-            f"input batched along the layers too, but this product's input {tuple(x.shape)} "
-            "is shared by all layers. Batch the input along the layers, run the layers with "
-            "`jax.lax.scan`, or drop the keys with `without_dropout`."
-        )
-    axes = tuple(x_labels.index(lab) for lab in key_labels)
-    if key_shape != tuple(x.shape[a] for a in axes):
-        raise ValueError(
-            f"an adapter stacked over layer axes {tuple(x.shape[a] for a in axes)} needs one "
-            f"dropout key per layer, got keys of shape {key_shape}; set them with `with_dropout`."
-        )
-    lead = tuple(range(len(axes)))
-    rest = jnp.moveaxis(x, axes, lead).shape[len(axes) :]
-
-    def draw(k: PRNGKeyArray) -> Array:
-        return jax.random.bernoulli(k, 1.0 - rate, rest)
-
-    for _ in axes:
-        draw = jax.vmap(draw)
-    keep = jnp.moveaxis(draw(key), lead, axes)
-    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
 # --------------------------------------------------------------------------------------
@@ -247,33 +206,13 @@ def _lora_terms(
         return None
     if base is None:
         base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
-    x_d = _dropout(x, w.lora_dropout, w.dropout_key, p.x, p.w[: w.stack_ndim])
+    x_d = dropout(x, w.lora_dropout, w.dropout_key, p.x, p.w[: w.stack_ndim])
     base_d = base if x_d is x else p.arrange(*p.contract(x_d, p.x, w.weight, p.w))
     dtype = branch_dtype(w)
     first, second = order(w.lora_A.astype(dtype), w.lora_B.astype(dtype))
     scale = jnp.asarray(w.scaling, dtype)
-    delta = _low_rank(p, *order(*_factor_labels(w, p)), ())(x_d.astype(dtype), first, second, scale)
+    delta = low_rank(p, *order(*_factor_labels(w, p)), ())(x_d.astype(dtype), first, second, scale)
     return base, base_d, delta
-
-
-def branch_dtype(w: Any) -> Any:
-    """The dtype an adapter's branch computes in: its `compute_dtype`, else the dtype of
-    its parameters (PEFT casts the input to `lora_A`'s dtype)."""
-    return w.lora_A.dtype if w.compute_dtype is None else w.compute_dtype
-
-
-def add_update(base: Array, update: Array) -> Array:
-    """`base + update` in the wider of their dtypes, rounded once to `base`'s dtype (as
-    PEFT adds a float32 adapter's output to a bfloat16 base output)."""
-    wide = wider_dtype(base.dtype, update.dtype)
-    return (base.astype(wide) + update.astype(wide)).astype(base.dtype)
-
-
-def wider_dtype(*dtypes: Any) -> Any:
-    """The dtype JAX's standard promotion gives (bfloat16 and float32 make float32), also
-    under `jax_numpy_dtype_promotion="strict"`, where such mixing is deliberate here."""
-    with jax.numpy_dtype_promotion("standard"):
-        return jnp.result_type(*dtypes)
 
 
 def _factor_labels(w: _AbstractLowRank, p: WeightProduct) -> tuple[Labels, Labels]:
@@ -333,135 +272,8 @@ def _mixed_lora_update(
     )
     scale_labels = ("r",) if gate.ndim == 1 else (p.x[0], "r")
     first, second = order(a, b)
-    return _low_rank(p, *order(*_factor_labels(w0, p)), scale_labels)(
+    return low_rank(p, *order(*_factor_labels(w0, p)), scale_labels)(
         x.astype(dtype), first, second, scale
-    )
-
-
-def _low_rank(
-    p: WeightProduct, first_labels: Labels, second_labels: Labels, scale_labels: Labels
-) -> Any:
-    """`f(x, first, second, scale) = second·(scale ⊙ first·x)` in `p.out` order, in the
-    operands' dtype (the adapter branch's compute dtype; the base product's
-    `preferred_element_type` is not inherited). `scale` (labelled `scale_labels`, a
-    subset of the intermediate's labels: `()` for LoRA's scaling, `("r",)` or
-    `(batch, "r")` for gated mixtures) multiplies the small `(tokens, r)` intermediate.
-
-    A `custom_jvp` whose tangent rule is written token-major, so forward mode (`jvp`,
-    `jacfwd`, `linearize`, `hessian`) works and reverse mode is JAX's transpose of that
-    rule. Each product keeps the small `(tokens, r)` arrays and the factors on the left
-    of the activation-sized ones, so that the transposed products take the cotangent and
-    `x` in their token-major layout; terms whose tangent is a symbolic zero (a frozen
-    input, the constant scaling) are never built.
-    """
-    q = dataclasses.replace(p, preferred_element_type=None)
-    t_labels = _result_labels(q, q.x, first_labels)
-
-    def into(target: Labels, a: Array, la: Labels, b: Array, lb: Labels) -> Array:
-        r = dataclasses.replace(q, out=target)
-        return r.arrange(*r.contract(a, la, b, lb))
-
-    def scaled(t: Array, scale: ArrayLike) -> Array:
-        # a constant scale may arrive as a NumPy literal (e.g. inside `lax.scan`)
-        return t * q.along(jnp.asarray(scale, t.dtype), scale_labels, t_labels)
-
-    def out_of(t: Array, second: Array) -> Array:
-        return q.arrange(*q.contract(t, t_labels, second, second_labels))
-
-    @jax.custom_jvp
-    def low_rank(x: Array, first: Array, second: Array, scale: ArrayLike) -> Array:
-        return out_of(scaled(into(t_labels, x, q.x, first, first_labels), scale), second)
-
-    def low_rank_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
-        x, first, second, scale = primals
-        dx, dfirst, dsecond, dscale = (None if _is_zero(t) else t for t in tangents)
-        u = into(t_labels, x, q.x, first, first_labels)
-        t = scaled(u, scale)
-        out = out_of(t, second)
-        du = _total(
-            dx is not None and into(t_labels, dx, q.x, first, first_labels),
-            dfirst is not None and into(t_labels, x, q.x, dfirst, first_labels),
-        )
-        dt = _total(du is not None and scaled(du, scale), dscale is not None and scaled(u, dscale))
-        rest = None if dt is None else out_of(dt, second)
-        if dsecond is None:
-            d_out = rest
-        elif rest is None:
-            d_out = out_of(t, dsecond)
-        else:
-            d_out = plus_second_term(t, dsecond, rest)
-        return out, jnp.zeros_like(out) if d_out is None else d_out
-
-    def plus_second_term(t: Array, dsecond: Array, rest: Array) -> Array:
-        return _plus_linear_term(
-            lambda d: out_of(t, d),
-            lambda g: _factor_gradient(
-                dataclasses.replace(q, out=second_labels), t, t_labels, g, q.out
-            ),
-            dsecond,
-            rest,
-        )
-
-    low_rank.defjvp(low_rank_jvp, symbolic_zeros=True)
-    return low_rank
-
-
-def _plus_linear_term(
-    term: Callable[[Array], Array], transposed: Callable[[Array], Array], d: Array, rest: Array
-) -> Array:
-    """`rest + term(d)` for a linear `term(d) = t·dᵀ`, whose transpose is `transposed(g)
-    = tᵀ·g`, with `t` on the left.
-
-    JAX transposes a product with the cotangent `g` on the left, which for this term means
-    contracting `g` over the tokens, its major axes: on CPU, XLA copies `g` transposed
-    (activation-sized) for every adapted product. Written as the invertible linear map
-    `S(d, y) = (d, y + term(d))` through `custom_linear_solve`, the transpose is ours,
-    `Sᵀ(p, q) = (p + transposed(q), q)`. `S`'s inverse is the `matvec`, so the solve's own
-    derivative rules (for forward mode over this tangent, e.g. Hessians) are exact.
-    """
-
-    def matvec(b: tuple[Array, Array]) -> tuple[Array, Array]:
-        d, y = b
-        return d, y - term(d)
-
-    def solve(_: Any, b: tuple[Array, Array]) -> tuple[Array, Array]:
-        d, y = b
-        return d, y + term(d)
-
-    def transpose_solve(_: Any, c: tuple[Array, Array]) -> tuple[Array, Array]:
-        p, q = c
-        return p + transposed(q), q
-
-    return lax.custom_linear_solve(matvec, (d, rest), solve, transpose_solve)[1]
-
-
-def _factor_gradient(p: WeightProduct, t: Array, lt: Labels, g: Array, lg: Labels) -> Array:
-    """A factor's gradient `tᵀ·g`, a product over the tokens, in `p.out`'s order. The
-    product's own result has `r` (from `t`) as its major axis and is written so before any
-    transpose (this one, or a lazily transposed weight's): left to itself, XLA on CPU
-    folds the transpose into the product, which then writes `(out, r)` in a layout that
-    runs 2-4x slower than `(r, out)`."""
-    y, labels = p.contract(t, lt, g, lg)
-    return p.arrange(lax.optimization_barrier(y), labels)
-
-
-def _is_zero(t: Any) -> bool:
-    return isinstance(t, jax.custom_derivatives.SymbolicZero)
-
-
-def _total(*terms: Any) -> Array | None:
-    """The sum of the terms that are arrays (`False` marks an absent term); None if none."""
-    present = [t for t in terms if t is not False]
-    return None if not present else functools.reduce(jnp.add, present)
-
-
-def _result_labels(p: WeightProduct, la: Labels, lb: Labels) -> Labels:
-    """The labels of `p.contract(a, la, b, lb)`: batch, then `a`'s free, then `b`'s free."""
-    shared = [lab for lab in la if lab in lb]
-    return (
-        *(lab for lab in shared if lab in p.out),
-        *(lab for lab in la if lab not in shared),
-        *(lab for lab in lb if lab not in shared),
     )
 
 
@@ -513,72 +325,12 @@ def _fused_lora_dot(
     if tokens * outer_vmap_size(x) // outer_vmap_size(weight) < w.shape[meet]:
         return None
     x = jnp.asarray(x)
-    x_d = _dropout(x, w.lora_dropout, w.dropout_key, p.x, ())
+    x_d = dropout(x, w.lora_dropout, w.dropout_key, p.x, ())
     first, second = order(w.lora_A, w.lora_B)
     if perm == (1, 0):  # W's own frame: its labels, met axis and factors transposed back
         p, meet, first, second = dataclasses.replace(p, w=p.w[::-1]), 1 - meet, first.T, second.T
     scale = jnp.asarray(w.scaling, dtype)
-    return _fused_low_rank(p, meet)(x, x_d, weight, first, second, scale)
-
-
-def _fused_low_rank(p: WeightProduct, meet: int) -> Any:
-    """`f(x, x_d, W, first, second, scale)` for `_fused_lora_dot`, where `x` meets axis
-    `meet` of `W`. `second` is laid out like `W` with `r` in place of that axis (`B` when
-    `x` meets `W`'s input axis, `A` when its output axis), so it extends `W` along it."""
-    meet_l = p.w[meet]
-    first_labels = ("r", meet_l) if meet == 1 else (meet_l, "r")
-    axis_x = p.x.index(meet_l)
-
-    def rank_part(x_d: Array, first: Array) -> Array:
-        """`first·x_d` with `x`'s axes, `r` in place of the met axis."""
-        u, labels = p.contract(x_d, p.x, first, first_labels)
-        return jnp.transpose(u, [labels.index("r" if lab == meet_l else lab) for lab in p.x])
-
-    def times(xs: Array, ws: Array) -> Array:
-        return p.arrange(*p.contract(xs, p.x, ws, p.w))
-
-    def second_cotangent(t: Array, g: Array) -> Array:
-        """`tᵀ·g` over the tokens, laid out like `second`."""
-        into = dataclasses.replace(p, out=p.w, preferred_element_type=None)
-        return _factor_gradient(into, t, p.x, g, p.out)
-
-    def cat(x: Array, t: Array, w: Array, second: Array) -> tuple[Array, Array]:
-        return jnp.concatenate([x, t], axis=axis_x), jnp.concatenate([w, second], axis=meet)
-
-    @jax.custom_jvp
-    def fused(x: Array, x_d: Array, w: Array, first: Array, second: Array, scale: Array):
-        return times(*cat(x, scale * rank_part(x_d, first), w, second))
-
-    def fused_jvp(primals: tuple, tangents: tuple) -> tuple[Array, Array]:
-        x, x_d, w, first, second, scale = primals
-        dx, dx_d, dw, dfirst, dsecond, dscale = (None if _is_zero(t) else t for t in tangents)
-        u = rank_part(x_d, first)
-        t = scale * u
-        out = times(*cat(x, t, w, second))
-        du = _total(
-            dx_d is not None and rank_part(dx_d, first),
-            dfirst is not None and rank_part(x_d, dfirst),
-        )
-        dt = _total(du is not None and scale * du, dscale is not None and dscale * u)
-        d_out = _total(
-            # transposed, one GEMM gives the cotangent's products with W and with second
-            dx is not None and dt is not None and times(*cat(dx, dt, w, second)),
-            dx is not None and dt is None and times(dx, w),
-            dx is None and dt is not None and times(dt, second),
-            dw is not None and times(x, dw),
-        )
-        if dsecond is not None:
-            d_out = (
-                times(t, dsecond)
-                if d_out is None
-                else _plus_linear_term(
-                    lambda d: times(t, d), lambda g: second_cotangent(t, g), dsecond, d_out
-                )
-            )
-        return out, jnp.zeros_like(out) if d_out is None else d_out
-
-    fused.defjvp(fused_jvp, symbolic_zeros=True)
-    return fused
+    return fused_low_rank(p, meet)(x, x_d, weight, first, second, scale)
 
 
 def _lora_update(
@@ -602,7 +354,7 @@ def _lora_conv(primitive: Any, x: jax.Array, w: LoraArray, **params: Any) -> Any
     base = primitive.bind(x, w.weight, **params)
     adapter_params = {**params, "preferred_element_type": None}
     dtype = branch_dtype(w)
-    x_d = _dropout(x, w.lora_dropout, w.dropout_key).astype(dtype)
+    x_d = dropout(x, w.lora_dropout, w.dropout_key).astype(dtype)
     t = primitive.bind(x_d, w.lora_A.astype(dtype), **adapter_params)
     _, rhs_spec, out_spec = params["dimension_numbers"]
     n = w.kernel_ndim
@@ -634,19 +386,6 @@ def _lora_transpose(primitive: Any, w: LoraArray, *, permutation: tuple[int, ...
             jnp.swapaxes(w.lora_A, -1, -2),
         ),
     )
-
-
-def cast_base_on_astype(cls: type) -> None:
-    """Register `astype` to a floating dtype for adapters of class `cls`: the base weight
-    is cast and the adapter's own parameters keep their dtype (PEFT keeps them float32)."""
-
-    def astype(primitive: Any, w: cls, **params: Any) -> Any:  # type: ignore[valid-type]
-        if not jnp.issubdtype(params["new_dtype"], jnp.floating):
-            return NotImplemented
-        return eqx.tree_at(lambda m: m.weight, w, primitive.bind(w.weight, **params))
-
-    astype.__qualname__ = f"astype[{cls.__name__}]"
-    primitive_handler("convert_element_type")(astype)
 
 
 cast_base_on_astype(_AbstractLowRank)
@@ -689,7 +428,7 @@ def lora(
     shape = tuple(weight.shape)
     if len(shape) < 2:
         raise ValueError(f"LoRA needs a weight of 2 or more dimensions, got shape {shape}.")
-    _check_rank(r, shape)
+    check_rank(r, shape)
     out, in_, kernel = shape[0], shape[1], shape[2:]
     a_shape, b_shape = (r, in_, *kernel), (out, r, *(1,) * len(kernel))
     a_key, b_key = jax.random.split(key)
@@ -800,7 +539,7 @@ def _has_dropout(x: Any) -> bool:
     return isinstance(x, _AbstractLowRank)
 
 
-def _set_key(x: _AbstractLowRank, key: _LayerKeys | None) -> _AbstractLowRank:
+def _set_key(x: _AbstractLowRank, key: LayerKeys | None) -> _AbstractLowRank:
     return eqx.tree_at(lambda m: m.dropout_key, x, key, is_leaf=lambda n: n is None)
 
 
@@ -845,7 +584,7 @@ class DoraArray(_AbstractLowRank):
         lora_alpha: float | int,
         use_rslora: bool = False,
         lora_dropout: float | int = 0.0,
-        dropout_key: _LayerKeys | None = None,
+        dropout_key: LayerKeys | None = None,
         compute_dtype: Any = None,
     ):
         _init_low_rank(
@@ -950,7 +689,7 @@ def _dora_dot(w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
     stack, out_l = p.w[: w.stack_ndim], p.w[w.stack_ndim]
     if out_l in p.x:  # W's rows meet x: (diag(m/‖·‖)·V)·x == V·(m/‖·‖ ⊙ x)
         scale = _dora_scale(w)
-        x = _rescale(x, p.along(scale, (*stack, out_l), p.x))
+        x = rescale(x, p.along(scale, (*stack, out_l), p.x))
         return _lora_dot(w, x, w_is_lhs, params)
     base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
     update = _dora_update(w, x, w_is_lhs, params, base)
@@ -971,13 +710,6 @@ def _dora_update(
     # PEFT's form: base(x) + (m/‖·‖ - 1)·base(dropout(x)) + m/‖·‖ · s·B·A·dropout(x),
     # the update in the adapter's compute dtype
     return (scale - 1) * base_d.astype(delta.dtype) + scale * delta
-
-
-def _rescale(x: Array, scale: Array) -> Array:
-    """`x ⊙ scale` computed in the wider dtype and rounded to `x`'s (PEFT multiplies a
-    bfloat16 activation by a float32 scale in float32)."""
-    wide = wider_dtype(x.dtype, scale.dtype)
-    return (x.astype(wide) * scale.astype(wide)).astype(x.dtype)
 
 
 weight_dot_handlers(DoraArray, _dora_dot, _dora_update)

@@ -10,7 +10,8 @@ from jaxtyping import Array
 
 from ..implicit import ImplicitArray, Slot, materialize, primitive_handler, use_implicit_args
 from ._layout import WeightProduct, weight_dot_handlers, weight_product
-from ._lora import _mixed_lora_update, add_update, wider_dtype
+from ._lora import _mixed_lora_update
+from ._products import add_update, wider_dtype
 
 
 def _is_slot(x: Any) -> bool:
