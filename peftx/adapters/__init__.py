@@ -1,15 +1,15 @@
 """Adapters and structured weights, each an implicit array with its handlers."""
 
+from ._dora import DoraArray as DoraArray, dora as dora
 from ._embedding import (
     LoraEmbeddingArray as LoraEmbeddingArray,
     lora_embedding as lora_embedding,
 )
 from ._ia3 import IA3Array as IA3Array, ia3 as ia3
+from ._kind import AbstractAdapter as AbstractAdapter, AbstractWeight as AbstractWeight
 from ._lora import (
-    DoraArray as DoraArray,
     LoraArray as LoraArray,
     LoraInit as LoraInit,
-    dora as dora,
     lora as lora,
     unmerge as unmerge,
     with_compute_dtype as with_compute_dtype,

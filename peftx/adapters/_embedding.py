@@ -11,7 +11,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ..implicit import ImplicitArray, materialize, primitive_handler
 from ._layout import weight_dot_handlers
-from ._lora import LoraArray, LoraInit, _lora_dot, _lora_update
+from ._lora import LoraArray, LoraInit, lora_dot, lora_update
 from ._products import cast_base_on_astype, check_rank
 
 
@@ -163,13 +163,13 @@ def _embedding_dynamic_slice(
 
 
 def _embedding_dot(w: LoraEmbeddingArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    return _lora_dot(w.as_lora(), x, w_is_lhs, params)
+    return lora_dot(w.as_lora(), x, w_is_lhs, params)
 
 
 def _embedding_update(
     w: LoraEmbeddingArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
 ) -> Any:
-    return _lora_update(w.as_lora(), x, w_is_lhs, params, base)
+    return lora_update(w.as_lora(), x, w_is_lhs, params, base)
 
 
 weight_dot_handlers(LoraEmbeddingArray, _embedding_dot, _embedding_update)

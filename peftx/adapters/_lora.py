@@ -1,5 +1,6 @@
-"""LoRA and DoRA: `W + s·B·A` as implicit arrays, with HF PEFT's names, shapes and inits."""
+"""LoRA: `W + s·B·A` as an implicit array, with HF PEFT's names, shapes and inits."""
 
+import abc
 import dataclasses
 import math
 from typing import Any, Literal
@@ -18,7 +19,6 @@ from ..implicit import (
     materialize,
     outer_vmap_size,
     primitive_handler,
-    use_implicit_args,
 )
 from ._layout import Labels, WeightProduct, weight_dot_handlers
 from ._products import (
@@ -30,13 +30,12 @@ from ._products import (
     dropout,
     fused_low_rank,
     low_rank,
-    rescale,
 )
 
 LoraInit = Literal["default", "gaussian", "pissa", "random"]
 
 
-class _AbstractLowRank(ImplicitArray):
+class AbstractLowRank(ImplicitArray):
     """The fields and arithmetic shared by `LoraArray` and `DoraArray`."""
 
     weight: Any
@@ -69,9 +68,13 @@ class _AbstractLowRank(ImplicitArray):
         """`scaling · lora_B @ lora_A` in the weight's shape, in the adapters' dtype."""
         return self.scaling * _product(self.lora_B, self.lora_A, self.stack_ndim)
 
+    @abc.abstractmethod
+    def unmerged(self, merged: Array) -> Array:
+        """The base weight from which this adapter's dense weight `merged` was built."""
 
-def _init_low_rank(
-    self: _AbstractLowRank,
+
+def init_low_rank(
+    self: AbstractLowRank,
     weight: Any,
     lora_A: Array,
     lora_B: Array,
@@ -93,7 +96,7 @@ def _init_low_rank(
     self.compute_dtype = _checked_compute_dtype(compute_dtype)
 
 
-class LoraArray(_AbstractLowRank):
+class LoraArray(AbstractLowRank):
     """`weight + scaling · lora_B @ lora_A`, never formed when multiplied.
 
     The layout is Equinox's (and PyTorch's): a `Linear` weight is `(out, in)`, with
@@ -128,7 +131,7 @@ class LoraArray(_AbstractLowRank):
         dropout_key: LayerKeys | None = None,
         compute_dtype: Any = None,
     ):
-        _init_low_rank(
+        init_low_rank(
             self,
             weight,
             lora_A,
@@ -143,6 +146,10 @@ class LoraArray(_AbstractLowRank):
     def materialize(self) -> Array:
         w = materialize(self.weight)
         return w + self.delta().astype(w.dtype)
+
+    def unmerged(self, merged: Array) -> Array:
+        base = merged - self.delta().astype(merged.dtype)
+        return base.astype(merged.dtype)
 
 
 def _checked_compute_dtype(dtype: Any) -> Any:
@@ -188,8 +195,8 @@ def _product(b: Array, a: Array, stack_ndim: int) -> Array:
 # Products
 
 
-def _lora_terms(
-    w: _AbstractLowRank,
+def lora_terms(
+    w: AbstractLowRank,
     x: Array,
     w_is_lhs: bool,
     params: dict[str, Any],
@@ -215,13 +222,13 @@ def _lora_terms(
     return base, base_d, delta
 
 
-def _factor_labels(w: _AbstractLowRank, p: WeightProduct) -> tuple[Labels, Labels]:
+def _factor_labels(w: AbstractLowRank, p: WeightProduct) -> tuple[Labels, Labels]:
     s = w.stack_ndim
     stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
     return (*stack, "r", in_l), (*stack, out_l, "r")
 
 
-def _factor_order(w: _AbstractLowRank, p: WeightProduct) -> Any:
+def _factor_order(w: AbstractLowRank, p: WeightProduct) -> Any:
     """Orders `(A, B)`-like pairs as `(first, second)`: the factor that meets `x` first.
     None when neither axis of W meets `x` (an outer product)."""
     s = w.stack_ndim
@@ -277,13 +284,13 @@ def _mixed_lora_update(
     )
 
 
-def _lora_dot(w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+def lora_dot(w: AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
     if w.kernel_ndim:
         return NotImplemented
     fused = _fused_lora_dot(w, x, w_is_lhs, params)
     if fused is not None:
         return fused
-    terms = _lora_terms(w, x, w_is_lhs, params)
+    terms = lora_terms(w, x, w_is_lhs, params)
     if terms is None:
         return NotImplemented
     base, _, delta = terms
@@ -291,7 +298,7 @@ def _lora_dot(w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, A
 
 
 def _fused_lora_dot(
-    w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]
+    w: AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any]
 ) -> Array | None:
     """`W·x + scaling·B·A·x_dropped` as one product: `[x, t]·[W, second]` concatenated
     along the axis that `x` meets, where `t = scaling·first·x_dropped` and `first`,
@@ -333,16 +340,16 @@ def _fused_lora_dot(
     return fused_low_rank(p, meet)(x, x_d, weight, first, second, scale)
 
 
-def _lora_update(
-    w: _AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
+def lora_update(
+    w: AbstractLowRank, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
 ) -> Any:
     if w.kernel_ndim:
         return NotImplemented
-    terms = _lora_terms(w, x, w_is_lhs, params, base)
+    terms = lora_terms(w, x, w_is_lhs, params, base)
     return NotImplemented if terms is None else terms[2]
 
 
-weight_dot_handlers(LoraArray, _lora_dot, _lora_update)
+weight_dot_handlers(LoraArray, lora_dot, lora_update)
 
 
 @primitive_handler("conv_general_dilated")
@@ -388,7 +395,7 @@ def _lora_transpose(primitive: Any, w: LoraArray, *, permutation: tuple[int, ...
     )
 
 
-cast_base_on_astype(_AbstractLowRank)
+cast_base_on_astype(AbstractLowRank)
 
 
 # --------------------------------------------------------------------------------------
@@ -497,7 +504,7 @@ def with_dropout(tree: Any, key: PRNGKeyArray) -> Any:
     adapters = [x for x in jax.tree.leaves(tree, is_leaf=_has_dropout) if _has_dropout(x)]
     keys = list(jax.random.split(key, max(len(adapters), 1)))
 
-    def keyed(x: _AbstractLowRank) -> _AbstractLowRank:
+    def keyed(x: AbstractLowRank) -> AbstractLowRank:
         # a stack of layers gets a key per layer: `lax.scan` and `jax.vmap` slice one each
         return _set_key(x, jax.random.split(keys.pop(), x.weight.shape[: x.stack_ndim]))
 
@@ -536,180 +543,14 @@ def _with_static(module: eqx.Module, **changes: Any) -> Any:
 
 
 def _has_dropout(x: Any) -> bool:
-    return isinstance(x, _AbstractLowRank)
+    return isinstance(x, AbstractLowRank)
 
 
-def _set_key(x: _AbstractLowRank, key: LayerKeys | None) -> _AbstractLowRank:
+def _set_key(x: AbstractLowRank, key: LayerKeys | None) -> AbstractLowRank:
     return eqx.tree_at(lambda m: m.dropout_key, x, key, is_leaf=lambda n: n is None)
 
 
-def unmerge(merged: Array, adapter: _AbstractLowRank) -> _AbstractLowRank:
+def unmerge(merged: Array, adapter: AbstractLowRank) -> AbstractLowRank:
     """The adapter on the base weight recovered from `merged = W + s·B·A` (LoRA) or from
     its DoRA counterpart."""
-    if isinstance(adapter, DoraArray):
-        merged = merged * (adapter.weight_norm() / adapter.lora_magnitude_vector)[..., None]
-    base = merged - adapter.delta().astype(merged.dtype)
-    return eqx.tree_at(lambda m: m.weight, adapter, base.astype(merged.dtype))
-
-
-# --------------------------------------------------------------------------------------
-# DoRA
-
-
-class DoraArray(_AbstractLowRank):
-    """DoRA: `m ⊙ (W + s·B·A) / ‖W + s·B·A‖`, the norm taken per output row.
-
-    As in HF PEFT (and the DoRA paper, §4.3) the norm is treated as a constant for
-    gradients. No weight-sized array is formed for it: `‖W_i‖²` of the frozen base is
-    computed once, by the constructor, and kept as `weight_sq_norm` (float32, `(out,)`,
-    not a parameter: `partition` freezes it and parameter counts leave it out); the rest
-    comes from `W·Aᵀ` `(out, r)`, through the base's own product (an NF4 base dequantizes
-    in chunks), and `A·Aᵀ` `(r, r)`. `lora_magnitude_vector` has shape `(out,)`.
-
-    `weight_sq_norm` describes the `weight` given to the constructor: build a new
-    `DoraArray` for another base rather than swapping `weight` with `eqx.tree_at`.
-    `materialize()` takes the norm of the dense weight it builds.
-    """
-
-    lora_magnitude_vector: Array
-    weight_sq_norm: Array
-
-    def __init__(
-        self,
-        weight: Any,
-        lora_A: Array,
-        lora_B: Array,
-        lora_magnitude_vector: Array,
-        *,
-        lora_alpha: float | int,
-        use_rslora: bool = False,
-        lora_dropout: float | int = 0.0,
-        dropout_key: LayerKeys | None = None,
-        compute_dtype: Any = None,
-    ):
-        _init_low_rank(
-            self,
-            weight,
-            lora_A,
-            lora_B,
-            lora_alpha,
-            use_rslora,
-            lora_dropout,
-            dropout_key,
-            compute_dtype,
-        )
-        if len(weight.shape) != 2:
-            raise ValueError(
-                f"DoRA supports Linear weights (out, in) only, got shape {tuple(weight.shape)}."
-            )
-        if tuple(lora_magnitude_vector.shape) != (weight.shape[0],):
-            raise ValueError(
-                f"lora_magnitude_vector must have shape ({weight.shape[0]},), one entry per "
-                f"output feature, got {tuple(lora_magnitude_vector.shape)}."
-            )
-        self.lora_magnitude_vector = lora_magnitude_vector
-        self.weight_sq_norm = _row_sq_norms(weight)
-
-    def weight_norm(self) -> Array:
-        """`‖W + s·B·A‖` per output row, without forming the weight-sized sum."""
-        return _dora_norm(self)
-
-    def materialize(self) -> Array:
-        w = materialize(self.weight)
-        dense = w.astype(jnp.float32) + self.delta().astype(jnp.float32)
-        norm = lax.stop_gradient(jnp.sqrt(jnp.sum(dense * dense, -1)))
-        scale = (self.lora_magnitude_vector.astype(jnp.float32) / norm)[..., None]
-        return (dense * scale).astype(w.dtype)
-
-
-def _row_sq_norms(weight: Any) -> Array:
-    """`‖W_i‖²` of each output row of a dense or implicit weight, in float32; an implicit
-    one is materialized (this runs once, when a `DoraArray` is built)."""
-    w = materialize(weight)
-    n = w.ndim
-    rows = tuple(range(n - 1))
-    # a batched product: the squares are never formed as an array of their own
-    sq = lax.dot_general(
-        w,
-        w,
-        (((n - 1,), (n - 1,)), (rows, rows)),
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
-    return lax.stop_gradient(sq)
-
-
-def _dora_scale(w: DoraArray) -> Array:
-    """`m / ‖W + s·B·A‖` per output row, in float32 (whatever the magnitude's dtype)."""
-    return w.lora_magnitude_vector.astype(jnp.float32) / _dora_norm(w)
-
-
-def _dora_norm(w: DoraArray) -> Array:
-    """`‖W + s·B·A‖` per output row, in float32 and detached from gradients, from the kept
-    `‖W_i‖²`, `W·Aᵀ` `(out, r)` and `A·Aᵀ` `(r, r)`."""
-    s = w.stack_ndim
-    a = lax.stop_gradient(w.lora_A).astype(jnp.float32)
-    b = lax.stop_gradient(w.lora_B).astype(jnp.float32)
-    stack = tuple(range(s))
-    dims = (((s + 1,), (s + 1,)), (stack, stack))
-
-    def base_times(weight: Any, a: Array) -> Array:
-        return lax.dot_general(weight, a, dims, preferred_element_type=jnp.float32)
-
-    # W·Aᵀ through the base's own product handler (e.g. NF4's, chunked), whether the base
-    # is an implicit array here (`dora()`) or a traced one (inside a handler)
-    wa = use_implicit_args(base_times)(w.weight, a)
-    aa = jnp.matmul(a, jnp.swapaxes(a, -1, -2))
-    c = w.scaling
-    # ‖W + c·B·A‖² = ‖W‖² + 2c·⟨W·Aᵀ, B⟩ + c²·⟨B·(A·Aᵀ), B⟩, row by row
-    sq = w.weight_sq_norm + 2 * c * jnp.sum(wa * b, -1) + c * c * jnp.sum((b @ aa) * b, -1)
-    return lax.stop_gradient(jnp.sqrt(jnp.maximum(sq, 0.0)))
-
-
-def dora(lora_array: LoraArray) -> DoraArray:
-    """DoRA from a LoRA: the magnitude starts at the row norms, so the output is unchanged."""
-    x = lora_array
-    d = DoraArray(
-        x.weight,
-        x.lora_A,
-        x.lora_B,
-        jnp.ones(x.weight.shape[:1], x.lora_A.dtype),
-        lora_alpha=x.lora_alpha,
-        use_rslora=x.use_rslora,
-        lora_dropout=x.lora_dropout,
-        dropout_key=x.dropout_key,
-        compute_dtype=x.compute_dtype,
-    )
-    magnitude = _dora_norm(d).astype(x.lora_A.dtype)
-    return eqx.tree_at(lambda m: m.lora_magnitude_vector, d, magnitude)
-
-
-def _dora_dot(w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
-    stack, out_l = p.w[: w.stack_ndim], p.w[w.stack_ndim]
-    if out_l in p.x:  # W's rows meet x: (diag(m/‖·‖)·V)·x == V·(m/‖·‖ ⊙ x)
-        scale = _dora_scale(w)
-        x = rescale(x, p.along(scale, (*stack, out_l), p.x))
-        return _lora_dot(w, x, w_is_lhs, params)
-    base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
-    update = _dora_update(w, x, w_is_lhs, params, base)
-    return update if update is NotImplemented else add_update(base, update)
-
-
-def _dora_update(
-    w: DoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
-) -> Any:
-    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
-    stack, out_l = p.w[: w.stack_ndim], p.w[w.stack_ndim]
-    terms = _lora_terms(w, x, w_is_lhs, params, base)
-    if out_l in p.x or terms is None:
-        return NotImplemented
-    _, base_d, delta = terms
-    scale = _dora_scale(w).astype(delta.dtype)
-    scale = p.along(scale, (*stack, out_l), p.out)
-    # PEFT's form: base(x) + (m/‖·‖ - 1)·base(dropout(x)) + m/‖·‖ · s·B·A·dropout(x),
-    # the update in the adapter's compute dtype
-    return (scale - 1) * base_d.astype(delta.dtype) + scale * delta
-
-
-weight_dot_handlers(DoraArray, _dora_dot, _dora_update)
+    return eqx.tree_at(lambda m: m.weight, adapter, adapter.unmerged(merged))

@@ -9,7 +9,7 @@ from jaxtyping import Array
 from ..implicit import ImplicitArray, materialize
 from ._embedding import LoraEmbeddingArray
 from ._ia3 import IA3Array
-from ._lora import _AbstractLowRank
+from ._lora import AbstractLowRank
 from ._quantized import Int8Array, NF4Array, quantize_int8, quantize_nf4
 from ._set import AdapterSet
 
@@ -43,7 +43,7 @@ def merge(
         )
     if not requantize:
         return dense
-    adapters = _AbstractLowRank | IA3Array | LoraEmbeddingArray | AdapterSet
+    adapters = AbstractLowRank | IA3Array | LoraEmbeddingArray | AdapterSet
     base = array.weight if isinstance(array, adapters) else None
     if isinstance(base, NF4Array):
         requantized = quantize_nf4(dense, blocksize=base.blocksize, double_quant=base.double_quant)
