@@ -9,7 +9,7 @@ with batch axes.
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -92,16 +92,33 @@ class WeightProduct:
 
 Product = Callable[[Any, Array, bool, dict], Any]
 Update = Callable[[Any, Array, bool, dict, Array], Any]
-_PRODUCTS: dict[type, tuple[Product, Update | None]] = {}
+Mixed = Callable[[list[Any], Array, Array, bool, dict, Array], Any]
 
 
-def weight_dot_handlers(cls: type, product: Product, update: Update | None = None) -> None:
+class WeightHandlers(NamedTuple):
+    """What `weight_dot_handlers` registered for a class."""
+
+    product: Product
+    update: Update | None
+    mixed: Mixed | None
+
+
+_PRODUCTS: dict[type, WeightHandlers] = {}
+
+
+def weight_dot_handlers(
+    cls: type, product: Product, update: Update | None = None, mixed: Mixed | None = None
+) -> None:
     """Register `product(w, x, w_is_lhs, params)` as the `dot_general` handler for a `cls`
     weight on either side of a dense `x`.
 
     `update(w, x, w_is_lhs, params, base)`, given the base weight's own product `base`,
     returns what the adapter adds to it (`product == base + update`); an `AdapterSet`
     uses it to apply several adapters, each weighted per example, over one base product.
+    `mixed(ws, gate, x, w_is_lhs, params, base)` is the same for several `cls` adapters
+    `ws` at once, `Σ_k gate_k · update_k`, fused (`gate` is `(n,)` or `(batch, n)`, one
+    column per adapter); it returns `NotImplemented` when it cannot, and the set then
+    adds the updates one by one.
     """
 
     def lhs(primitive: Any, w: cls, x: jax.Array, **params: Any) -> Any:  # type: ignore[valid-type]
@@ -114,9 +131,9 @@ def weight_dot_handlers(cls: type, product: Product, update: Update | None = Non
         fn.__qualname__ = f"{product.__qualname__}[{cls.__name__} {side}]"
         fn.__module__ = product.__module__
         primitive_handler("dot_general")(fn)
-    _PRODUCTS[cls] = (product, update)
+    _PRODUCTS[cls] = WeightHandlers(product, update, mixed)
 
 
-def weight_product(cls: type) -> tuple[Product, Update | None] | None:
-    """The `(product, update)` registered for `cls` by `weight_dot_handlers`, if any."""
+def weight_product(cls: type) -> WeightHandlers | None:
+    """The handlers registered for `cls` by `weight_dot_handlers`, if any."""
     return _PRODUCTS.get(cls)

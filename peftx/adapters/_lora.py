@@ -254,12 +254,7 @@ def _mixed_lora_update(
     axis). The result is in the adapters' compute dtype. Plain LoRA without active dropout
     only; otherwise `NotImplemented`."""
     if (
-        any(
-            type(w) is not LoraArray
-            or w.kernel_ndim
-            or (w.lora_dropout and w.dropout_key is not None)
-            for w in ws
-        )
+        any(w.kernel_ndim or (w.lora_dropout and w.dropout_key is not None) for w in ws)
         or len({(w.stack_ndim, branch_dtype(w)) for w in ws}) != 1
     ):
         return NotImplemented
@@ -349,7 +344,7 @@ def lora_update(
     return NotImplemented if terms is None else terms[2]
 
 
-weight_dot_handlers(LoraArray, lora_dot, lora_update)
+weight_dot_handlers(LoraArray, lora_dot, lora_update, _mixed_lora_update)
 
 
 @primitive_handler("conv_general_dilated")

@@ -10,7 +10,6 @@ from jaxtyping import Array
 
 from ..implicit import ImplicitArray, Slot, materialize, primitive_handler, use_implicit_args
 from ._layout import WeightProduct, weight_dot_handlers, weight_product
-from ._lora import _mixed_lora_update
 from ._products import add_update, wider_dtype
 
 
@@ -118,13 +117,16 @@ def _set_dot(s: AdapterSet, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
     used = s.used()
     adapters = [s.adapter(name) for _, name in used]
     columns = jnp.take(gate, jnp.asarray([k for k, _ in used]), axis=-1)
-    mixed = _mixed_lora_update(adapters, columns, x, w_is_lhs, params, base)
-    if mixed is not NotImplemented:
-        return add_update(base, mixed)
+    kinds = {type(a) for a in adapters}
+    fused = weight_product(kinds.pop()) if len(kinds) == 1 else None
+    if fused is not None and fused.mixed is not None:
+        mixed = fused.mixed(adapters, columns, x, w_is_lhs, params, base)
+        if mixed is not NotImplemented:
+            return add_update(base, mixed)
     updates = []
     for (k, _), adapter in zip(used, adapters):
         registered = weight_product(type(adapter))
-        update = None if registered is None else registered[1]
+        update = None if registered is None else registered.update
         if update is None:
             return NotImplemented
         u = update(adapter, x, w_is_lhs, params, base)
@@ -156,7 +158,7 @@ def _checked_gate(s: AdapterSet, p: WeightProduct, x: Array) -> Array:
 def _bind_dot(w: Any, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
     registered = weight_product(type(w))
     if registered is not None:
-        return registered[0](w, x, w_is_lhs, params)
+        return registered.product(w, x, w_is_lhs, params)
     operands = (w, x) if w_is_lhs else (x, w)
     return use_implicit_args(lambda a, b: jax.lax.dot_general_p.bind(a, b, **params))(*operands)
 
