@@ -1,6 +1,7 @@
 """DoRA: LoRA's update with a learned magnitude per output row, as an implicit array."""
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -30,6 +31,16 @@ class DoraArray(AbstractLowRank):
 
     lora_magnitude_vector: Array
     weight_sq_norm: Array
+
+    peft_keys: ClassVar[Mapping[str, str]] = {
+        **LoraArray.peft_keys,
+        "lora_magnitude_vector": "lora_magnitude_vector",
+    }
+    weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {
+        **LoraArray.weight_axes,
+        "lora_magnitude_vector": (0,),
+        "weight_sq_norm": (0,),
+    }
 
     def __init__(
         self,
@@ -71,12 +82,11 @@ class DoraArray(AbstractLowRank):
         """`‖W + s·B·A‖` per output row, without forming the weight-sized sum."""
         return _dora_norm(self)
 
-    def materialize(self) -> Array:
-        w = materialize(self.weight)
-        dense = w.astype(jnp.float32) + self.delta().astype(jnp.float32)
+    def merged(self, weight: Array) -> Array:
+        dense = weight.astype(jnp.float32) + self.delta().astype(jnp.float32)
         norm = lax.stop_gradient(jnp.sqrt(jnp.sum(dense * dense, -1)))
         scale = (self.lora_magnitude_vector.astype(jnp.float32) / norm)[..., None]
-        return (dense * scale).astype(w.dtype)
+        return (dense * scale).astype(weight.dtype)
 
     def unmerged(self, merged: Array) -> Array:
         merged = merged * (self.weight_norm() / self.lora_magnitude_vector)[..., None]

@@ -1,7 +1,8 @@
 """LoRA for embedding tables, with HF PEFT's names, shapes and inits (`lora.Embedding`)."""
 
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -9,13 +10,14 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, PRNGKeyArray
 
-from ..implicit import ImplicitArray, materialize, primitive_handler
+from ..implicit import primitive_handler
+from ._kind import AbstractAdapter
 from ._layout import weight_dot_handlers
 from ._lora import LoraArray, LoraInit, lora_dot, lora_update
 from ._products import cast_base_on_astype, check_rank
 
 
-class LoraEmbeddingArray(ImplicitArray):
+class LoraEmbeddingArray(AbstractAdapter):
     """`weight + scaling · (lora_embedding_B @ lora_embedding_A)ᵀ` for an embedding table,
     never formed when looked up or multiplied.
 
@@ -35,6 +37,16 @@ class LoraEmbeddingArray(ImplicitArray):
     lora_embedding_B: Array
     lora_alpha: float = eqx.field(static=True)
     use_rslora: bool = eqx.field(static=True)
+
+    peft_keys: ClassVar[Mapping[str, str]] = {
+        "lora_embedding_A": "lora_embedding_A",
+        "lora_embedding_B": "lora_embedding_B",
+    }
+    # A is (r, num_embeddings), B is (embedding_dim, r): the table is (num, dim)
+    weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {
+        "lora_embedding_A": (None, 0),
+        "lora_embedding_B": (1, None),
+    }
 
     def __init__(
         self,
@@ -90,17 +102,13 @@ class LoraEmbeddingArray(ImplicitArray):
     def scaling(self) -> float:
         return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
-    def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
-
     def delta(self) -> Array:
         """`scaling · (lora_embedding_B @ lora_embedding_A)ᵀ`, table-shaped, in the adapters'
         dtype."""
         return self.scaling * (self.lora_embedding_B @ self.lora_embedding_A).T
 
-    def materialize(self) -> Array:
-        w = materialize(self.weight)
-        return w + self.delta().astype(w.dtype)
+    def merged(self, weight: Array) -> Array:
+        return weight + self.delta().astype(weight.dtype)
 
     def as_lora(self) -> LoraArray:
         """The same table as a `LoraArray` on the `(num_embeddings, embedding_dim)` weight:

@@ -1,17 +1,19 @@
 """IA3: a learned rescaling of a weight's output or input features."""
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from ..implicit import ImplicitArray, Transposed, materialize, primitive_handler
+from ..implicit import Transposed, primitive_handler
+from ._kind import AbstractAdapter
 from ._layout import WeightProduct, weight_dot_handlers
 from ._products import cast_base_on_astype, rescale, wider_dtype
 
 
-class IA3Array(ImplicitArray):
+class IA3Array(AbstractAdapter):
     """`weight ⊙ ia3_l` for a `Linear` weight `(out, in)`, with HF PEFT's shapes.
 
     `ia3_l` is `(out, 1)` to scale the output features (attention keys and values) or
@@ -21,6 +23,10 @@ class IA3Array(ImplicitArray):
 
     weight: Any
     ia3_l: Array
+
+    peft_keys: ClassVar[Mapping[str, str]] = {"ia3_l": "ia3_l"}
+    # its axis of length 1 follows nothing
+    weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {"ia3_l": (0, 1)}
 
     def __check_init__(self):
         shape = tuple(self.weight.shape)
@@ -41,12 +47,8 @@ class IA3Array(ImplicitArray):
         """Whether the input features are scaled (PEFT's `feedforward_modules`)."""
         return self.ia3_l.shape[-1] != 1
 
-    def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
-
-    def materialize(self) -> Array:
-        w = materialize(self.weight)
-        return w * self.ia3_l.astype(w.dtype)
+    def merged(self, weight: Array) -> Array:
+        return weight * self.ia3_l.astype(weight.dtype)
 
 
 def ia3(

@@ -3,7 +3,8 @@
 import abc
 import dataclasses
 import math
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -16,10 +17,10 @@ from ..implicit import (
     ImplicitArray,
     Transposed,
     dense_base,
-    materialize,
     outer_vmap_size,
     primitive_handler,
 )
+from ._kind import AbstractAdapter
 from ._layout import Labels, WeightProduct, weight_dot_handlers
 from ._products import (
     LayerKeys,
@@ -35,7 +36,7 @@ from ._products import (
 LoraInit = Literal["default", "gaussian", "pissa", "random"]
 
 
-class AbstractLowRank(ImplicitArray):
+class AbstractLowRank(AbstractAdapter):
     """The fields and arithmetic shared by `LoraArray` and `DoraArray`."""
 
     weight: Any
@@ -60,9 +61,6 @@ class AbstractLowRank(ImplicitArray):
     def stack_ndim(self) -> int:
         """Leading axes added by stacking layers (with `eqx.filter_vmap`)."""
         return len(self.weight.shape) - 2 - self.kernel_ndim
-
-    def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
 
     def delta(self) -> Array:
         """`scaling · lora_B @ lora_A` in the weight's shape, in the adapters' dtype."""
@@ -119,6 +117,14 @@ class LoraArray(AbstractLowRank):
     `with_compute_dtype(model, jnp.bfloat16)` runs their branch in bfloat16.
     """
 
+    peft_keys: ClassVar[Mapping[str, str]] = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight"}
+    # lora_A's second axis runs along the weight's input axis, lora_B's first along its
+    # output axis; the rank axis is their own
+    weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {
+        "lora_A": (None, 1),
+        "lora_B": (0, None),
+    }
+
     def __init__(
         self,
         weight: Any,
@@ -143,9 +149,8 @@ class LoraArray(AbstractLowRank):
             compute_dtype,
         )
 
-    def materialize(self) -> Array:
-        w = materialize(self.weight)
-        return w + self.delta().astype(w.dtype)
+    def merged(self, weight: Array) -> Array:
+        return weight + self.delta().astype(weight.dtype)
 
     def unmerged(self, merged: Array) -> Array:
         base = merged - self.delta().astype(merged.dtype)

@@ -7,9 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ..implicit import ImplicitArray, materialize
-from ._embedding import LoraEmbeddingArray
-from ._ia3 import IA3Array
-from ._lora import AbstractLowRank
+from ._kind import AbstractAdapter
 from ._quantized import Int8Array, NF4Array, quantize_int8, quantize_nf4
 from ._set import AdapterSet
 
@@ -43,8 +41,7 @@ def merge(
         )
     if not requantize:
         return dense
-    adapters = AbstractLowRank | IA3Array | LoraEmbeddingArray | AdapterSet
-    base = array.weight if isinstance(array, adapters) else None
+    base = array.weight if isinstance(array, AbstractAdapter | AdapterSet) else None
     if isinstance(base, NF4Array):
         requantized = quantize_nf4(dense, blocksize=base.blocksize, double_quant=base.double_quant)
     elif isinstance(base, Int8Array):

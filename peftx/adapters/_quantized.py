@@ -10,7 +10,7 @@ import functools
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -22,7 +22,8 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Float32, Int8, Shaped, UInt8
 
 from .._dtypes import float_dtype
-from ..implicit import ImplicitArray, primitive_handler
+from ..implicit import primitive_handler
+from ._kind import AbstractWeight
 
 # bitsandbytes' NF4 code (`get_4bit_type("nf4")`), indexed by the 4-bit value.
 _NF4_CODE = np.array(
@@ -128,7 +129,7 @@ def _scale_blocks(
     return values.reshape(*batch, total)[..., :n]
 
 
-class Int8Array(ImplicitArray):
+class Int8Array(AbstractWeight):
     """A weight stored as int8 codes with one float32 scale per output channel.
 
     Represents `codes * scale`, the scale broadcast over the axes after the channel axis
@@ -147,6 +148,11 @@ class Int8Array(ImplicitArray):
     codes: Int8[Array, "..."]
     scale: Float32[Array, "..."]
     _dtype: np.dtype = eqx.field(static=True)
+
+    weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {
+        "codes": (0, 1),
+        "scale": (0,),
+    }
 
     def __init__(
         self,
@@ -173,6 +179,10 @@ class Int8Array(ImplicitArray):
 
     def aval(self) -> jax.core.ShapedArray:
         return jax.core.ShapedArray(self.codes.shape, self._dtype)
+
+    def num_parameters(self) -> int:
+        """One per code, as PEFT counts a quantized weight's elements."""
+        return 0 if self.codes is None else self.codes.size
 
     def materialize(self, dtype: DTypeLike | None = None) -> Shaped[Array, "..."]:
         """The dequantized weight, in the represented dtype unless `dtype` is given."""
@@ -221,7 +231,7 @@ def _int8_arrays(weight: Shaped[Array, " out *rest"]) -> tuple[Array, Array]:
     return jnp.round(w * inverse).astype(jnp.int8), absmax / 127
 
 
-class NF4Array(ImplicitArray):
+class NF4Array(AbstractWeight):
     """A weight in bitsandbytes' NF4 format (QLoRA), optionally double-quantized.
 
     The weight is flattened row-major and cut into blocks of `blocksize` values (the last
@@ -262,6 +272,14 @@ class NF4Array(ImplicitArray):
     _shape: tuple[int, ...] = eqx.field(static=True)
     _dtype: np.dtype = eqx.field(static=True)
     _stored_dtype: np.dtype = eqx.field(static=True)
+
+    # flattened row-major, so their one axis splits as the weight's rows do; the nested
+    # offset is one scalar per weight
+    weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {
+        "packed": (0,),
+        "absmax": (0,),
+        "nested_absmax": (0,),
+    }
 
     def __init__(
         self,
@@ -335,6 +353,11 @@ class NF4Array(ImplicitArray):
 
     def aval(self) -> jax.core.ShapedArray:
         return jax.core.ShapedArray(self.packed.shape[:-1] + self._shape, self._dtype)
+
+    def num_parameters(self) -> int:
+        """Two per packed byte (two 4-bit codes), as PEFT counts a quantized weight's
+        elements."""
+        return 0 if self.packed is None else 2 * self.packed.size
 
     def materialize(self, dtype: DTypeLike | None = None) -> Shaped[Array, "..."]:
         """The dequantized weight, in the represented dtype unless `dtype` is given."""

@@ -1,7 +1,7 @@
 """Several named adapters on one base weight, applied one at a time or mixed per example."""
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from ..implicit import ImplicitArray, Slot, materialize, primitive_handler, use_implicit_args
+from ._kind import AbstractWeight
 from ._layout import WeightProduct, weight_dot_handlers, weight_product
 from ._products import add_update, wider_dtype
 
@@ -23,7 +24,7 @@ def detach(adapter: Any) -> Any:
     return eqx.tree_at(lambda a: a.weight, adapter, slot)
 
 
-class AdapterSet(ImplicitArray):
+class AdapterSet(AbstractWeight):
     """A base `weight` with named `adapters`, of which the `active` ones apply.
 
     Each adapter (a `LoraArray`, `DoraArray`, `IA3Array`, ...) is stored with a `Slot`
@@ -36,7 +37,12 @@ class AdapterSet(ImplicitArray):
 
     With one active adapter and no gate, every primitive sees that adapter itself, so its
     handlers (and speed) are unchanged.
+
+    Its `weight` has the axes of the weight it stands for; each adapter's arrays follow
+    them as the adapter's class declares (`weight_axes`), and the gate follows none.
     """
+
+    weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {"weight": (0, 1)}
 
     weight: Any
     adapters: dict[str, ImplicitArray]
