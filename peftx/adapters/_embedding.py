@@ -1,7 +1,7 @@
 """LoRA for embedding tables, with HF PEFT's names, shapes and inits (`lora.Embedding`)."""
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -13,7 +13,7 @@ from jaxtyping import Array, PRNGKeyArray
 from ..implicit import primitive_handler
 from ._kind import AbstractAdapter
 from ._layout import weight_dot_handlers
-from ._lora import LoraArray, LoraInit, lora_dot, lora_update
+from ._lora import LoraArray, LoraInit, lora_dot, lora_update, weighted_factors
 from ._products import cast_base_on_astype, check_rank
 
 
@@ -109,6 +109,17 @@ class LoraEmbeddingArray(AbstractAdapter):
 
     def merged(self, weight: Array) -> Array:
         return weight + self.delta().astype(weight.dtype)
+
+    @classmethod
+    def weighted(
+        cls, present: Sequence[tuple[AbstractAdapter, float]], combination_type: str, config: Any
+    ) -> "LoraEmbeddingArray":
+        """LoRA's combinations (`weighted_factors`), in PEFT's roles for embeddings."""
+        factors = [(a.lora_embedding_A, a.lora_embedding_B, a.scaling, w) for a, w in present]
+        lora_A, lora_B = weighted_factors(factors, combination_type, config.r)
+        return LoraEmbeddingArray(
+            present[0][0].weight, lora_A, lora_B, lora_alpha=config.r, use_rslora=config.use_rslora
+        )
 
     def as_lora(self) -> LoraArray:
         """The same table as a `LoraArray` on the `(num_embeddings, embedding_dim)` weight:

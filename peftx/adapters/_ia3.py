@@ -1,6 +1,6 @@
 """IA3: a learned rescaling of a weight's output or input features."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -46,6 +46,18 @@ class IA3Array(AbstractAdapter):
     def is_feedforward(self) -> bool:
         """Whether the input features are scaled (PEFT's `feedforward_modules`)."""
         return self.ia3_l.shape[-1] != 1
+
+    def bias_scale(self) -> Array | None:
+        return None if self.is_feedforward else self.ia3_l[..., 0]
+
+    @classmethod
+    def weighted(
+        cls, present: Sequence[tuple[AbstractAdapter, float]], combination_type: str, config: Any
+    ) -> "IA3Array":
+        """The weighted sum of the scales (PEFT's `"linear"`)."""
+        first = present[0][0]
+        ia3_l = sum(w * a.ia3_l for a, w in present)
+        return IA3Array(first.weight, ia3_l.astype(first.ia3_l.dtype))
 
     def merged(self, weight: Array) -> Array:
         return weight * self.ia3_l.astype(weight.dtype)

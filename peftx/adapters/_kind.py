@@ -5,7 +5,7 @@ merging) and sharding read these declarations; no table outside the class lists 
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -52,7 +52,8 @@ class AbstractAdapter(AbstractWeight):
 
     and implement `merged(weight)`, the dense weight the adapter stands for on a dense
     base `weight`: `materialize()` and `merge` use it, so the dense update is declared in
-    one place.
+    one place. A kind may also say how the layer's bias changes (`bias_scale`) and how
+    `add_weighted_adapter` combines adapters of its class (`weighted`).
     """
 
     weight: eqx.AbstractVar[Any]
@@ -74,6 +75,19 @@ class AbstractAdapter(AbstractWeight):
 
     def aval(self) -> jax.core.ShapedArray:
         return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
+
+    def bias_scale(self) -> Array | None:
+        """What the layer's bias is multiplied by while this adapter is active, or None
+        (IA3 scales a layer's whole output, bias included, as PEFT does)."""
+        return None
+
+    @classmethod
+    def weighted(
+        cls, present: Sequence[tuple["AbstractAdapter", float]], combination_type: str, config: Any
+    ) -> "AbstractAdapter":
+        """`add_weighted_adapter`'s combination of `(adapter, weight)` pairs of this class,
+        each on the shared base, for the combined `config` (the config's `combined`)."""
+        raise ValueError(f"{cls.__name__} adapters cannot be combined.")
 
 
 def _is_weight(x: Any) -> bool:

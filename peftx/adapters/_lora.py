@@ -3,7 +3,7 @@
 import abc
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import equinox as eqx
@@ -155,6 +155,51 @@ class LoraArray(AbstractLowRank):
     def unmerged(self, merged: Array) -> Array:
         base = merged - self.delta().astype(merged.dtype)
         return base.astype(merged.dtype)
+
+    @classmethod
+    def weighted(
+        cls, present: Sequence[tuple[AbstractAdapter, float]], combination_type: str, config: Any
+    ) -> "LoraArray":
+        """PEFT's combinations of rank `config.r`, see `weighted_factors`."""
+        factors = [(a.lora_A, a.lora_B, a.scaling, w) for a, w in present]
+        lora_A, lora_B = weighted_factors(factors, combination_type, config.r)
+        return LoraArray(
+            present[0][0].weight,
+            lora_A,
+            lora_B,
+            lora_alpha=config.r,
+            use_rslora=config.use_rslora,
+            lora_dropout=config.lora_dropout,
+        )
+
+
+def weighted_factors(
+    factors: Sequence[tuple[Array, Array, float, float]], combination_type: str, rank: int
+) -> tuple[Array, Array]:
+    """`add_weighted_adapter`'s new `(A, B)` of rank `rank` (with scaling 1 when alpha is
+    the rank) from each adapter's `(A, B, scaling, weight)`, `ΔW = s·B·A` (PEFT's roles):
+    `"linear"`, the weighted sums of the factors; `"cat"`, the factors stacked (exactly
+    `Σ w·s·B·A`, adapters missing here leaving zero rows); `"svd"`, the top `rank`
+    singular triplets of `Σ w·s·B·A`."""
+    dtype = factors[0][0].dtype
+    if combination_type == "linear":
+        a_new = sum(math.copysign(math.sqrt(abs(w * s)), w * s) * a for a, _, s, w in factors)
+        b_new = sum(math.sqrt(abs(w * s)) * b for _, b, s, w in factors)
+    elif combination_type == "cat":
+        a_new = jnp.concatenate([w * s * a for a, _, s, w in factors], axis=0)
+        b_new = jnp.concatenate([b for _, b, _, _ in factors], axis=1)
+        pad = rank - a_new.shape[0]
+        a_new = jnp.pad(a_new, [(0, pad)] + [(0, 0)] * (a_new.ndim - 1))
+        b_new = jnp.pad(b_new, [(0, 0), (0, pad)] + [(0, 0)] * (b_new.ndim - 2))
+    else:
+        a_shape, b_shape = factors[0][0].shape[1:], factors[0][1].shape
+        delta = sum(
+            w * s * b.reshape(b.shape[0], -1) @ a.reshape(a.shape[0], -1) for a, b, s, w in factors
+        )
+        u, sv, vh = jnp.linalg.svd(delta.astype(jnp.float32), full_matrices=False)
+        a_new = vh[:rank].reshape(rank, *a_shape)
+        b_new = (u[:, :rank] * sv[None, :rank]).reshape(b_shape[0], rank, *b_shape[2:])
+    return a_new.astype(dtype), b_new.astype(dtype)
 
 
 def _checked_compute_dtype(dtype: Any) -> Any:
