@@ -44,7 +44,11 @@ from ._select import (
     with_ndim as with_ndim,
     with_shape as with_shape,
 )
-from ._targets import targets as targets
+from ._targets import (
+    AdaptedLayer as AdaptedLayer,
+    Targets as Targets,
+    targets as targets,
+)
 from .implicit import (
     ImplicitArray as ImplicitArray,
     use_implicit_args as use_implicit_args,

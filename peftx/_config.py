@@ -5,8 +5,11 @@ Field names, meanings and defaults are PEFT's (checked against PEFT 0.21.2), so 
 PEFT loads here. Configs are frozen and hashable (usable as static fields of an `eqx.Module`);
 list-valued fields are stored as tuples.
 
-Resolving a config against a model (PEFT's per-architecture defaults when `target_modules` is
-`None`, expanding `"all-linear"`) is the model-level API's job, not this module's.
+A config class is one adapter kind's entry point: it is registered by its `peft_type` (and
+its TOML table), it builds the adapter for each layer `peftx.targets` resolves (`build`), and
+it says how PEFT writes it after placing it (`as_saved`). Resolving a config against a model
+(PEFT's per-architecture defaults when `target_modules` is `None`, expanding `"all-linear"`)
+is `peftx.targets`' job.
 """
 
 import dataclasses
@@ -16,14 +19,22 @@ import json
 import os
 import pathlib
 import re
-import tomllib
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
-from ._errors import ConfigFileError
-from ._files import write_text
-from ._select import Predicate
+import equinox as eqx
+from jaxtyping import PRNGKeyArray
+
+from ._files import read_json, read_toml, write_text
+from ._select import Predicate, peft_targets
+from ._targets import (
+    IA3_FEEDFORWARD_MODULES,
+    IA3_TARGET_MODULES,
+    LORA_TARGET_MODULES,
+    AdaptedLayer,
+)
+from .adapters import AbstractAdapter, IA3Array, dora, ia3, lora, lora_embedding
 
 CONFIG_NAME = "adapter_config.json"
 
@@ -324,13 +335,46 @@ def _is_default(value: Any, default: Any) -> bool:
     return value == default or (not value and not default)
 
 
+def _united(rules: list[Any]) -> Any:
+    """One module rule matching what any of `rules` matches (all of one form)."""
+    if all(isinstance(t, str) for t in rules):
+        return "|".join(f"({t})" for t in rules)
+    if all(isinstance(t, tuple) for t in rules):
+        return tuple(sorted(set().union(*rules)))
+    if all(isinstance(t, Predicate) for t in rules):
+        united = rules[0]
+        for t in rules[1:]:
+            united = united | t
+        return united
+    raise ValueError(
+        "the adapters' target_modules mix forms (names, a regex, a predicate); PEFT cannot "
+        "combine those either."
+    )
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 # -- the configs ----------------------------------------------------------------------------
+
+# Every config class by its `peft_type`, and by the name of its TOML table, as each
+# subclass registers itself (`load_config`, `from_toml` and the `peftx` command read them).
+CONFIG_CLASSES: dict[str, type["AbstractAdapterConfig"]] = {}
+TOML_TABLES: dict[str, type["AbstractAdapterConfig"]] = {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AbstractAdapterConfig:
-    """What `LoraConfig` and `IA3Config` share: PEFT's `PeftConfig` fields and the module
-    selection fields. Not instantiated itself; annotate with it to accept either config."""
+    """What every adapter config shares: PEFT's `PeftConfig` fields, the module selection
+    fields, and the interface of an adapter kind. Not instantiated itself; annotate with it
+    to accept any config.
+
+    A new kind is a frozen, keyword-only dataclass subclass that sets `peft_type`'s
+    default (its registered name; `load_config` picks the class by it) and implements
+    `build`; it may set `toml_table` and override the hooks below. Its array class
+    (an `peftx.adapters.AbstractAdapter`) declares what trains and how it is saved.
+    """
 
     task_type: TaskType | None = None
     peft_type: str
@@ -345,9 +389,117 @@ class AbstractAdapterConfig:
     layers_to_transform: int | list[int] | tuple[int, ...] | None = None
     layers_pattern: str | list[str] | tuple[str, ...] | None = None
 
+    toml_table: ClassVar[str | None] = None
+    """The name of its table in a TOML file (`[lora]`), if it has one."""
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    """PEFT's `target_modules` by model type, for `target_modules=None`."""
+    condense_targets: ClassVar[bool] = True
+    """Whether PEFT condenses a long expanded `target_modules` list to suffixes."""
+    peft_selects_layers: ClassVar[bool] = True
+    """Whether PEFT's class of this kind has `layers_to_transform`; where it has not, a
+    saved config names the chosen layers' modules instead."""
+
+    combination_types: ClassVar[tuple[str, ...]] = ()
+    """`add_weighted_adapter`'s ways to combine adapters of this kind, the default first
+    (none: they cannot be combined)."""
+
     _PEFT_TYPE: ClassVar[str]
-    _KEYS: ClassVar[tuple[str, ...]]
-    _PEFT_ONLY: ClassVar[dict[str, Any]]
+    _KEYS: ClassVar[tuple[str, ...] | None] = None  # PEFT's key order (default: fields')
+    _PEFT_ONLY: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        peft_type = cls.__dict__.get("peft_type")
+        if not isinstance(peft_type, str):
+            return  # an intermediate class without a kind of its own
+        if cls.build is AbstractAdapterConfig.build:
+            raise TypeError(f"{cls.__name__} must implement build(base, layer, *, key).")
+        known = CONFIG_CLASSES.get(peft_type)
+        if known is not None and _name(known) != _name(cls):
+            raise TypeError(
+                f"peft_type {peft_type!r} is {_name(known)}'s already; give {_name(cls)} another."
+            )
+        cls._PEFT_TYPE = peft_type
+        CONFIG_CLASSES[peft_type] = cls
+        if cls.toml_table is not None:
+            TOML_TABLES[cls.toml_table] = cls
+
+    # -- the kind's interface ---------------------------------------------------------------
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        """The adapter this config places on `layer`: an implicit array over `base`, the
+        layer's weight (one layer's slice of it in a stack; dense or implicit)."""
+        raise NotImplementedError
+
+    def rank_and_alpha(self, path: str) -> tuple[int | None, int | float | None]:
+        """The rank and alpha of the layer at `path` (a layer's own path): `(None, None)`
+        for kinds without them."""
+        return None, None
+
+    def is_feedforward(self, path: str, layer: Any) -> bool:
+        """Whether the layer at `path` is one of IA3's `feedforward_modules`."""
+        return False
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        """Why this config cannot adapt `layer` (a Linear, Conv or Embedding) at `path`,
+        or None when it can."""
+        return None
+
+    def with_model_defaults(self, model_type: str | None) -> "AbstractAdapterConfig":
+        """This config with PEFT's default `target_modules` for `model_type`."""
+        table = self.default_targets
+        if model_type not in table:
+            known = ", ".join(sorted(table)) or "none"
+            raise ValueError(
+                f"target_modules is None and there is no {self.peft_type} default for model "
+                f"type {model_type!r} (read from `model.config.model_type` or the `model_type` "
+                f"argument). Defaults exist for: {known}. Otherwise name the modules, e.g. "
+                "target_modules=['q_proj', 'v_proj'], or use 'all-linear'."
+            )
+        return dataclasses.replace(self, target_modules=table[model_type])
+
+    def as_saved(self, placed: Sequence[tuple[str, AbstractAdapter]]) -> dict[str, Any]:
+        """The fields PEFT writes differently once this config is placed on the layers
+        `placed` (each layer's own path and its adapter, sorted by path): `"all-linear"`,
+        a predicate, or a layer selection PEFT's class lacks become the adapted modules'
+        names; a predicate `exclude_modules` is dropped."""
+        changes: dict[str, Any] = {}
+        target = self.target_modules
+        names_layers = self.layers_to_transform is not None and not self.peft_selects_layers
+        if target == "all-linear" or isinstance(target, Predicate) or names_layers:
+            changes["target_modules"] = tuple(path for path, _ in placed)
+        if names_layers:
+            changes.update(layers_to_transform=None, layers_pattern=None)
+        if isinstance(self.exclude_modules, Predicate):
+            changes["exclude_modules"] = None
+        return changes
+
+    def combined(
+        self,
+        configs: Sequence["AbstractAdapterConfig"],
+        names: Sequence[str],
+        combination_type: str,
+        svd_rank: int | None,
+    ) -> "AbstractAdapterConfig":
+        """The config of `add_weighted_adapter`'s combination of the adapters `names` with
+        `configs` (this config first): PEFT's rule, this config with the targets united."""
+        if combination_type not in self.combination_types:
+            ways = self.combination_types
+            how = "linearly" if ways == ("linear",) else "by " + ", ".join(map(repr, ways))
+            raise ValueError(
+                f"{self.peft_type} adapters combine {how} only; got combination_type "
+                f"{combination_type!r}."
+            )
+        return dataclasses.replace(
+            self, target_modules=_united([c.target_modules for c in configs])
+        )
+
+    def for_loading(self) -> "AbstractAdapterConfig":
+        """The config whose `build` makes the skeleton a saved adapter's weights are read
+        into: without initializations that change the base weight (PiSSA)."""
+        return self
+
+    # -- checks and files -------------------------------------------------------------------
 
     def __post_init__(self) -> None:
         if type(self) is AbstractAdapterConfig:
@@ -408,12 +560,13 @@ class AbstractAdapterConfig:
                     f"`dataclasses.replace(config, {name}=peftx.select(model).at(pred).paths())`."
                 )
         own = {f.name for f in dataclasses.fields(self)}
+        order = self._KEYS or tuple(f.name for f in dataclasses.fields(self))
         out = {
             key: _jsonable(getattr(self, key) if key in own else self._PEFT_ONLY[key])
-            for key in self._KEYS
+            for key in order
         }
         # peftx fields PEFT lacks (IA3's layer selection) are written only when used.
-        for key in sorted(own - set(self._KEYS)):
+        for key in sorted(own - set(order)):
             if getattr(self, key) is not None:
                 out[key] = _jsonable(getattr(self, key))
         return out
@@ -553,8 +706,10 @@ class LoraConfig(AbstractAdapterConfig):
     alpha_pattern: dict[str, int | float] = dataclasses.field(default_factory=dict)
     use_dora: bool = False
 
-    _PEFT_TYPE: ClassVar[str] = "LORA"
-    _KEYS: ClassVar[tuple[str, ...]] = _LORA_KEYS
+    toml_table: ClassVar[str | None] = "lora"
+    combination_types: ClassVar[tuple[str, ...]] = ("svd", "linear", "cat")
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
+    _KEYS: ClassVar[tuple[str, ...] | None] = _LORA_KEYS
     _PEFT_ONLY: ClassVar[dict[str, Any]] = {**_PEFT_ONLY_COMMON, **_PEFT_ONLY_LORA}
 
     __hash__ = AbstractAdapterConfig.__hash__
@@ -562,6 +717,74 @@ class LoraConfig(AbstractAdapterConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "lora_dropout", float(self.lora_dropout))
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        init = {True: "default", False: "random"}.get(
+            self.init_lora_weights, self.init_lora_weights
+        )
+        r, alpha = layer.rank, layer.alpha
+        if isinstance(layer.layer, eqx.nn.Embedding):
+            return lora_embedding(
+                base, r=r, lora_alpha=alpha, init=init, use_rslora=self.use_rslora, key=key
+            )
+        adapter = lora(
+            base,
+            r=r,
+            lora_alpha=alpha,
+            init=init,
+            use_rslora=self.use_rslora,
+            lora_dropout=self.lora_dropout,
+            key=key,
+        )
+        return dora(adapter) if self.use_dora else adapter
+
+    def rank_and_alpha(self, path: str) -> tuple[int, int | float]:
+        """PEFT's `rank_pattern`/`alpha_pattern` for the module at `path`: the first key
+        that matches the path's end, else `r`/`lora_alpha`."""
+
+        def lookup(patterns: Mapping[str, Any], default: Any) -> Any:
+            for pattern, value in patterns.items():
+                if re.match(rf"(.*\.)?({pattern})$", path):
+                    return value
+            return default
+
+        return lookup(self.rank_pattern, self.r), lookup(self.alpha_pattern, self.lora_alpha)
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if self.use_dora and not isinstance(layer, eqx.nn.Linear):
+            return (
+                f"DoRA (use_dora=True) adapts Linear layers only; {path!r} is an "
+                f"eqx.nn.{type(layer).__name__}. Exclude it (exclude_modules) or use plain LoRA."
+            )
+        return None
+
+    def for_loading(self) -> "LoraConfig":
+        return dataclasses.replace(self, init_lora_weights=True)
+
+    def combined(
+        self,
+        configs: Sequence[AbstractAdapterConfig],
+        names: Sequence[str],
+        combination_type: str,
+        svd_rank: int | None,
+    ) -> "LoraConfig":
+        """PEFT's rule: `r = lora_alpha` the new rank (`"linear"`: the common rank, `"cat"`:
+        their sum, `"svd"`: `svd_rank`, default the largest), no patterns."""
+        config = super().combined(configs, names, combination_type, svd_rank)
+        if any(c.use_dora for c in configs):
+            raise ValueError("add_weighted_adapter combines LoRA adapters, not DoRA ones.")
+        ranks = [max([c.r, *(c.rank_pattern or {}).values()]) for c in configs]
+        if combination_type == "linear" and len(set(ranks)) != 1:
+            raise ValueError(
+                f"combination_type 'linear' needs adapters of one rank, got r={ranks} for "
+                f"{list(names)}; use 'cat' or 'svd'."
+            )
+        rank = {"linear": ranks[0], "cat": sum(ranks), "svd": svd_rank or max(ranks)}[
+            combination_type
+        ]
+        return dataclasses.replace(
+            config, r=rank, lora_alpha=rank, rank_pattern={}, alpha_pattern={}
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -588,11 +811,55 @@ class IA3Config(AbstractAdapterConfig):
     feedforward_modules: str | list[str] | tuple[str, ...] | Predicate | None = None
     init_ia3_weights: bool = True
 
-    _PEFT_TYPE: ClassVar[str] = "IA3"
-    _KEYS: ClassVar[tuple[str, ...]] = _IA3_KEYS
+    toml_table: ClassVar[str | None] = "ia3"
+    combination_types: ClassVar[tuple[str, ...]] = ("linear",)
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = IA3_TARGET_MODULES
+    # PEFT keeps IA3's `feedforward_modules` a subset of `target_modules`: no condensing
+    condense_targets: ClassVar[bool] = False
+    peft_selects_layers: ClassVar[bool] = False
+    _KEYS: ClassVar[tuple[str, ...] | None] = _IA3_KEYS
     _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
 
     __hash__ = AbstractAdapterConfig.__hash__
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        return ia3(base, feedforward=layer.feedforward, key=None if self.init_ia3_weights else key)
+
+    def is_feedforward(self, path: str, layer: Any) -> bool:
+        ff = self.feedforward_modules
+        return bool(ff) and bool(peft_targets(ff)(path, layer))
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if not isinstance(layer, eqx.nn.Linear):
+            return f"IA3 adapts Linear layers only; {path!r} is an eqx.nn.{type(layer).__name__}."
+        return None
+
+    def with_model_defaults(self, model_type: str | None) -> "IA3Config":
+        config = super().with_model_defaults(model_type)
+        if self.feedforward_modules is not None:
+            return config
+        return dataclasses.replace(config, feedforward_modules=IA3_FEEDFORWARD_MODULES[model_type])
+
+    def combined(
+        self,
+        configs: Sequence[AbstractAdapterConfig],
+        names: Sequence[str],
+        combination_type: str,
+        svd_rank: int | None,
+    ) -> "IA3Config":
+        config = super().combined(configs, names, combination_type, svd_rank)
+        ff = [c.feedforward_modules for c in configs]
+        if all(isinstance(f, tuple) for f in ff):
+            return dataclasses.replace(config, feedforward_modules=tuple(sorted(set().union(*ff))))
+        return config
+
+    def as_saved(self, placed: Sequence[tuple[str, AbstractAdapter]]) -> dict[str, Any]:
+        changes = super().as_saved(placed)
+        if isinstance(self.feedforward_modules, Predicate) or "layers_to_transform" in changes:
+            changes["feedforward_modules"] = tuple(
+                path for path, a in placed if isinstance(a, IA3Array) and a.is_feedforward
+            )
+        return changes
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -605,63 +872,7 @@ class IA3Config(AbstractAdapterConfig):
             )
 
 
-_CLASSES: dict[str, type[AbstractAdapterConfig]] = {"LORA": LoraConfig, "IA3": IA3Config}
-_TOML_TABLES: dict[str, type[AbstractAdapterConfig]] = {"lora": LoraConfig, "ia3": IA3Config}
-
-
 # -- files ----------------------------------------------------------------------------------
-
-
-def read_text(path: str | os.PathLike[str], kind: str) -> str:
-    """The text of the `kind` file (`"TOML"`, `"JSON"`) at `path`, which must be a regular
-    file (a FIFO or device could block or never end) of UTF-8 text. `FileNotFoundError`
-    when it is missing, `ConfigFileError` for the rest, each naming the file."""
-    path = pathlib.Path(path)
-    if path.is_dir():
-        raise ConfigFileError(f"{path} is a directory, not a {kind} file.")
-    if not path.exists():
-        raise FileNotFoundError(f"No such file: {str(path)!r}.")
-    if not path.is_file():
-        raise ConfigFileError(
-            f"{path} is not a regular file (a device, pipe or socket); name a {kind} file."
-        )
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigFileError(
-            f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-            f"{kind} files are UTF-8."
-        ) from None
-
-
-def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The tables of the TOML file at `path` (see `read_text` for the file checks); a
-    syntax error names `file:line`."""
-    text = read_text(path, "TOML")
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        line = re.search(r"at line (\d+)", str(e))
-        where = f"{path}:{line.group(1)}" if line else str(path)
-        raise ConfigFileError(f"{where}: invalid TOML: {e}") from None
-    except RecursionError:
-        raise ConfigFileError(
-            f"{path}: invalid TOML: arrays or tables nested too deep to read."
-        ) from None
-
-
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """The value in the JSON file at `path` (see `read_text` for the file checks)."""
-    text = read_text(path, "JSON")
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ConfigFileError(
-            f"{path} is not valid JSON: arrays or objects nested too deep to read."
-        ) from None
-    except ValueError as e:  # JSONDecodeError, or an integer of over 4300 digits
-        raise ConfigFileError(f"{path} is not valid JSON: {e}") from None
 
 
 def _read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -688,13 +899,13 @@ def _from_mapping(d: Mapping[str, Any], where: str) -> AbstractAdapterConfig:
     if "peft_type" not in d:
         raise ValueError(
             f"{where} has no `peft_type`, so its adapter type is unknown. Add "
-            f'`"peft_type": "LORA"` (or one of {list(_CLASSES)}), or load it with '
+            f'`"peft_type": "LORA"` (or one of {list(CONFIG_CLASSES)}), or load it with '
             "LoraConfig.from_dict / IA3Config.from_dict."
         )
-    cls = _CLASSES.get(d["peft_type"])
+    cls = CONFIG_CLASSES.get(d["peft_type"])
     if cls is None:
         raise ValueError(
-            f"{where} has `peft_type` {d['peft_type']!r}; peftx supports {list(_CLASSES)}."
+            f"{where} has `peft_type` {d['peft_type']!r}; peftx supports {list(CONFIG_CLASSES)}."
         )
     return cls.from_dict(d)
 
@@ -763,7 +974,7 @@ def from_toml(path: str | os.PathLike[str]) -> AbstractAdapterConfig:
     ```
     """
     data = read_toml(path)
-    tables = [name for name in _TOML_TABLES if name in data]
+    tables = [name for name in TOML_TABLES if name in data]
     if len(tables) != 1:
         raise ValueError(
             f"{str(path)!r} must have exactly one adapter table, [lora] or [ia3]; it has "
@@ -773,4 +984,4 @@ def from_toml(path: str | os.PathLike[str]) -> AbstractAdapterConfig:
     table = data[tables[0]]
     if not isinstance(table, dict):
         raise TypeError(f"`{tables[0]}` in {str(path)!r} must be a table, got {table!r}.")
-    return _TOML_TABLES[tables[0]].from_dict(table, strict=True)
+    return TOML_TABLES[tables[0]].from_dict(table, strict=True)

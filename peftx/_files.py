@@ -1,5 +1,7 @@
-"""How peftx writes files: under temporary names, moved into place whole, with the user's
-umask, never deleting what peftx did not write.
+"""How peftx reads and writes files. Text files (TOML, JSON) are read whole, checked to be
+regular UTF-8 files, and their errors name the file. Files are written under temporary
+names, moved into place whole, with the user's umask, never deleting what peftx did not
+write.
 
 A save of several files (a sharded checkpoint, an adapter's config and weights, a
 fine-tuning run) is written into a new directory beside its target, and that directory
@@ -13,12 +15,17 @@ import contextlib
 import ctypes
 import errno
 import glob
+import json
 import os
 import re
 import shutil
 import tempfile
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+from ._errors import ConfigFileError
 
 TMP_SUFFIX = ".peftx-tmp"
 # `.{target}.peftx-{new|old}-{pid}-{random}`: beside a directory being replaced
@@ -231,3 +238,55 @@ def replaced_directory(
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
+
+
+def read_text(path: str | os.PathLike[str], kind: str) -> str:
+    """The text of the `kind` file (`"TOML"`, `"JSON"`) at `path`, which must be a regular
+    file (a FIFO or device could block or never end) of UTF-8 text. `FileNotFoundError`
+    when it is missing, `ConfigFileError` for the rest, each naming the file."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigFileError(f"{path} is a directory, not a {kind} file.")
+    if not path.exists():
+        raise FileNotFoundError(f"No such file: {str(path)!r}.")
+    if not path.is_file():
+        raise ConfigFileError(
+            f"{path} is not a regular file (a device, pipe or socket); name a {kind} file."
+        )
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(
+            f"{path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            f"{kind} files are UTF-8."
+        ) from None
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The tables of the TOML file at `path` (see `read_text` for the file checks); a
+    syntax error names `file:line`."""
+    text = read_text(path, "TOML")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        line = re.search(r"at line (\d+)", str(e))
+        where = f"{path}:{line.group(1)}" if line else str(path)
+        raise ConfigFileError(f"{where}: invalid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigFileError(
+            f"{path}: invalid TOML: arrays or tables nested too deep to read."
+        ) from None
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """The value in the JSON file at `path` (see `read_text` for the file checks)."""
+    text = read_text(path, "JSON")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ConfigFileError(
+            f"{path} is not valid JSON: arrays or objects nested too deep to read."
+        ) from None
+    except ValueError as e:  # JSONDecodeError, or an integer of over 4300 digits
+        raise ConfigFileError(f"{path} is not valid JSON: {e}") from None

@@ -7,7 +7,7 @@ import json
 import os
 import pathlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -19,8 +19,8 @@ from ._config import CONFIG_NAME, load_config
 from ._errors import CheckpointError, TargetNotFoundError
 from ._files import replaced_directory
 from ._select import Predicate, Selection, dotted, select
-from ._targets import layer_paths, model_type_of, name_or_path_of
-from .adapters import AdapterSet, DoraArray, IA3Array, LoraArray, LoraEmbeddingArray
+from ._targets import layer_paths, model_type_of, name_or_path_of, stored_transposed
+from .adapters import AbstractAdapter, AdapterSet
 from .models._checkpoint import (
     ARCHITECTURES,
     Architecture,
@@ -34,21 +34,6 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 TORCH_WEIGHTS_NAME = "adapter_model.bin"
 PREFIX = "base_model.model."
 
-# How PEFT names each trained field in its files (the adapter name removed).
-_FILE_NAMES = {
-    "lora_A": "lora_A.weight",
-    "lora_B": "lora_B.weight",
-    "lora_magnitude_vector": "lora_magnitude_vector",
-    "ia3_l": "ia3_l",
-    "lora_embedding_A": "lora_embedding_A",
-    "lora_embedding_B": "lora_embedding_B",
-}
-_FIELDS = {
-    LoraArray: ("lora_A", "lora_B"),
-    DoraArray: ("lora_A", "lora_B", "lora_magnitude_vector"),
-    IA3Array: ("ia3_l",),
-    LoraEmbeddingArray: ("lora_embedding_A", "lora_embedding_B"),
-}
 # PEFT's `EMBEDDING_LAYER_NAMES`: naming one of these in `target_modules` makes PEFT save the
 # base weight of the adapted input and output embeddings beside the adapter.
 _EMBEDDING_TARGETS = ("embed_tokens", "lm_head")
@@ -108,11 +93,20 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
     config = peft_model.peft_config[name]
     out: list[_Tensor] = []
 
-    def add(path: str, suffix: str, where: Callable, value: Any, embedding: str | None = None):
+    def add(
+        path: str,
+        suffix: str,
+        where: Callable,
+        value: Any,
+        embedding: str | None = None,
+        flip: bool | None = None,
+    ) -> None:
+        """One tensor; `flip` says whether the file stores it transposed (by default, as
+        the architecture's checkpoints store a base layer's weight)."""
         paths = layer_paths(path)
         keys = tuple(f"{p}.{suffix}" for p in paths)
-        flip = suffix not in _FILE_NAMES.values() and arch is not None
-        flip = flip and is_transposed(arch, keys[0])
+        if flip is None:
+            flip = arch is not None and is_transposed(arch, keys[0])
         out.append(_Tensor(keys, where, value, paths != [path], flip, embedding))
 
     layers = _adapted(peft_model, name)
@@ -121,14 +115,16 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
     for k, (path, layer) in enumerate(zip(layers.paths(), layers.get())):
         module = path.removeprefix("base_model.")
         adapter = layer.weight.adapters[name]
-        for field in _FIELDS[type(adapter)]:
+        kind = type(adapter)
+        for field, key in kind.peft_keys.items():
             add(
                 module,
-                _FILE_NAMES[field],
+                key,
                 lambda m, c, k=k, f=field: getattr(
                     _memo(c, get_layers, m)[k].weight.adapters[name], f
                 ),
                 getattr(adapter, field),
+                flip=field in kind.file_transposed,
             )
         if getattr(layer, "bias", None) is not None and config_bias(config) != "none":
             add(
@@ -304,40 +300,27 @@ def save_adapters(
 def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:
     """The config as PEFT writes it after injecting the adapter: `"all-linear"` (and a
     predicate) expanded to the adapted modules' names, a long list condensed to suffixes,
-    `fan_in_fan_out` set for transposed (Conv1D) targets, `inference_mode` true. An IA3
-    config with `layers_to_transform` (a peftx extension) names the adapted modules
-    instead, so PEFT adapts the same ones."""
+    `fan_in_fan_out` set for transposed (Conv1D) targets, `inference_mode` true; the
+    kind's own changes are its config's (`as_saved`)."""
     config = peft_model.peft_config[name]
     base = peft_model.disable_adapters()
     arch = _arch(base)
     layers = _adapted(peft_model, name)
-    adapted = sorted(q for p in layers.paths() for q in layer_paths(p.removeprefix("base_model.")))
-    changes: dict[str, Any] = {"inference_mode": True}
-    target = config.target_modules
-    # PEFT's IA3Config has no layer selection: name the chosen layers' modules instead
-    ia3_layers = config.peft_type == "IA3" and config.layers_to_transform is not None
-    if target == "all-linear" or isinstance(target, Predicate) or ia3_layers:
-        target = tuple(adapted)
-        changes["target_modules"] = target
-    if isinstance(config.exclude_modules, Predicate):
-        changes["exclude_modules"] = None
-    if isinstance(target, tuple) and len(target) >= _CONDENSE_FROM and config.peft_type != "IA3":
+    placed = sorted(
+        (
+            (q, layer.weight.adapters[name])
+            for p, layer in zip(layers.paths(), layers.get())
+            for q in layer_paths(p.removeprefix("base_model."))
+        ),
+        key=lambda pair: pair[0],
+    )
+    adapted = [path for path, _ in placed]
+    changes: dict[str, Any] = {"inference_mode": True, **config.as_saved(placed)}
+    target = changes.get("target_modules", config.target_modules)
+    if isinstance(target, tuple) and len(target) >= _CONDENSE_FROM and config.condense_targets:
         others = {q for p in select(base).paths() for q in layer_paths(p) if q not in set(target)}
         others = {o for o in others if not any(o.endswith("." + t) for t in target)}
         changes["target_modules"] = tuple(sorted(_condensed(target, others)))
-    if ia3_layers:
-        changes.update(layers_to_transform=None, layers_pattern=None)
-    if config.peft_type == "IA3" and (
-        isinstance(config.feedforward_modules, Predicate) or ia3_layers
-    ):
-        changes["feedforward_modules"] = tuple(
-            sorted(
-                q
-                for p, n in zip(layers.paths(), layers.get())
-                if n.weight.adapters[name].is_feedforward
-                for q in layer_paths(p.removeprefix("base_model."))
-            )
-        )
     if any(stored_transposed(base, p) for p in adapted):
         changes["fan_in_fan_out"] = True
     data = dataclasses.replace(config, **changes).to_dict()
@@ -352,13 +335,6 @@ def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:
                 "parent_library": f"transformers.models.{model_type}.modeling_{model_type}",
             }
     return data
-
-
-def stored_transposed(model: Any, path: str) -> bool:
-    """Whether the checkpoints of `model`'s architecture store the weight of the module at
-    `path` transposed: GPT-2's Conv1D, on which PEFT sets `fan_in_fan_out=True`."""
-    arch = _arch(model)
-    return arch is not None and all(is_transposed(arch, f"{q}.weight") for q in layer_paths(path))
 
 
 def _condensed(targets: Sequence[str], others: set[str]) -> set[str]:
@@ -411,14 +387,9 @@ def load_adapter_into(
     _check_belongs(stored, base, folder, origin)
     # PEFT's initializers that change the base (PiSSA) must not run: the weights come
     # from the file.
-    init = {"init_lora_weights": True} if hasattr(config, "init_lora_weights") else {}
+    skeleton_config = config.for_loading()
     try:
-        skeleton = peft_model._add(
-            adapter_name,
-            dataclasses.replace(config, **init),
-            jax.random.key(0),
-            model_type,
-        )
+        skeleton = peft_model._add(adapter_name, skeleton_config, jax.random.key(0), model_type)
     except TargetNotFoundError:
         raise CheckpointError(
             f"{folder / CONFIG_NAME} does not fit this model: its target_modules "
@@ -432,7 +403,13 @@ def load_adapter_into(
         skeleton,
         [v for _, v in values],
     )
-    resolved = dataclasses.replace(skeleton.peft_config[adapter_name], **_original(config))
+    # the config as the file has it, with what `_add` resolved (default targets)
+    restored = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != getattr(skeleton_config, f.name)
+    }
+    resolved = dataclasses.replace(skeleton.peft_config[adapter_name], **restored)
     return dataclasses.replace(loaded, configs=(*peft_model.configs, (adapter_name, resolved)))
 
 
@@ -463,16 +440,25 @@ def _origin(config: Any, base: Any) -> str:
     return said + (f"; this model was loaded from {here!r}." if here else ".")
 
 
-# A key's tensor name after its module path (PEFT's adapter tensors, and the base
-# layer's own weight and bias it saves beside them)
-_MODULE_SUFFIXES = tuple(f".{n}" for n in (*_FILE_NAMES.values(), "base_layer.weight")) + (
-    ".base_layer.bias",
-)
+def _tensor_names() -> list[str]:
+    """A key's tensor names after its module path, longest first: those every adapter kind
+    defined so far declares (`peft_keys`, a kind defined outside peftx too), and the base
+    layer's own weight and bias that PEFT saves beside them."""
+    names, kinds = {"base_layer.weight", "base_layer.bias"}, [AbstractAdapter]
+    while kinds:
+        kind = kinds.pop()
+        kinds.extend(kind.__subclasses__())
+        keys = getattr(kind, "peft_keys", None)
+        if isinstance(keys, Mapping):
+            names |= set(keys.values())
+    return sorted(names, key=len, reverse=True)
 
 
-def _module_of(key: str) -> str:
-    """The module path a key of an adapter file (without `PREFIX`) belongs to."""
-    for suffix in _MODULE_SUFFIXES:
+def _module_of(key: str, names: list[str]) -> str:
+    """The module path a key of an adapter file (without `PREFIX`) belongs to, given the
+    tensor names that may end it (`_tensor_names()`)."""
+    for name in names:
+        suffix = "." + name
         if key.endswith(suffix):
             return key.removesuffix(suffix)
     # a `modules_to_save` copy's array, or a bias saved with `bias="all"`
@@ -485,7 +471,8 @@ def _check_belongs(
 ) -> None:
     """Refuse an adapter most of whose modules this model does not have: one made for
     another architecture. (A few stray keys are left to `_match`, which lists them.)"""
-    modules = {_module_of(k.removeprefix(PREFIX)) for k in stored if k.startswith(PREFIX)}
+    names = _tensor_names()
+    modules = {_module_of(k.removeprefix(PREFIX), names) for k in stored if k.startswith(PREFIX)}
     present = {q for p in select(base).paths() for q in layer_paths(p)}
     arch = _arch(base)
     to_file = key_mapper(arch, present, modules) if arch else lambda k: k
@@ -496,12 +483,6 @@ def _check_belongs(
             f"{len(modules)} modules it adapts are not in this {type(base).__name__} "
             f"({listing(absent, 4)}). {origin} Load it on the model it was made for."
         )
-
-
-def _original(config: Any) -> dict[str, Any]:
-    if hasattr(config, "init_lora_weights"):
-        return {"init_lora_weights": config.init_lora_weights}
-    return {}
 
 
 def _adapter_folder(directory: pathlib.Path, adapter_name: str) -> pathlib.Path:

@@ -2,7 +2,6 @@
 
 import dataclasses
 import difflib
-import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -15,42 +14,16 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._errors import UnknownAdapterError
-from ._peft_io import load_adapter_into, save_adapters, stored_transposed
+from ._peft_io import load_adapter_into, save_adapters
 from ._select import Predicate, dotted, of_type, peft_targets, require_matches, select
-from ._targets import (
-    ADAPTABLE,
-    layer_paths,
-    name_or_path_of,
-    rank_and_alpha,
-    targets,
-    with_defaults,
-)
-from .adapters import (
-    AdapterSet,
-    DoraArray,
-    IA3Array,
-    Int8Array,
-    LoraArray,
-    LoraEmbeddingArray,
-    NF4Array,
-    detach,
-    dora,
-    ia3,
-    lora,
-    lora_embedding,
-    merge,
-)
+from ._targets import ADAPTABLE, AdaptedLayer, layer_paths, name_or_path_of, targets
+from .adapters import AbstractWeight, AdapterSet, detach, merge
+from .adapters._kind import trained_fields
 from .implicit import use_implicit_args
 
 BASE = "__base__"
 """The name that routes an example of a mixed batch to the base model (PEFT's)."""
 
-_TRAINED_FIELDS = {
-    LoraArray: ("lora_A", "lora_B"),
-    DoraArray: ("lora_A", "lora_B", "lora_magnitude_vector"),
-    IA3Array: ("ia3_l",),
-    LoraEmbeddingArray: ("lora_embedding_A", "lora_embedding_B"),
-}
 CombinationType = Literal["svd", "linear", "cat"]
 
 
@@ -140,7 +113,7 @@ class PeftModel(eqx.Module):
         else:
             active, gate = self._route(adapter_names)
             model = _map_layers(self, lambda layer: _gated(layer, gate, active))
-        return _map_layers(self._with_saved(model.base_model, active, gate), _scale_ia3_bias)
+        return _map_layers(self._with_saved(model.base_model, active, gate), _scale_bias)
 
     def _with_saved(self, model: Any, active: tuple[str, ...], gate: Array | None) -> Any:
         """`model` with the `modules_to_save` copies of the `active` adapters in place:
@@ -220,7 +193,7 @@ class PeftModel(eqx.Module):
             flags = jax.tree.map(lambda _: False, s)
             for name in names:
                 if name in s.adapters:
-                    fields = _TRAINED_FIELDS[type(s.adapters[name])]
+                    fields = trained_fields(s.adapters[name])
                     flags = eqx.tree_at(
                         lambda f, name=name: [getattr(f.adapters[name], x) for x in fields],
                         flags,
@@ -423,35 +396,19 @@ class PeftModel(eqx.Module):
                 f"the adapters {list(adapters)} each have their own copy of {sorted(shared)} "
                 "(modules_to_save), which cannot be combined (PEFT's rule)."
             )
+        kind = configs[0]
+        if not kind.combination_types:
+            raise ValueError(f"{kind.peft_type} adapters cannot be combined.")
         if combination_type is None:
-            combination_type = "linear" if self.peft_type == "IA3" else "svd"
+            combination_type = kind.combination_types[0]
         combination_type = "linear" if len(adapters) == 1 else combination_type
-        if self.peft_type == "IA3":
-            if combination_type != "linear":
-                raise ValueError(
-                    f"IA3 adapters combine linearly only; got combination_type "
-                    f"{combination_type!r}."
-                )
-            new_rank = None
-        else:
-            if any(c.use_dora for c in configs):
-                raise ValueError("add_weighted_adapter combines LoRA adapters, not DoRA ones.")
-            ranks = [max([c.r, *(c.rank_pattern or {}).values()]) for c in configs]
-            if combination_type == "linear" and len(set(ranks)) != 1:
-                raise ValueError(
-                    f"combination_type 'linear' needs adapters of one rank, got r={ranks} for "
-                    f"{list(adapters)}; use 'cat' or 'svd'."
-                )
-            new_rank = {"linear": ranks[0], "cat": sum(ranks), "svd": svd_rank or max(ranks)}[
-                combination_type
-            ]
-        config = _combined_config(configs, new_rank)
+        config = kind.combined(configs, list(adapters), combination_type, svd_rank)
 
         def combine(s: AdapterSet) -> AdapterSet:
             present = [(s.adapter(a), w) for a, w in zip(adapters, weights) if a in s.adapters]
             if not present:
                 return s
-            new = _combine(present, combination_type, new_rank, config)
+            new = type(present[0][0]).weighted(present, combination_type, config)
             return AdapterSet(s.weight, {**s.adapters, adapter_name: detach(new)}, s.gate, s.active)
 
         model = _map_sets(self, combine)
@@ -488,7 +445,7 @@ class PeftModel(eqx.Module):
                 if name not in s.adapters:
                     continue
                 one = AdapterSet(layer.weight, {name: s.adapters[name]}, None, (name,))
-                layer = _scale_ia3_bias(eqx.tree_at(lambda m: m.weight, layer, one))
+                layer = _scale_bias(eqx.tree_at(lambda m: m.weight, layer, one))
                 layer = eqx.tree_at(lambda m: m.weight, layer, merge(one))
                 if safe_merge:
                     _check_finite(layer, path, name)
@@ -546,18 +503,14 @@ class PeftModel(eqx.Module):
                 f"this model's adapters are {self.peft_type}; a {config.peft_type} adapter "
                 "cannot join them (as in PEFT). Start from the base model (`unload()`)."
             )
-        config = with_classifier(with_defaults(config, self.base_model, model_type))
+        found = targets(self.base_model, with_classifier(config), model_type=model_type)
+        config = found.config
         if config.base_model_name_or_path is None:
             # PEFT's record of the base model, which `AutoPeftModel` loads the adapter on
             path = name_or_path_of(self.base_model)
             config = dataclasses.replace(config, base_model_name_or_path=path)
-        selection = targets(self.base_model, config)
-        model = selection.model  # stacks split where the chosen modules change
-        layers = list(zip(selection.paths(), selection.get()))
         if config.fan_in_fan_out and not all(
-            stored_transposed(self.base_model, p)
-            for p, layer in layers
-            if isinstance(layer, eqx.nn.Linear)
+            t.transposed for t in found.layers if isinstance(t.layer, eqx.nn.Linear)
         ):
             # PEFT's rule for torch.nn.Linear targets, whose weights are (out, in) like
             # ours; GPT-2's Conv1D weights are transposed on loading, so the flag holds
@@ -567,22 +520,22 @@ class PeftModel(eqx.Module):
                 UserWarning,
                 stacklevel=3,
             )
-        keys = jax.random.split(key, len(layers))
+        keys = jax.random.split(key, len(found.layers))
         active = self.active_adapter if self.configs else adapter_name
         placed = []
-        for (path, layer), k in zip(layers, keys):
-            current = layer.weight
+        for target, k in zip(found.layers, keys):
+            current = target.layer.weight
             base = current.weight if _is_set(current) else current
-            adapter = detach(_stacked(config, path, layer, base, k))
+            adapter = detach(_stacked(config, target, base, k))
             if _is_set(current):
                 s = AdapterSet(base, {**current.adapters, adapter_name: adapter}, None, (active,))
             else:
                 s = AdapterSet(base, {adapter_name: adapter}, None, (active,))
-            placed.append(eqx.tree_at(lambda m: m.weight, layer, s))
-        where = selection.where_fn()
+            placed.append(eqx.tree_at(lambda m: m.weight, target.layer, s))
+        # on the model with its stacks split where the chosen modules change
         return PeftModel(
-            eqx.tree_at(where, model, placed),
-            {**self.saved_modules, **_saved_copies(model, config, adapter_name)},
+            eqx.tree_at(found.where_fn(), found.model, placed),
+            {**self.saved_modules, **_saved_copies(found.model, config, adapter_name)},
             (*self.configs, (adapter_name, config)),
             active,
         )
@@ -614,26 +567,19 @@ def _saved_copies(model: Any, config: Any, adapter_name: str) -> dict[str, dict[
 
 
 def _count(tree: Any) -> int:
-    """Parameters in `tree`, as PEFT counts them: floating-point arrays, a 4-bit weight as
-    two values per stored byte and an int8 weight by its codes (their scales are not
-    parameters); DoRA's kept base norms are not parameters either (PEFT has no such
-    tensor)."""
+    """Parameters in `tree`, as PEFT counts them: floating-point arrays, and each implicit
+    weight by its own count (a 4-bit weight as two values per stored byte, an adapter by
+    its trained arrays)."""
 
-    def is_special(x: Any) -> bool:
-        return isinstance(x, DoraArray | NF4Array | Int8Array)
+    def is_weight(x: Any) -> bool:
+        return isinstance(x, AbstractWeight)
 
     def size(x: Any) -> int:
-        if isinstance(x, NF4Array):
-            return 0 if x.packed is None else 2 * x.packed.size  # None: a frozen half
-        if isinstance(x, Int8Array):
-            return 0 if x.codes is None else x.codes.size
-        if isinstance(x, DoraArray):
-            fields = dataclasses.fields(x)
-            parts = [getattr(x, f.name) for f in fields if f.name != "weight_sq_norm"]
-            return sum(size(y) for y in jax.tree.leaves(parts, is_leaf=is_special))
+        if is_weight(x):
+            return x.num_parameters()
         return x.size if eqx.is_inexact_array(x) else 0
 
-    return sum(size(x) for x in jax.tree.leaves(tree, is_leaf=is_special))
+    return sum(size(x) for x in jax.tree.leaves(tree, is_leaf=is_weight))
 
 
 def partition(model: PeftModel, adapters: Sequence[str] | None = None) -> tuple[Any, Any]:
@@ -680,39 +626,15 @@ def get_peft_model(
     return PeftModel(model, {}, (), adapter_name)._add(adapter_name, config, key, model_type)
 
 
-def _stacked(config: Any, path: str, layer: Any, base: Any, key: PRNGKeyArray) -> Any:
-    """`_adapter(config, path, layer, base, key)` for each layer of a stack: layers made with
+def _stacked(config: Any, target: AdaptedLayer, base: Any, key: PRNGKeyArray) -> Any:
+    """`config.build(base, target, key=key)` for each layer of a stack: layers made with
     `eqx.filter_vmap` carry leading axes on their weights, each gets its own adapter."""
+    layer = target.layer
     kernel_ndim = layer.num_spatial_dims if isinstance(layer, eqx.nn.Conv) else 0
     if len(base.shape) == 2 + kernel_ndim:
-        return _adapter(config, path, layer, base, key)
+        return config.build(base, target, key=key)
     keys = jax.random.split(key, base.shape[0])
-    return eqx.filter_vmap(lambda b, k: _stacked(config, path, layer, b, k))(base, keys)
-
-
-def _adapter(config: Any, path: str, layer: Any, base: Any, key: PRNGKeyArray) -> Any:
-    if config.peft_type == "IA3":
-        ff = config.feedforward_modules or []
-        is_ff = bool(peft_targets(ff)(path, layer)) if ff else False
-        return ia3(base, feedforward=is_ff, key=None if config.init_ia3_weights else key)
-    r, alpha = rank_and_alpha(config, layer_paths(path)[0])
-    init = {True: "default", False: "random"}.get(
-        config.init_lora_weights, config.init_lora_weights
-    )
-    if isinstance(layer, eqx.nn.Embedding):
-        return lora_embedding(
-            base, r=r, lora_alpha=alpha, init=init, use_rslora=config.use_rslora, key=key
-        )
-    adapter = lora(
-        base,
-        r=r,
-        lora_alpha=alpha,
-        init=init,
-        use_rslora=config.use_rslora,
-        lora_dropout=config.lora_dropout,
-        key=key,
-    )
-    return dora(adapter) if config.use_dora else adapter
+    return eqx.filter_vmap(lambda b, k: _stacked(config, target, b, k))(base, keys)
 
 
 def _check_finite(layer: Any, path: str, adapter_name: str) -> None:
@@ -745,17 +667,13 @@ def _gated(layer: Any, gate: Array, active: tuple[str, ...]) -> Any:
     return eqx.tree_at(lambda m: m.weight, layer, AdapterSet(s.weight, s.adapters, gate, active))
 
 
-def _scale_ia3_bias(layer: Any) -> Any:
-    """`layer` with its bias scaled by its active output-side IA3 scales (PEFT scales the
-    whole output of the layer, bias included)."""
+def _scale_bias(layer: Any) -> Any:
+    """`layer` with its bias scaled as its active adapters ask (`bias_scale`: IA3 on the
+    output features, as PEFT scales the whole output of the layer, bias included)."""
     s = layer.weight
     if getattr(layer, "bias", None) is None:
         return layer
-    scaled = [
-        (k, s.adapters[n].ia3_l[..., 0])
-        for k, n in s.used()
-        if isinstance(s.adapters[n], IA3Array) and not s.adapters[n].is_feedforward
-    ]
+    scaled = [(k, scale) for k, n in s.used() if (scale := s.adapters[n].bias_scale()) is not None]
     if not scaled:
         return layer
     if s.gate is not None and s.gate.ndim > 1:
@@ -765,90 +683,8 @@ def _scale_ia3_bias(layer: Any) -> Any:
             "example (`adapter_ids`)."
         )
     bias = layer.bias
-    scale = jnp.ones(bias.shape, bias.dtype)
-    for k, l_vec in scaled:
+    factor = jnp.ones(bias.shape, bias.dtype)
+    for k, scale in scaled:
         g = 1.0 if s.gate is None else s.gate[k].astype(bias.dtype)
-        scale = scale + g * (l_vec.astype(bias.dtype) - 1)
-    return eqx.tree_at(lambda m: m.bias, layer, bias * scale)
-
-
-def _combined_config(configs: list[Any], new_rank: int | None) -> Any:
-    """PEFT's config for a weighted adapter: the first config, targets united, and for
-    LoRA `r = lora_alpha = new_rank` without patterns."""
-    targets = [c.target_modules for c in configs]
-    if all(isinstance(t, str) for t in targets):
-        target: Any = "|".join(f"({t})" for t in targets)
-    elif all(isinstance(t, tuple) for t in targets):
-        target = tuple(sorted(set().union(*targets)))
-    elif all(isinstance(t, Predicate) for t in targets):
-        target = targets[0]
-        for t in targets[1:]:
-            target = target | t
-    else:
-        raise ValueError(
-            "the adapters' target_modules mix forms (names, a regex, a predicate); PEFT cannot "
-            "combine those either."
-        )
-    if new_rank is None:
-        ff = [c.feedforward_modules for c in configs]
-        ff_union = (
-            tuple(sorted(set().union(*ff))) if all(isinstance(f, tuple) for f in ff) else ff[0]
-        )
-        return dataclasses.replace(configs[0], target_modules=target, feedforward_modules=ff_union)
-    return dataclasses.replace(
-        configs[0],
-        r=new_rank,
-        lora_alpha=new_rank,
-        target_modules=target,
-        rank_pattern={},
-        alpha_pattern={},
-    )
-
-
-def _combine(
-    present: list[tuple[Any, float]], combination_type: str, new_rank: int | None, config: Any
-) -> Any:
-    first = present[0][0]
-    if isinstance(first, IA3Array):
-        ia3_l = sum(w * a.ia3_l for a, w in present)
-        return IA3Array(first.weight, ia3_l.astype(first.ia3_l.dtype))
-    factors = [(_factors(a), a.scaling, w) for a, w in present]
-    dtype = factors[0][0][0].dtype
-    if combination_type == "linear":
-        a_new = sum(math.copysign(math.sqrt(abs(w * s)), w * s) * a for (a, _), s, w in factors)
-        b_new = sum(math.sqrt(abs(w * s)) * b for (_, b), s, w in factors)
-    elif combination_type == "cat":
-        a_new = jnp.concatenate([w * s * a for (a, _), s, w in factors], axis=0)
-        b_new = jnp.concatenate([b for (_, b), _, _ in factors], axis=1)
-        pad = new_rank - a_new.shape[0]  # adapters missing here leave zero rows, as in PEFT
-        a_new = jnp.pad(a_new, [(0, pad)] + [(0, 0)] * (a_new.ndim - 1))
-        b_new = jnp.pad(b_new, [(0, 0), (0, pad)] + [(0, 0)] * (b_new.ndim - 2))
-    else:
-        a_shape, b_shape = factors[0][0][0].shape[1:], factors[0][0][1].shape
-        delta = sum(
-            w * s * b.reshape(b.shape[0], -1) @ a.reshape(a.shape[0], -1)
-            for (a, b), s, w in factors
-        )
-        u, sv, vh = jnp.linalg.svd(delta.astype(jnp.float32), full_matrices=False)
-        a_new = vh[:new_rank].reshape(new_rank, *a_shape)
-        b_new = (u[:, :new_rank] * sv[None, :new_rank]).reshape(b_shape[0], new_rank, *b_shape[2:])
-    a_new, b_new = a_new.astype(dtype), b_new.astype(dtype)
-    if isinstance(first, LoraEmbeddingArray):
-        return LoraEmbeddingArray(
-            first.weight, a_new, b_new, lora_alpha=new_rank, use_rslora=config.use_rslora
-        )
-    return LoraArray(
-        first.weight,
-        a_new,
-        b_new,
-        lora_alpha=new_rank,
-        use_rslora=config.use_rslora,
-        lora_dropout=config.lora_dropout,
-    )
-
-
-def _factors(adapter: Any) -> tuple[Array, Array]:
-    """`(A, B)` in PEFT's roles: `ΔW = s·B·A` (for embeddings, `ΔWᵀ`)."""
-    if isinstance(adapter, LoraEmbeddingArray):
-        return adapter.lora_embedding_A, adapter.lora_embedding_B
-    return adapter.lora_A, adapter.lora_B
+        factor = factor + g * (scale.astype(bias.dtype) - 1)
+    return eqx.tree_at(lambda m: m.bias, layer, bias * factor)

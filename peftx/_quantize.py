@@ -11,7 +11,7 @@ from typing import Any, Literal
 import equinox as eqx
 import jax.numpy as jnp
 
-from ._config import read_toml
+from ._files import read_toml
 from ._select import Predicate, of_type, peft_targets, select
 from ._targets import output_head
 from .adapters import quantize_int8, quantize_nf4

@@ -1,9 +1,10 @@
 """Which modules a config adapts: PEFT's target rules, its per-architecture defaults, the
-output head that `"all-linear"` leaves alone, and the checks on layer indices."""
+output head that `"all-linear"` leaves alone, and the checks on layer indices. `targets`
+resolves a config against a model once, into one `AdaptedLayer` record per layer; building
+and saving adapters read those records."""
 
 import dataclasses
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable, Hashable
@@ -24,6 +25,7 @@ from ._select import (
     suggest_names,
 )
 from ._spans import find_span, parse_span
+from .models._checkpoint import ARCHITECTURES, is_transposed
 from .models._stack import LayerStack, split_stack
 
 # PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
@@ -102,20 +104,47 @@ def with_defaults(config: Any, model: Any, model_type: str | None) -> Any:
     """`config` with PEFT's per-architecture `target_modules` when it has none."""
     if config.target_modules is not None:
         return config
-    model_type = model_type or model_type_of(model)
-    table = LORA_TARGET_MODULES if config.peft_type == "LORA" else IA3_TARGET_MODULES
-    if model_type not in table:
-        known = ", ".join(sorted(table))
-        raise ValueError(
-            f"target_modules is None and there is no {config.peft_type} default for model type "
-            f"{model_type!r} (read from `model.config.model_type` or the `model_type` argument). "
-            f"Defaults exist for: {known}. Otherwise name the modules, e.g. "
-            "target_modules=['q_proj', 'v_proj'], or use 'all-linear'."
-        )
-    changes: dict[str, Any] = {"target_modules": table[model_type]}
-    if config.peft_type == "IA3" and config.feedforward_modules is None:
-        changes["feedforward_modules"] = IA3_FEEDFORWARD_MODULES[model_type]
-    return dataclasses.replace(config, **changes)
+    return config.with_model_defaults(model_type or model_type_of(model))
+
+
+def stored_transposed(model: Any, path: str) -> bool:
+    """Whether the checkpoints of `model`'s architecture store the weight of the module at
+    `path` transposed: GPT-2's Conv1D, on which PEFT sets `fan_in_fan_out=True`."""
+    arch = ARCHITECTURES.get(model_type_of(model) or "")
+    return arch is not None and all(is_transposed(arch, f"{q}.weight") for q in layer_paths(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedLayer:
+    """One layer a config adapts, resolved once by `targets`; a config's `build` makes
+    its adapter from this record, and saving reads it back.
+
+    - `path`: the layer's dotted path; in a `LayerStack`, a segment's (`layers.0-3.mlp`),
+      whose layers share everything below.
+    - `layer`: the module (`eqx.nn.Linear`, `Conv` or `Embedding`).
+    - `rank`, `alpha`: LoRA's `r` and `lora_alpha` for it, `rank_pattern` and
+      `alpha_pattern` applied (None for kinds without them).
+    - `feedforward`: IA3's choice to scale the input features (`feedforward_modules`).
+    - `transposed`: its checkpoints store the weight `(in, out)` (GPT-2's Conv1D); ours
+      is `(out, in)` all the same.
+    """
+
+    path: str
+    layer: Any
+    rank: int | None
+    alpha: int | float | None
+    feedforward: bool
+    transposed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets(Selection):
+    """The layers a config adapts (a `Selection` of them, on the model with its stacks
+    split), with the config resolved for this model (PEFT's default `target_modules`
+    filled in) and one `AdaptedLayer` per selected layer, in the same order."""
+
+    config: Any = None
+    layers: tuple[AdaptedLayer, ...] = ()
 
 
 def output_head(model: Any) -> str | None:
@@ -154,8 +183,9 @@ def target_predicate(config: Any, model: Any) -> Predicate:
     return chosen
 
 
-def targets(model: Any, config: Any, *, model_type: str | None = None) -> Selection:
-    """The layers `get_peft_model(model, config)` would adapt, as a `Selection`: print
+def targets(model: Any, config: Any, *, model_type: str | None = None) -> Targets:
+    """The layers `get_peft_model(model, config)` would adapt, as a `Selection` that also
+    holds the resolved config and one `AdaptedLayer` record per layer (`.layers`): print
     `targets(model, config).table()` for a dry run.
 
     Inside a `LayerStack`, the rule is applied to each layer's own path (`layers.3.mlp`,
@@ -172,7 +202,12 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Select
     config = with_defaults(config, model, model_type)
     check_layers(config, model)
     predicate = target_predicate(config, model)
-    model = split_stacks(model, lambda p, n: rank_and_alpha(config, p) if predicate(p, n) else None)
+
+    def settings(path: str, node: Any) -> tuple[Any, ...]:
+        return (*config.rank_and_alpha(path), config.is_feedforward(path, node))
+
+    # a stack is cut where a layer's settings change, so each segment is adapted alike
+    model = split_stacks(model, lambda p, n: settings(p, n) if predicate(p, n) else None)
     target = config.target_modules
     wanted = (
         [target]
@@ -188,7 +223,17 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Select
     if isinstance(target, tuple):
         _warn_unmatched(modules, target)
     paths = set(_adaptable(chosen, config))
-    return chosen.at(Predicate(lambda p, n: p in paths, "adaptable targets"))
+    chosen = chosen.at(Predicate(lambda p, n: p in paths, "adaptable targets"))
+    layers = tuple(
+        AdaptedLayer(
+            path,
+            node,
+            *settings(layer_paths(path)[0], node),
+            transposed=stored_transposed(model, path),
+        )
+        for path, node in zip(chosen.paths(), chosen.get())
+    )
+    return Targets(chosen.model, chosen.matches, config, layers)
 
 
 def _warn_unmatched(modules: Selection, target: tuple[str, ...]) -> None:
@@ -233,26 +278,18 @@ def per_layer(predicate: Predicate) -> Predicate:
 
 
 def _adaptable(chosen: Selection, config: Any) -> list[str]:
-    peft_type = config.peft_type
     layers = []
     for path, node in zip(chosen.paths(), chosen.get()):
         if not isinstance(node, ADAPTABLE):
             if len(select(node).at(of_type(*ADAPTABLE))):
                 continue  # a container whose name matched; its layers are matched on their own
             raise UnsupportedTargetError(
-                f"target {path!r} is a {type(node).__name__}; {peft_type} adapts "
+                f"target {path!r} is a {type(node).__name__}; {config.peft_type} adapts "
                 "eqx.nn.Linear, eqx.nn.Conv and eqx.nn.Embedding layers."
             )
-        kind = type(node).__name__
-        if peft_type == "IA3" and not isinstance(node, eqx.nn.Linear):
-            raise UnsupportedTargetError(
-                f"IA3 adapts Linear layers only; {path!r} is an eqx.nn.{kind}."
-            )
-        if getattr(config, "use_dora", False) and not isinstance(node, eqx.nn.Linear):
-            raise UnsupportedTargetError(
-                f"DoRA (use_dora=True) adapts Linear layers only; {path!r} is an eqx.nn.{kind}. "
-                "Exclude it (exclude_modules) or use plain LoRA."
-            )
+        reason = config.unsupported(path, node)
+        if reason is not None:
+            raise UnsupportedTargetError(reason)
         layers.append(path)
     if not layers:
         raise UnsupportedTargetError(
@@ -260,23 +297,6 @@ def _adaptable(chosen: Selection, config: Any) -> list[str]:
             "or Embedding layer."
         )
     return layers
-
-
-def rank_and_alpha(config: Any, path: str) -> tuple[Any, Any]:
-    """PEFT's `rank_pattern`/`alpha_pattern` for the module at `path` (a layer's own
-    path): the first key that matches the path's end, else `r`/`lora_alpha`. `(None,
-    None)` for a config without ranks (IA3)."""
-
-    def lookup(patterns: dict | None, default: Any) -> Any:
-        for pattern, value in (patterns or {}).items():
-            if re.match(rf"(.*\.)?({pattern})$", path):
-                return value
-        return default
-
-    return (
-        lookup(getattr(config, "rank_pattern", None), getattr(config, "r", None)),
-        lookup(getattr(config, "alpha_pattern", None), getattr(config, "lora_alpha", None)),
-    )
 
 
 def split_stacks(model: Any, choice: Callable[[str, Any], Hashable | None]) -> Any:

@@ -6,8 +6,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .._config import read_toml as read_toml_file
 from .._errors import ConfigFileError
+from .._files import read_toml as read_toml_file
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
 

@@ -205,21 +205,21 @@ class Job:
         self.out = Path(out)
 
     def _config(self, kind: str, table: Any, where: str) -> Any:
-        from .._config import _TOML_TABLES
+        from .._config import TOML_TABLES
 
         if not isinstance(table, dict):
             raise UsageError(f"{where}: must be a table, got {table!r}")
         try:
-            return _TOML_TABLES[kind].from_dict(
+            return TOML_TABLES[kind].from_dict(
                 {"task_type": TASK_TYPES[self.model.task], **table}, strict=True
             )
         except (ValueError, TypeError) as e:
             raise UsageError(f"{where}: {e}") from None
 
     def _single(self, raw: dict[str, Any], path: Path) -> Adapter:
-        from .._config import _TOML_TABLES
+        from .._config import TOML_TABLES
 
-        tables = [t for t in _TOML_TABLES if t in raw]
+        tables = [t for t in TOML_TABLES if t in raw]
         if len(tables) != 1:
             raise UsageError(
                 f"{path}: a job needs exactly one adapter table, [lora] or [ia3] (or "
@@ -239,10 +239,10 @@ class Job:
 
     def _several(self, raw: dict[str, Any], path: Path) -> list[Adapter]:
         from .. import BASE
-        from .._config import _TOML_TABLES
+        from .._config import TOML_TABLES
 
         entries = raw["adapters"]
-        given = [t for t in _TOML_TABLES if t in raw]
+        given = [t for t in TOML_TABLES if t in raw]
         if given:
             raise UsageError(
                 f"{path}: [{given[0]}] and [[adapters]] are both given; a job has one adapter "
@@ -284,13 +284,13 @@ class Job:
                 raise UsageError(
                     f"{where}: name {name!r} is taken by [[adapters]][{taken.index(name) + 1}]"
                 )
-            kinds = [t for t in _TOML_TABLES if t in entry]
+            kinds = [t for t in TOML_TABLES if t in entry]
             if len(kinds) != 1:
                 raise UsageError(
                     f"{where}: needs exactly one of [adapters.lora] or [adapters.ia3], got "
                     f"{len(kinds)}"
                 )
-            first = [t for t in _TOML_TABLES if t in entries[0]][0]
+            first = [t for t in TOML_TABLES if t in entries[0]][0]
             if kinds[0] != first:
                 raise UsageError(
                     f"{where}: [adapters.{kinds[0]}] cannot join [adapters.{first}] in one model "

@@ -4,7 +4,6 @@ what each adapter would adapt, counted without reading a weight."""
 import argparse
 import dataclasses
 import json
-import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -117,38 +116,14 @@ def _stored_dtypes(path: Path) -> str:
     return ", ".join(f"{d} ({n} tensors)" for d, n in counts.most_common())
 
 
-def adapter_parameters(config: Any, path: str, layer: Any) -> int:
-    """The adapter parameters `config` puts on `layer` at `path` (each layer of a stack):
-    LoRA `r·(in + out)` (`+ out` for DoRA's magnitude), IA3 `out` (or `in` for a
-    feed-forward module)."""
-    from .._select import peft_targets
-    from .._targets import layer_paths, rank_and_alpha
-
-    total = 0
-    for one in layer_paths(path):
-        if config.peft_type == "IA3":
-            ff = config.feedforward_modules
-            is_ff = bool(ff) and bool(peft_targets(ff)(one, layer))
-            total += layer.in_features if is_ff else layer.out_features
-            continue
-        r, _ = rank_and_alpha(config, one)
-        if isinstance(layer, eqx.nn.Embedding):
-            total += r * (layer.num_embeddings + layer.embedding_size)
-        elif isinstance(layer, eqx.nn.Conv):
-            kernel = math.prod(layer.kernel_size)
-            total += r * (layer.in_channels * kernel + layer.out_channels)
-        else:
-            total += r * (layer.in_features + layer.out_features)
-            total += layer.out_features if config.use_dora else 0
-    return total
-
-
 def survey(plan: _Plan, num_labels: int) -> dict[str, Any]:
     """Counts for `plan`, traced with `eqx.filter_eval_shape` (no weight is read or
     built): the model's parameters, and with a config each adapted module's path, base
-    shape and adapter parameters, and PEFT's (trainable, all) pair."""
+    shape and adapter parameters (as its adapter counts them), and PEFT's (trainable, all)
+    pair."""
     from .._peft_model import get_peft_model
-    from .._targets import targets
+    from .._select import Predicate, select
+    from ..adapters import AdapterSet
     from ..models._checkpoint import architecture
 
     hf = hf_config(plan.path)
@@ -169,13 +144,17 @@ def survey(plan: _Plan, num_labels: int) -> dict[str, Any]:
         peft_model = get_peft_model(model, first_config, key=key, adapter_name=first)
         for name, adapter in rest:
             peft_model = peft_model.add_adapter(name, adapter, key=key)
+        adapted = select(peft_model.base_model).at(
+            Predicate(
+                lambda p, n: isinstance(getattr(n, "weight", None), AdapterSet), "adapted layers"
+            )
+        )
         for name, _ in plan.adapters:
-            resolved = peft_model.peft_config[name]  # PEFT's defaults filled in
-            chosen = targets(model, resolved)
             out["adapters"][name] = {
                 "rows": [
-                    (p, tuple(n.weight.shape), adapter_parameters(resolved, p, n))
-                    for p, n in zip(chosen.paths(), chosen.get())
+                    (p, tuple(n.weight.shape), n.weight.adapters[name].num_parameters())
+                    for p, n in zip(adapted.paths(), adapted.get())
+                    if name in n.weight.adapters
                 ],
                 "saved": sorted(peft_model.saved_modules.get(name, {})),
                 # PEFT's count with `name` active: its parameters trainable, all in all

@@ -28,10 +28,9 @@ import numpy as np
 import safetensors.numpy
 from safetensors import SafetensorError, safe_open
 
-from .._config import read_json
 from .._dtypes import float_dtype
 from .._errors import CheckpointError, ConfigFileError
-from .._files import replaced_directory
+from .._files import read_json, replaced_directory
 from .._select import dotted
 from .._spans import find_span
 from ._stack import LayerStack, Layout

@@ -1,0 +1,161 @@
+"""Every field of every config does something. Changing it changes the adapter that
+`get_peft_model` builds (its arrays and static settings, what trains, the modules it
+copies) or the weights it saves; or it is refused where it does not apply (an error, or,
+for `fan_in_fan_out` on `(out, in)` weights, PEFT's warning that it is ignored). PEFT's
+bookkeeping fields change only the `adapter_config.json` PEFT reads, and the test checks
+that. A field without a case below fails the test, so no field can be accepted and then
+ignored (as `IA3Config.init_ia3_weights` once was)."""
+
+import dataclasses
+import json
+import warnings
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import peftx
+
+
+class Block(eqx.Module):
+    q: eqx.nn.Linear
+    v: eqx.nn.Linear
+    fc: eqx.nn.Linear
+
+
+class Group(eqx.Module):
+    layers: list[Block]
+
+
+class Body(eqx.Module):
+    groups: list[Group]
+
+
+class Tiny(eqx.Module):
+    """Paths `body.groups.{0,1}.layers.{0,1}.{q,v,fc}` and `classifier`. Two numbered
+    segments: PEFT's layer index is the first (`groups`) unless `layers_pattern` names
+    the other (`layers`)."""
+
+    body: Body
+    classifier: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = iter(jax.random.split(key, 13))
+
+        def block():
+            return Block(*(eqx.nn.Linear(4, 4, key=next(k)) for _ in range(3)))
+
+        self.body = Body([Group([block(), block()]) for _ in range(2)])
+        self.classifier = eqx.nn.Linear(4, 2, key=next(k))
+
+
+COMMON = {  # field: (changed value, what it does)
+    "task_type": ("SEQ_CLS", "builds"),  # the classifier joins modules_to_save
+    "base_model_name_or_path": ("org/base", "file"),
+    "revision": ("v1", "file"),
+    "peft_version": ("0.1.0", "file"),
+    "inference_mode": (True, "builds"),  # nothing trains
+    "target_modules": (("q",), "builds"),
+    "exclude_modules": (("fc",), "builds"),
+    "fan_in_fan_out": (True, "warns"),
+    "modules_to_save": (("classifier",), "builds"),
+    "layers_to_transform": ((1,), "builds"),
+    "layers_pattern": ("layers", "builds"),
+}
+# each case's own starting point, where the field needs another field to act
+STARTS = {
+    "layers_to_transform": {"layers_to_transform": (0, 1)},
+    "layers_pattern": {"layers_to_transform": (0,)},  # group 0 vs layer 0 of each group
+}
+CASES = {
+    peftx.LoraConfig: (
+        {"r": 2, "lora_alpha": 4, "target_modules": ("q", "v", "fc"), "init_lora_weights": False},
+        {
+            **COMMON,
+            "peft_type": ("IA3", "refused"),
+            "r": (3, "builds"),
+            "lora_alpha": (8, "builds"),
+            "lora_dropout": (0.1, "builds"),
+            "bias": ("all", "builds"),
+            "use_rslora": (True, "builds"),
+            "init_lora_weights": ("gaussian", "builds"),
+            "rank_pattern": ({"q": 3}, "builds"),
+            "alpha_pattern": ({"q": 8}, "builds"),
+            "use_dora": (True, "builds"),
+        },
+    ),
+    peftx.IA3Config: (
+        {"target_modules": ("q", "v", "fc"), "feedforward_modules": ("fc",)},
+        {
+            **COMMON,
+            "peft_type": ("LORA", "refused"),
+            "target_modules": (("q", "fc"), "builds"),  # a superset of feedforward_modules
+            "feedforward_modules": (("v",), "builds"),
+            "init_ia3_weights": (False, "builds"),
+        },
+    ),
+}
+
+
+def _built(config, tmp_path):
+    """What `get_peft_model` made (arrays, static settings, trainable flags, copied
+    modules) and the weights `save_pretrained` writes."""
+    model = peftx.get_peft_model(Tiny(jax.random.key(0)), config, key=jax.random.key(1))
+    spec = model.trainable_spec()
+    leaves, tree = jax.tree.flatten(
+        (model.base_model, model.saved_modules, spec.base_model, spec.saved_modules)
+    )
+    model.save_pretrained(tmp_path)
+    weights = safetensors.numpy.load_file(tmp_path / "adapter_model.safetensors")
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    return (tree, [np.asarray(x) for x in leaves], weights), saved
+
+
+def _same(a, b) -> bool:
+    (tree_a, leaves_a, weights_a), (tree_b, leaves_b, weights_b) = a, b
+    return (
+        tree_a == tree_b
+        and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(leaves_a, leaves_b))
+        and weights_a.keys() == weights_b.keys()
+        and all(np.array_equal(weights_a[k], weights_b[k]) for k in weights_a)
+    )
+
+
+@pytest.mark.parametrize("cls", list(CASES), ids=lambda c: c.__name__)
+def test_every_config_field_has_a_case(cls):
+    _, cases = CASES[cls]
+    assert {f.name for f in dataclasses.fields(cls)} == set(cases)
+
+
+@pytest.mark.parametrize(
+    "cls, field",
+    [(cls, field) for cls, (_, cases) in CASES.items() for field in cases],
+    ids=lambda x: x.__name__ if isinstance(x, type) else x,
+)
+def test_changing_a_field_changes_the_adapter_or_its_file(cls, field, tmp_path):
+    start, cases = CASES[cls]
+    value, effect = cases[field]
+    start = {**start, **STARTS.get(field, {})}
+    if effect == "refused":
+        with pytest.raises((ValueError, TypeError), match=field):
+            cls(**{**start, field: value})
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before, saved_before = _built(cls(**start), tmp_path / "before")
+    changed = cls(**{**start, field: value})
+    if effect == "warns":
+        with pytest.warns(UserWarning, match=field):
+            after, saved_after = _built(changed, tmp_path / "after")
+        assert _same(before, after)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        after, saved_after = _built(changed, tmp_path / "after")
+    if effect == "file":
+        assert _same(before, after)
+        assert saved_before[field] != saved_after[field] == value
+    else:
+        assert not _same(before, after), f"{cls.__name__}.{field}={value!r} changed nothing"
