@@ -6,8 +6,6 @@ private name (`_name`) from another: what several modules share has a public nam
 import ast
 from pathlib import Path
 
-import pytest
-
 import peftx
 
 ROOT = Path(peftx.__file__).parent
@@ -88,24 +86,8 @@ def _private_imports() -> list[tuple[str, str, str]]:
     return found
 
 
-@pytest.mark.parametrize(
-    "package",
-    [
-        "peftx.adapters",
-        pytest.param(
-            "peftx",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="private names still imported outside peftx.adapters: cli._common "
-                "(models._checkpoint._read_config), cli._inspect (models._checkpoint._Reader), "
-                "cli._merge (models._checkpoint._safetensors_header), models._bert, "
-                "models._gpt2, models._llama (models._stack._policy)",
-            ),
-        ),
-    ],
-)
-def test_no_module_imports_another_modules_private_name(package):
-    found = [f for f in _private_imports() if f[0] == package or f[0].startswith(package + ".")]
+def test_no_module_imports_another_modules_private_name():
+    found = _private_imports()
     assert not found, "private names imported from another module:\n" + "\n".join(
         f"{module}: from {source} import {name}" for module, source, name in found
     )

@@ -57,11 +57,11 @@ TASKS = {
 def model_class_for(task: str, model_dir: Path) -> str:
     """The transformers class name (as peftx.models knows it) that runs `task` on the
     checkpoint in `model_dir`."""
-    from ..models._checkpoint import ARCHITECTURES, _read_config
+    from ..models._checkpoint import ARCHITECTURES, read_config
 
     if task not in TASKS:
         raise UsageError(f"unknown task {task!r}: choose one of {sorted(TASKS)}")
-    model_type = _read_config(model_dir)["model_type"]
+    model_type = read_config(model_dir)["model_type"]
     if model_type not in ARCHITECTURES:
         raise UsageError(
             f"{model_dir} holds a {model_type!r} model; peftx runs {sorted(ARCHITECTURES)}"
@@ -159,6 +159,6 @@ def adapter_config(toml_path: str | Path) -> Any:
 
 def hf_config(path: Path) -> dict[str, Any]:
     """`config.json` of a checkpoint directory, as a dict."""
-    from ..models._checkpoint import _read_config
+    from ..models._checkpoint import read_config
 
-    return _read_config(path)
+    return read_config(path)

@@ -109,9 +109,9 @@ def _num_labels(args: argparse.Namespace, hf: dict[str, Any]) -> int:
 
 def _stored_dtypes(path: Path) -> str:
     """The dtypes of the checkpoint's tensors, most common first (headers only)."""
-    from ..models._checkpoint import _Reader
+    from ..models._checkpoint import Reader
 
-    with _Reader(path) as reader:
+    with Reader(path) as reader:
         counts = Counter(str(reader.dtype(k)) for k in reader.keys())
     return ", ".join(f"{d} ({n} tensors)" for d, n in counts.most_common())
 

@@ -43,12 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _head_labels(adapter: Path) -> int | None:
     """The number of classes of the classification head saved with the adapter, if any."""
     from .._peft_io import WEIGHTS_NAME
-    from ..models._checkpoint import _safetensors_header
+    from ..models._checkpoint import safetensors_header
 
     file = adapter / WEIGHTS_NAME
     if not file.is_file():
         return None  # PEFT's .bin adapter: the checkpoint's own num_labels is used
-    shapes = [t.shape for k, t in _safetensors_header(file).items() if _HEAD_KEY.fullmatch(k)]
+    shapes = [t.shape for k, t in safetensors_header(file).items() if _HEAD_KEY.fullmatch(k)]
     return shapes[0][0] if shapes else None
 
 

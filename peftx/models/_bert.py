@@ -38,7 +38,7 @@ from ._common import (
     number,
     tied_logits,
 )
-from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
+from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_layers, run_layers
 
 POSITION_EMBEDDING_TYPES = ("absolute",)
 
@@ -327,7 +327,7 @@ class BertModel(eqx.Module):
         gradient_checkpointing: bool = False,
         remat_policy: RematPolicy = None,
     ):
-        _policy(remat_policy)  # an unknown policy name fails before the weights are drawn
+        checkpoint_policy(remat_policy)  # an unknown policy name fails before the weights are drawn
         dtype = float_dtype(dtype)  # a bad name fails here, listing the valid ones
         ke, kl, kp = jax.random.split(key, 3)
         self.embeddings = BertEmbeddings(config, key=ke, dtype=dtype)

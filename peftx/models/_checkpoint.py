@@ -72,7 +72,7 @@ def architecture(model_type: str) -> Architecture:
     return ARCHITECTURES[model_type]
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
     """`config.json` of the checkpoint directory `path`. For a supported `model_type`, the
     architecture's config class checks every value it reads (types and ranges) before
     anything is built from it; any problem is a `CheckpointError` naming the file and key."""
@@ -158,7 +158,7 @@ class _Tensor:
     nbytes: int
 
 
-def _safetensors_header(file: Path) -> dict[str, _Tensor]:
+def safetensors_header(file: Path) -> dict[str, _Tensor]:
     """The tensors of one safetensors file, by key. `safe_open` validates the file (header
     size, JSON, byte ranges covering the data exactly, so a truncated file fails here);
     the byte ranges are then read from the header ourselves."""
@@ -201,7 +201,7 @@ def _legacy_renamed(tensors: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _Reader:
+class Reader:
     """The tensors of a checkpoint directory, by key: safetensors (one file, or shards
     under an index) read with plain positioned reads, or a `pytorch_model.bin` read only
     through `torch.load(weights_only=True)`.
@@ -240,7 +240,7 @@ class _Reader:
                         f"{index} names shard {file.name} (for {listing(named, 3)}), "
                         f"which is missing from {path}."
                     )
-                header = _safetensors_header(file)
+                header = safetensors_header(file)
                 for key in sorted(k for k, f in shards.items() if f == file):
                     if key not in header:
                         raise CheckpointError(
@@ -248,7 +248,7 @@ class _Reader:
                         )
                     self.tensors[key] = header[key]
         elif single.is_file():
-            self.tensors = _safetensors_header(single)
+            self.tensors = safetensors_header(single)
         elif (path / TORCH_NAME).is_file():
             self._torch = _torch_state_dict(path / TORCH_NAME)
         else:
@@ -260,7 +260,7 @@ class _Reader:
         else:
             self.tensors = _legacy_renamed(self.tensors)
 
-    def __enter__(self) -> "_Reader":
+    def __enter__(self) -> "Reader":
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -455,13 +455,13 @@ def from_pretrained(
     path = Path(path)
     if dtype is not None:
         dtype = float_dtype(dtype)  # a bad name fails first, listing the valid ones
-    hf = _read_config(path)
+    hf = read_config(path)
     arch = architecture(hf["model_type"])
     cls = _pick_class(arch, hf, model_class)
     config = arch.config_class.from_hf_config(hf)
     # where the model came from, for the `base_model_name_or_path` of its adapters
     config = replace(config, name_or_path=os.path.abspath(path))
-    with _Reader(path) as reader:
+    with Reader(path) as reader:
         present = reader.keys()
         if dtype is None:
             floats = [d for d in (reader.dtype(k) for k in sorted(present)) if _is_float(d)]
@@ -512,7 +512,7 @@ def _check(
     hf: dict,
     arch: Architecture,
     cls: Any,
-    reader: _Reader,
+    reader: Reader,
     leaves: list[_Leaf],
     to_ckpt: Callable,
     strict: bool,
@@ -617,7 +617,7 @@ def _empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 
 def _load_leaf(
-    reader: _Reader,
+    reader: Reader,
     leaf: _Leaf,
     to_ckpt: Callable,
     arch: Architecture,
@@ -748,7 +748,7 @@ def read_tensors(file: Path) -> dict[str, np.ndarray]:
     `CheckpointError` naming it."""
     if file.suffix == ".bin":
         return {k: _torch_numpy(v) for k, v in _torch_state_dict(file).items()}
-    tensors = _safetensors_header(file)
+    tensors = safetensors_header(file)
     out = {}
     with open(file, "rb", buffering=0) as f:
         for key, t in tensors.items():

@@ -41,7 +41,7 @@ from ._common import (
     tied_logits,
     write_cache,
 )
-from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
+from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_layers, run_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +276,9 @@ class GPT2Model(eqx.Module):
         gradient_checkpointing: bool = False,
         remat_policy: RematPolicy = None,
     ):
-        _policy(remat_policy)  # an unknown name fails here, before any work, not at a call
+        checkpoint_policy(
+            remat_policy
+        )  # an unknown name fails here, before any work, not at a call
         dtype = float_dtype(dtype)  # a bad name fails here, listing the valid ones
         kt, kp, kl = jax.random.split(key, 3)
         std, d = config.initializer_range, config.n_embd

@@ -42,7 +42,7 @@ from ._common import (
     tied_logits,
     write_cache,
 )
-from ._stack import LayerStack, Layout, RematPolicy, _policy, make_layers, run_layers
+from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_layers, run_layers
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 _NAME = Check(lambda v: isinstance(v, str), "a string")
@@ -471,7 +471,9 @@ class LlamaModel(eqx.Module):
         gradient_checkpointing: bool = False,
         remat_policy: RematPolicy = None,
     ):
-        _policy(remat_policy)  # an unknown name fails here, before any work, not at a call
+        checkpoint_policy(
+            remat_policy
+        )  # an unknown name fails here, before any work, not at a call
         dtype = float_dtype(dtype)  # a bad name fails here, listing the valid ones
         ke, kl = jax.random.split(key)
         weight = config.initializer_range * jax.random.normal(

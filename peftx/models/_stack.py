@@ -168,7 +168,7 @@ REMAT_POLICIES = tuple(
 )
 
 
-def _policy(name: RematPolicy) -> Any:
+def checkpoint_policy(name: RematPolicy) -> Any:
     if name is None:
         return None
     if name not in REMAT_POLICIES:
@@ -220,7 +220,7 @@ def run_layers(
     `remat_policy="everything_saveable"` with `gradient_checkpointing=True` stores them all.
     """
     if gradient_checkpointing:
-        step = eqx.filter_checkpoint(step, policy=_policy(remat_policy))
+        step = eqx.filter_checkpoint(step, policy=checkpoint_policy(remat_policy))
     elif isinstance(layers, LayerStack):
         step = eqx.filter_checkpoint(step, policy=_dots_but_low_rank_expansions)
 
@@ -281,7 +281,7 @@ def gradient_checkpointing(model: Any, enable: bool = True, policy: RematPolicy 
     A new model; `model` is unchanged. The outputs and gradients are the same either way;
     only memory and compute change.
     """
-    _policy(policy)
+    checkpoint_policy(policy)
     return jax.tree.map(
         lambda x: (
             _with_static(x, gradient_checkpointing=bool(enable), remat_policy=policy)
