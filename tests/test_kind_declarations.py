@@ -1,0 +1,153 @@
+"""What each weight kind declares on its class holds for the arrays it builds: the fields
+`weight_axes` names run along the weight axes it says (the sharding rules will read
+them), the trained fields (`peft_keys`) are floating arrays, `merged` is the dense formula
+written out here, and `num_parameters` is PEFT's count written out here."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import close
+
+from peftx.adapters import (
+    AbstractAdapter,
+    AbstractWeight,
+    AdapterSet,
+    adapter_set,
+    dora,
+    ia3,
+    lora,
+    lora_embedding,
+    quantize_int8,
+    quantize_nf4,
+)
+
+OUT, IN, R = 6, 8, 3
+
+
+def _weight(key, shape=(OUT, IN)):
+    return jax.random.normal(key, shape)
+
+
+def _random(adapter, key):
+    """`adapter` with every trained field redrawn, so no term of `merged` is zero."""
+    fields = list(type(adapter).peft_keys)
+    keys = jax.random.split(key, len(fields))
+    values = [
+        jax.random.normal(k, getattr(adapter, f).shape, getattr(adapter, f).dtype)
+        for k, f in zip(keys, fields)
+    ]
+    return eqx.tree_at(lambda a: [getattr(a, f) for f in fields], adapter, values)
+
+
+def _kinds(key):
+    """name -> (array, stacking axes, dense formula of `merged(W)`, PEFT's parameter count:
+    an adapter's trained arrays and its base weight's count)."""
+    k = iter(jax.random.split(key, 16))
+    w = _weight(next(k))
+    low = _random(lora(w, r=R, lora_alpha=5, key=next(k)), next(k))
+    conv_w = _weight(next(k), (OUT, IN, 3, 3))
+    conv = _random(lora(conv_w, r=R, lora_alpha=5, key=next(k)), next(k))
+    decomposed = _random(dora(lora(w, r=R, lora_alpha=5, key=next(k))), next(k))
+    out_scale = _random(ia3(w), next(k))
+    in_scale = _random(ia3(w, feedforward=True), next(k))
+    table = _random(lora_embedding(w, r=R, lora_alpha=5, key=next(k)), next(k))
+    stacked_w = _weight(next(k), (2, OUT, IN))
+    stacked = eqx.filter_vmap(lambda v, key: lora(v, r=R, lora_alpha=5, init="random", key=key))(
+        stacked_w, jax.random.split(next(k), 2)
+    )
+
+    def low_rank(a):
+        return a.scaling * a.lora_B @ a.lora_A
+
+    def dora_formula(v):
+        dense = v + low_rank(decomposed)
+        return (
+            decomposed.lora_magnitude_vector[:, None]
+            * dense
+            / jnp.linalg.norm(dense, axis=1)[:, None]
+        )
+
+    return {
+        "lora": (low, 0, lambda v: v + low_rank(low), OUT * IN + R * (IN + OUT)),
+        "lora conv": (
+            conv,
+            0,
+            lambda v: (
+                v + conv.scaling * jnp.einsum("or,rikl->oikl", conv.lora_B[:, :, 0, 0], conv.lora_A)
+            ),
+            OUT * IN * 9 + R * (IN * 9 + OUT),
+        ),
+        "dora": (decomposed, 0, dora_formula, OUT * IN + R * (IN + OUT) + OUT),
+        "ia3 out": (out_scale, 0, lambda v: v * out_scale.ia3_l, OUT * IN + OUT),
+        "ia3 in": (in_scale, 0, lambda v: v * in_scale.ia3_l, OUT * IN + IN),
+        "lora embedding": (
+            table,
+            0,
+            lambda v: v + table.scaling * (table.lora_embedding_B @ table.lora_embedding_A).T,
+            OUT * IN + R * (OUT + IN),
+        ),
+        "stacked lora": (
+            stacked,
+            1,
+            lambda v: v + stacked.scaling * stacked.lora_B @ stacked.lora_A,
+            2 * (OUT * IN + R * (IN + OUT)),
+        ),
+        "nf4": (quantize_nf4(w), 0, None, OUT * IN),
+        "int8": (quantize_int8(w), 0, None, OUT * IN),
+        "adapter set": (adapter_set(w, {"a": low}, ("a",)), 0, None, OUT * IN + R * (IN + OUT)),
+    }
+
+
+KINDS = list(_kinds(jax.random.key(0)))
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_weight_axes_follow_the_weight(name):
+    array, stack, _, _ = _kinds(jax.random.key(1))[name]
+    assert isinstance(array, AbstractWeight)
+    shape = tuple(array.shape)[stack:]
+    for field, axes in type(array).weight_axes.items():
+        value = getattr(array, field)
+        if value is None:
+            continue  # an optional part (NF4's nested scales without double quantization)
+        own = value.shape[stack:]
+        assert value.shape[:stack] == tuple(array.shape)[:stack], field
+        if len(own) == 1 and len(shape) > 1 and axes == (0,) and own[0] != shape[0]:
+            continue  # a row-major flattening (NF4's codes and block scales)
+        assert len(axes) <= len(own), field
+        for i, j in enumerate(axes):
+            if j is not None:
+                assert own[i] in (shape[j], 1), (field, i, j, own, shape)
+            else:
+                assert own[i] == R, (field, i, own)  # the only own axis here: the rank
+
+
+@pytest.mark.parametrize("name", [n for n in KINDS if n not in ("nf4", "int8", "adapter set")])
+def test_trained_fields_and_merged_formula(name):
+    array, stack, formula, _ = _kinds(jax.random.key(2))[name]
+    assert isinstance(array, AbstractAdapter)
+    keys = type(array).peft_keys
+    assert len(set(keys.values())) == len(keys)
+    for field in keys:
+        assert jnp.issubdtype(getattr(array, field).dtype, jnp.floating), field
+    close(array.merged(array.weight), formula(array.weight), tol=1e-5)
+    assert not np.allclose(array.merged(array.weight), array.weight, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_num_parameters_is_peft_count(name):
+    array, _, _, count = _kinds(jax.random.key(3))[name]
+    assert array.num_parameters() == count
+
+
+def test_adapter_set_counts_its_adapters_not_kept_statistics():
+    w = _weight(jax.random.key(4))
+    d = dora(lora(w, r=R, lora_alpha=5, key=jax.random.key(5)))
+    s = adapter_set(w, {"a": d, "b": ia3(w)}, ("a",))
+    assert isinstance(s, AdapterSet)
+    assert s.num_parameters() == OUT * IN + R * (IN + OUT) + OUT + OUT
+    assert math.prod(d.weight_sq_norm.shape) == OUT  # kept, not counted
