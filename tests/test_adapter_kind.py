@@ -17,6 +17,7 @@ import safetensors.numpy
 from helpers import close
 
 import peftx
+from peftx._config import CONFIG_CLASSES
 from peftx.adapters import AbstractAdapter
 from peftx.implicit import primitive_handler, use_implicit_args
 
@@ -48,15 +49,6 @@ def _scaled_lhs(primitive, w: ScaledIdentity, x: jax.Array, **params):
 @primitive_handler("dot_general")
 def _scaled_rhs(primitive, x: jax.Array, w: ScaledIdentity, **params):
     return _scaled_product(w, x, False, params)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ScaledIdentityConfig(peftx.AbstractAdapterConfig):
-    peft_type: Literal["SCALED_IDENTITY"] = "SCALED_IDENTITY"
-    init_scale: float = 1.0
-
-    def build(self, base, layer, *, key):
-        return ScaledIdentity(base, jnp.full((1,), self.init_scale, jnp.float32))
 
 
 class Block(eqx.Module):
@@ -109,16 +101,30 @@ def _dense(model: Tiny, scales: dict[str, float], x):
     return jax.vmap(model)(x)
 
 
-CONFIG = ScaledIdentityConfig(init_scale=1.5, target_modules=["q", "v"], layers_to_transform=[1])
+@pytest.fixture
+def config():
+    """The kind's config class, defined (so registered by its `peft_type`) for one test
+    and then taken out of the registry, so that other tests see peftx's own kinds only."""
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class ScaledIdentityConfig(peftx.AbstractAdapterConfig):
+        peft_type: Literal["SCALED_IDENTITY"] = "SCALED_IDENTITY"
+        init_scale: float = 1.0
+
+        def build(self, base, layer, *, key):
+            return ScaledIdentity(base, jnp.full((1,), self.init_scale, jnp.float32))
+
+    yield ScaledIdentityConfig(init_scale=1.5, target_modules=["q", "v"], layers_to_transform=[1])
+    del CONFIG_CLASSES["SCALED_IDENTITY"]
 
 
-def test_new_kind_through_get_peft_model_partition_and_training(getkey):
+def test_new_kind_through_get_peft_model_partition_and_training(getkey, config):
     base = Tiny(getkey())
     x = jax.random.normal(getkey(), (5, 4))
-    model = peftx.get_peft_model(base, CONFIG, key=getkey())
+    model = peftx.get_peft_model(base, config, key=getkey())
     close(jax.vmap(model)(x), _dense(base, {"body.layers.1.q": 1.5, "body.layers.1.v": 1.5}, x))
-    assert peftx.targets(base, CONFIG).paths() == ["body.layers.1.q", "body.layers.1.v"]
-    assert [t.path for t in peftx.targets(base, CONFIG).layers] == [
+    assert peftx.targets(base, config).paths() == ["body.layers.1.q", "body.layers.1.v"]
+    assert [t.path for t in peftx.targets(base, config).layers] == [
         "body.layers.1.q",
         "body.layers.1.v",
     ]
@@ -159,10 +165,10 @@ def test_new_kind_through_get_peft_model_partition_and_training(getkey):
     close(jax.vmap(trained)(x), _dense(base, scales, x))
 
 
-def test_new_kind_saves_and_loads_in_peft_layout_and_merges(getkey, tmp_path):
+def test_new_kind_saves_and_loads_in_peft_layout_and_merges(getkey, tmp_path, config):
     base = Tiny(getkey())
     x = jax.random.normal(getkey(), (5, 4))
-    model = peftx.get_peft_model(base, CONFIG, key=getkey())
+    model = peftx.get_peft_model(base, config, key=getkey())
     model = eqx.tree_at(
         lambda m: _linear(m.base_model, 1, "v").weight.adapters["default"].scale,
         model,
@@ -181,7 +187,7 @@ def test_new_kind_saves_and_loads_in_peft_layout_and_merges(getkey, tmp_path):
 
     loaded = peftx.PeftModel.from_pretrained(base, tmp_path, is_trainable=True)
     assert loaded.peft_config["default"] == dataclasses.replace(
-        CONFIG, inference_mode=False, base_model_name_or_path=None
+        config, inference_mode=False, base_model_name_or_path=None
     )
     want = _dense(base, {"body.layers.1.q": 1.5, "body.layers.1.v": -0.5}, x)
     close(jax.vmap(loaded)(x), want)
@@ -201,8 +207,8 @@ def test_new_kind_saves_and_loads_in_peft_layout_and_merges(getkey, tmp_path):
         peftx.PeftModel.from_pretrained(base, tmp_path)
 
 
-def test_new_kind_is_loaded_by_peft_type():
-    assert peftx.load_config(CONFIG.to_dict()) == CONFIG
+def test_new_kind_is_loaded_by_peft_type(config):
+    assert peftx.load_config(config.to_dict()) == config
 
 
 def test_a_kind_without_build_is_refused_when_defined():

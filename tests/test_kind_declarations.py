@@ -3,6 +3,7 @@
 them), the trained fields (`peft_keys`) are floating arrays, `merged` is the dense formula
 written out here, and `num_parameters` is PEFT's count written out here."""
 
+import functools
 import math
 
 import equinox as eqx
@@ -43,10 +44,11 @@ def _random(adapter, key):
     return eqx.tree_at(lambda a: [getattr(a, f) for f in fields], adapter, values)
 
 
-def _kinds(key):
+@functools.cache
+def _kinds():
     """name -> (array, stacking axes, dense formula of `merged(W)`, PEFT's parameter count:
     an adapter's trained arrays and its base weight's count)."""
-    k = iter(jax.random.split(key, 16))
+    k = iter(jax.random.split(jax.random.key(0), 16))
     w = _weight(next(k))
     low = _random(lora(w, r=R, lora_alpha=5, key=next(k)), next(k))
     conv_w = _weight(next(k), (OUT, IN, 3, 3))
@@ -102,12 +104,27 @@ def _kinds(key):
     }
 
 
-KINDS = list(_kinds(jax.random.key(0)))
+KINDS = [
+    "lora",
+    "lora conv",
+    "dora",
+    "ia3 out",
+    "ia3 in",
+    "lora embedding",
+    "stacked lora",
+    "nf4",
+    "int8",
+    "adapter set",
+]
+
+
+def test_every_kind_is_checked():
+    assert set(KINDS) == set(_kinds())
 
 
 @pytest.mark.parametrize("name", KINDS)
 def test_weight_axes_follow_the_weight(name):
-    array, stack, _, _ = _kinds(jax.random.key(1))[name]
+    array, stack, _, _ = _kinds()[name]
     assert isinstance(array, AbstractWeight)
     shape = tuple(array.shape)[stack:]
     for field, axes in type(array).weight_axes.items():
@@ -128,7 +145,7 @@ def test_weight_axes_follow_the_weight(name):
 
 @pytest.mark.parametrize("name", [n for n in KINDS if n not in ("nf4", "int8", "adapter set")])
 def test_trained_fields_and_merged_formula(name):
-    array, stack, formula, _ = _kinds(jax.random.key(2))[name]
+    array, stack, formula, _ = _kinds()[name]
     assert isinstance(array, AbstractAdapter)
     keys = type(array).peft_keys
     assert len(set(keys.values())) == len(keys)
@@ -140,7 +157,7 @@ def test_trained_fields_and_merged_formula(name):
 
 @pytest.mark.parametrize("name", KINDS)
 def test_num_parameters_is_peft_count(name):
-    array, _, _, count = _kinds(jax.random.key(3))[name]
+    array, _, _, count = _kinds()[name]
     assert array.num_parameters() == count
 
 
