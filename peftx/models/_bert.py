@@ -606,5 +606,18 @@ register(
             r"classifier\.(weight|bias)",
             r"(bert\.)?pooler\.dense\.(weight|bias)",
         ),
+        logical_axes=(
+            (r"word_embeddings\.weight", ("vocab", "embed")),
+            (r"(position|token_type)_embeddings\.weight", (None, "embed")),
+            (r"attention\.self\.(query|key|value)\.weight", ("heads", "embed")),
+            (r"attention\.self\.(query|key|value)\.bias", ("heads",)),
+            (r"attention\.output\.dense\.weight", ("embed", "heads")),
+            (r"intermediate\.dense\.weight", ("mlp", "embed")),
+            (r"intermediate\.dense\.bias", ("mlp",)),
+            (r"output\.dense\.weight", ("embed", "mlp")),
+            (r"(pooler|transform)\.dense\.weight|classifier\.weight", (None, "embed")),
+            (r"predictions\.bias", ("vocab",)),
+            (r"LayerNorm\.(weight|bias)|output\.dense\.bias", ("embed",)),
+        ),
     ),
 )

@@ -46,7 +46,10 @@ class Architecture:
     """How one `model_type` maps onto peftx: its config class, its model classes by
     transformers class name, the prefix its backbone has inside head models, tensors that
     are stored transposed (GPT-2's Conv1D), heads a base checkpoint lacks (initialized
-    fresh, as transformers does) and checkpoint keys to ignore."""
+    fresh, as transformers does), checkpoint keys to ignore, and the logical axes of its
+    weights: `(regex, axes)` pairs, the regex matching the end of a layer's own array path
+    (`q_proj\\.weight`), the axes naming each dimension (`("heads", "embed")`), which
+    `peftx.sharding`'s presets map onto the mesh. Arrays no pair names are replicated."""
 
     config_class: Any
     classes: dict[str, Any]
@@ -55,6 +58,7 @@ class Architecture:
     transposed: tuple[str, ...] = ()
     new_heads: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
+    logical_axes: tuple[tuple[str, tuple[str | None, ...]], ...] = ()
 
 
 ARCHITECTURES: dict[str, Architecture] = {}

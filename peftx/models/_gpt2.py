@@ -477,5 +477,17 @@ register(
         new_heads=(r"score\.weight",),
         # the causal-mask buffers of old checkpoints, and a tied head saved anyway
         ignored=(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)", r"lm_head\.weight"),
+        logical_axes=(
+            (r"wte\.weight|lm_head\.weight", ("vocab", "embed")),
+            (r"wpe\.weight", (None, "embed")),
+            (r"attn\.c_attn\.weight", ("heads", "embed")),
+            (r"attn\.c_attn\.bias", ("heads",)),
+            (r"attn\.c_proj\.weight", ("embed", "heads")),
+            (r"mlp\.c_fc\.weight", ("mlp", "embed")),
+            (r"mlp\.c_fc\.bias", ("mlp",)),
+            (r"mlp\.c_proj\.weight", ("embed", "mlp")),
+            (r"score\.weight", (None, "embed")),
+            (r"ln_(1|2|f)\.(weight|bias)|(attn|mlp)\.c_proj\.bias", ("embed",)),
+        ),
     ),
 )

@@ -674,5 +674,20 @@ for _model_type in LlamaConfig.MODEL_TYPES:
             prefix="model",
             new_heads=(r"score\.weight",),
             ignored=(r".*rotary_emb\.inv_freq", r"lm_head\.weight"),
+            logical_axes=(
+                (r"embed_tokens\.weight|lm_head\.weight", ("vocab", "embed")),
+                (r"[qkv]_proj\.weight", ("heads", "embed")),
+                (r"[qkv]_proj\.bias", ("heads",)),
+                (r"o_proj\.weight", ("embed", "heads")),
+                (r"(gate|up)_proj\.weight", ("mlp", "embed")),
+                (r"(gate|up)_proj\.bias", ("mlp",)),
+                (r"down_proj\.weight", ("embed", "mlp")),
+                (r"score\.weight", (None, "embed")),
+                (
+                    r"(input_layernorm|post_attention_layernorm|norm)\.weight|o_proj\.bias",
+                    ("embed",),
+                ),
+                (r"down_proj\.bias", ("embed",)),
+            ),
         ),
     )

@@ -8,10 +8,12 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._peft_model import PeftModel, partition
 from ..adapters import with_dropout
+from ..sharding import batch_sharding, shard
 
 Batch = dict[str, Array]
 # `loss_fn(model, batch, key) -> (summed loss, sums)`: `sums["count"]` is what the loss is
@@ -35,13 +37,34 @@ def init_state(
     *,
     key: PRNGKeyArray,
     adapters: list[str] | None = None,
+    mesh: Mesh | None = None,
+    rules: Any = "fsdp",
 ) -> tuple[TrainState, Any]:
     """`(state, frozen)` for `model`: the adapters train (see `peftx.partition`), the rest
     stays in `frozen`, whatever its dtype (a bf16 or NF4 base with fp32 adapters gets fp32
-    gradients and optimizer state)."""
+    gradients and optimizer state).
+
+    With a `mesh`, the model is placed first (`peftx.sharding.shard(model, mesh, rules)`),
+    and each optimizer state array takes the sharding of the parameter it belongs to;
+    the rest of the state (step counts, the key) is replicated. The train step keeps these
+    placements (see `make_train_step`)."""
+    if mesh is not None:
+        model = shard(model, mesh, rules)
     trainable, frozen = partition(model, adapters)
-    state = TrainState(trainable, optimizer.init(trainable), jnp.zeros((), jnp.int32), key)
-    return state, frozen
+    opt_state = optimizer.init(trainable)
+    step = jnp.zeros((), jnp.int32)
+    if mesh is not None:
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        shardings = jax.tree.map(lambda x: x.sharding, trainable)
+        opt_state = optax.tree_utils.tree_map_params(
+            optimizer,
+            jax.device_put,
+            opt_state,
+            shardings,
+            transform_non_params=lambda x: jax.device_put(x, replicated),
+        )
+        step, key = jax.device_put((step, key), replicated)
+    return TrainState(trainable, opt_state, step, key), frozen
 
 
 def logits(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Array:
@@ -121,6 +144,7 @@ def make_train_step(
     optimizer: optax.GradientTransformation,
     *,
     grad_accumulation: int = 1,
+    mesh: Mesh | None = None,
 ) -> Callable[[TrainState, Any, Batch], tuple[TrainState, dict[str, Array]]]:
     """`step(state, frozen, batch) -> (state, metrics)`, jitted with `eqx.filter_jit`.
 
@@ -131,6 +155,10 @@ def make_train_step(
     `metrics`: `loss` (the mean), `grad_norm`, `finite` (whether both are finite: a run
     that diverged, to stop on; the check needs no extra pass) and the loss function's
     sums.
+
+    With a `mesh` (a state from `init_state(..., mesh=mesh)`), the batch is split over
+    `data` and `fsdp` (`peftx.sharding.batch_sharding`), and the new state is constrained
+    to the shardings the old one has, so steps follow one another without resharding.
     """
     if grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be at least 1, got {grad_accumulation}")
@@ -143,7 +171,11 @@ def make_train_step(
     grad_fn = eqx.filter_value_and_grad(summed, has_aux=True)
 
     @eqx.filter_jit
-    def step(state: TrainState, frozen: Any, batch: Batch) -> tuple[TrainState, dict]:
+    def step(
+        state: TrainState, frozen: Any, batch: Batch, placed: Any = None
+    ) -> tuple[TrainState, dict]:
+        if placed is not None:
+            batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh))
         key, step_key = jax.random.split(state.key)
         keys = jax.random.split(step_key, grad_accumulation)
         if grad_accumulation == 1:
@@ -166,9 +198,21 @@ def make_train_step(
         loss, norm = total / count, optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm)
         metrics = {"loss": loss, "grad_norm": norm, "finite": finite, **sums}
-        return TrainState(trainable, opt_state, state.step + 1, key), metrics
+        new = TrainState(trainable, opt_state, state.step + 1, key)
+        if placed is not None:
+            new = jax.lax.with_sharding_constraint(new, placed)
+        return new, metrics
 
-    return step
+    if mesh is None:
+        return step
+
+    def sharded_step(state: TrainState, frozen: Any, batch: Batch) -> tuple[TrainState, dict]:
+        # the state's own shardings, a static argument: the jitted step returns the state
+        # placed as it came
+        placed = jax.tree.map(lambda x: x.sharding, state)
+        return step(state, frozen, batch, placed)
+
+    return sharded_step
 
 
 def make_eval_step(

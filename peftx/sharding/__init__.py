@@ -1,0 +1,10 @@
+"""Sharded PEFT with JAX's own SPMD: a mesh, rules that say how each array is split, and
+placing a model (adapters follow their base weights)."""
+
+from ._mesh import AXES as AXES, BATCH_AXES as BATCH_AXES, make_mesh as make_mesh
+from ._place import (
+    batch_sharding as batch_sharding,
+    partition_specs as partition_specs,
+    shard as shard,
+)
+from ._rules import PRESETS as PRESETS, Rules as Rules

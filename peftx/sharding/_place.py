@@ -1,0 +1,209 @@
+"""Placing a model on a mesh: a `PartitionSpec` for every array, base weights by the
+rules, adapters and quantized weights by what their classes declare (`weight_axes`)."""
+
+import dataclasses
+import warnings
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .._select import dotted
+from .._targets import model_type_of
+from ..adapters import AbstractWeight, NF4Array
+from ..models._checkpoint import ARCHITECTURES
+from ._mesh import BATCH_AXES
+from ._rules import (
+    check_rules,
+    logical_axes,
+    per_layer_path,
+    preset_spec,
+    rule_spec,
+    stack_axes,
+)
+
+Entry = str | tuple[str, ...] | None
+
+
+def _is_weight(x: Any) -> bool:
+    return isinstance(x, AbstractWeight)
+
+
+@dataclasses.dataclass
+class _Resolver:
+    """The spec of each array: rules for plain arrays and base weights, declarations for
+    the arrays of implicit weights; dimensions a mesh axis does not divide stay whole."""
+
+    mesh: Mesh
+    rules: Any
+    table: Any  # the architecture's logical axes, for a preset
+    replicated: list[str] = dataclasses.field(default_factory=list)
+
+    def base(self, path: str, node: Any, ndim: int) -> tuple[Entry, ...]:
+        """The mesh axes of the `ndim` own axes (after any layer axes) of the array or
+        weight at `path`, before divisibility."""
+        own = per_layer_path(path)
+        if isinstance(self.rules, str):
+            axes = logical_axes(self.table, own)
+            entries = () if axes is None else preset_spec(axes, self.rules)
+        else:
+            entries = rule_spec(self.rules, own, node) or ()
+        return (tuple(entries) + (None,) * ndim)[:ndim]
+
+    def fitted(
+        self, path: str, shape: tuple[int, ...], entries: tuple[Entry, ...]
+    ) -> PartitionSpec:
+        """`entries` (one per axis of `shape`) with any axis its mesh axes do not divide
+        left whole (and noted, for one warning)."""
+        out = []
+        for size, entry in zip(shape, entries):
+            names = (entry,) if isinstance(entry, str) else entry or ()
+            parts = int(np.prod([self.mesh.shape[n] for n in names])) if names else 1
+            if size % parts:
+                self.replicated.append(f"{path} (axis of {size} over {'x'.join(names)}={parts})")
+                entry = None
+            out.append(entry)
+        while out and out[-1] is None:
+            out.pop()
+        return PartitionSpec(*out)
+
+    def array(self, path: str, value: Any) -> PartitionSpec:
+        stack = stack_axes(path)
+        entries = self.base(path, value, value.ndim - stack)
+        return self.fitted(path, value.shape, (None,) * stack + entries)
+
+    def weight(self, path: str, node: AbstractWeight) -> Any:
+        stack = stack_axes(path)
+        own = self.base(path, node, len(node.shape) - stack)
+        return self._follow(path, node, stack, own)
+
+    def _follow(self, path: str, node: Any, stack: int, own: tuple[Entry, ...]) -> Any:
+        """`node` with each array replaced by its spec: a field listed in its class's
+        `weight_axes` takes the spec of the weight axes it follows, others stay whole."""
+        if isinstance(node, NF4Array):
+            _check_nf4_blocks(path, node, stack, own, self.mesh)
+        declared = getattr(type(node), "weight_axes", {})
+        new = object.__new__(type(node))
+        for field in dataclasses.fields(node):
+            value = getattr(node, field.name)
+            where = f"{path}.{field.name}"
+            if isinstance(value, AbstractWeight):
+                value = self._follow(where, value, stack, own)
+            elif isinstance(value, dict) and all(map(_is_weight, value.values())):
+                value = {k: self._follow(f"{where}.{k}", a, stack, own) for k, a in value.items()}
+            elif eqx.is_array(value):
+                axes = declared.get(field.name, ())
+                entries = [None] * (value.ndim - stack)
+                for i, j in enumerate(axes[: len(entries)]):
+                    if j is not None and value.shape[stack + i] != 1:
+                        entries[i] = own[j]
+                value = self.fitted(where, value.shape, (None,) * stack + tuple(entries))
+            object.__setattr__(new, field.name, value)
+        return new
+
+
+def _check_nf4_blocks(
+    path: str, node: NF4Array, stack: int, own: tuple[Entry, ...], mesh: Mesh
+) -> None:
+    """Raise unless each shard of the weight's rows holds whole quantization blocks."""
+    names = (own[0],) if isinstance(own[0], str) else own[0] or ()
+    parts = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+    rows, per_row = node.shape[stack], int(np.prod(node.shape[stack + 1 :]))
+    if parts == 1 or rows % parts:
+        return  # not split (a dimension not divided stays whole)
+    values = rows // parts * per_row
+    blocks = [("blocksize", node.blocksize, values)]
+    if node.nested_absmax is not None:
+        blocks.append(("nested_blocksize", node.nested_blocksize, values // node.blocksize))
+    for name, size, count in blocks:
+        if count % size:
+            raise ValueError(
+                f"the NF4 weight {path} would be split into {parts} shards of {count} "
+                f"values, which cuts its quantization blocks ({name}={size}): a block would "
+                "straddle two shards. Shard it over fewer devices, or quantize it with a "
+                f"{name} that divides {count}."
+            )
+
+
+def partition_specs(model: Any, mesh: Mesh, rules: Any) -> Any:
+    """A `PartitionSpec` for every array of `model` (a pytree of the model's shape, None
+    where it holds no array), by `rules` (see `shard`)."""
+    check_rules(rules, mesh.axis_names)
+    base = getattr(model, "base_model", model)
+    table = None
+    if isinstance(rules, str):
+        arch = ARCHITECTURES.get(model_type_of(base) or "")
+        table = getattr(arch, "logical_axes", ())
+        if not table and rules != "dp":
+            raise ValueError(
+                f"the preset {rules!r} needs a model whose architecture names its weights' "
+                f"logical axes (the peftx zoo's); this {type(base).__name__} has none. Give "
+                "rules instead: [(peftx.path_glob('*.up_proj.weight'), PartitionSpec(None, "
+                "'fsdp')), ...]."
+            )
+    resolver = _Resolver(mesh, rules, table)
+
+    def spec(keypath: Any, leaf: Any) -> Any:
+        path = _module_path(dotted(keypath))
+        if isinstance(leaf, AbstractWeight):
+            return resolver.weight(path, leaf)
+        if eqx.is_array(leaf):
+            return resolver.array(path, leaf)
+        return leaf
+
+    specs = jax.tree_util.tree_map_with_path(spec, model, is_leaf=_is_weight)
+    if resolver.replicated:
+        warnings.warn(
+            "these dimensions are not divided by their mesh axes and stay whole (replicated "
+            f"along them): {'; '.join(resolver.replicated)}.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return eqx.filter(specs, lambda x: isinstance(x, PartitionSpec), is_leaf=_is_spec)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def _module_path(path: str) -> str:
+    """The path rules are written for: a `PeftModel`'s arrays by their base model's paths,
+    and a `modules_to_save` copy by its original's."""
+    if path.startswith("base_model."):
+        return path.removeprefix("base_model.")
+    if path.startswith("saved_modules."):
+        return path.removeprefix("saved_modules.").partition(".")[2]
+    return path
+
+
+def shard(model: Any, mesh: Mesh, rules: Any = "fsdp") -> Any:
+    """`model` (any Equinox model, or a `PeftModel`) with its arrays placed on `mesh`.
+
+    **Arguments:**
+
+    - `model`: the model.
+    - `mesh`: from `make_mesh`.
+    - `rules`: a preset, `"dp"`, `"fsdp"`, `"tp"` or `"fsdp_tp"` (a zoo model), or
+      `(predicate, PartitionSpec)` pairs: the first predicate that holds for an array's
+      path (as `peftx.select` names it, a stacked layer's by its first layer) gives its
+      spec, without the layer axis of a `LayerStack`, which stays unsharded. Arrays no
+      rule names are replicated.
+
+    Adapters follow their base weight as their classes declare (`weight_axes`): LoRA's
+    `lora_A` takes the spec of the weight's input axis, `lora_B` of its output axis, the
+    rank axis is whole; DoRA's magnitude and IA3's vector take the spec of the axis they
+    scale; NF4 codes and block scales, and int8 codes and scales, follow the rows they
+    stand for. A dimension its mesh axes do not divide stays whole, named in one warning;
+    an NF4 weight whose blocks would straddle two shards is refused.
+    """
+    specs = partition_specs(model, mesh, rules)
+    arrays, static = eqx.partition(model, eqx.is_array)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+    return eqx.combine(jax.device_put(arrays, shardings), static)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """The sharding of a batch: its leading axis split over `data` and `fsdp`."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
