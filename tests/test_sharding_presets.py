@@ -1,6 +1,6 @@
 """`peftx.sharding` on the zoo: meshes, presets and placement, and one training step on 8
-simulated devices equal to the step on one, for LoRA, DoRA and IA3 on Llama (grouped-query
-attention) and BERT.
+simulated devices equal to the step on one, for LoRA, DoRA, IA3 and QLoRA on Llama
+(grouped-query attention) and BERT.
 
 Runs in a child process with `--xla_force_host_platform_device_count=8`, so this suite
 keeps one device."""
@@ -114,6 +114,16 @@ SCRIPT = textwrap.dedent(
         else:
             raise AssertionError(bad)
 
+    # an NF4 block may not straddle two shards; a batch must split over data x fsdp
+    tiny = eqx.nn.Linear(8, 8, key=jax.random.key(6))
+    tiny = eqx.tree_at(lambda m: m.weight, tiny, peftx.adapters.quantize_nf4(tiny.weight))
+    try:
+        shard(tiny, make_mesh(), [(peftx.path_glob("weight"), P("fsdp"))])
+    except ValueError as e:
+        assert "NF4 weight weight" in str(e) and "blocksize=64" in str(e), e
+    else:
+        raise AssertionError("an NF4 block straddling shards was placed")
+
     # -- one step, sharded against one device ------------------------------------------
     def batch_for(model, n=8, length=6):
         ids = jax.random.randint(jax.random.key(5), (n, length), 1, 64)
@@ -135,6 +145,14 @@ SCRIPT = textwrap.dedent(
             mu = state.opt_state[0].mu
             for p_, m_ in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(mu), strict=True):
                 assert m_.sharding == p_.sharding
+        if mesh is not None and dict(mesh.shape)["data"] == 2:
+            odd = jax.tree.map(lambda x: x[:6], batch)
+            try:
+                step(state, frozen, odd)
+            except ValueError as e:
+                assert "a batch of [6] rows cannot be split over data x fsdp" in str(e), e
+            else:
+                raise AssertionError("a batch of 6 rows was split over 4 devices")
         state, metrics = step(state, frozen, batch)
         if mesh is not None:  # the step returns the state placed as it came: no resharding
             after = jax.tree.map(lambda x: x.sharding, state)
@@ -150,14 +168,23 @@ SCRIPT = textwrap.dedent(
     steps = [("dp", make_mesh(data=8, fsdp=1)), ("fsdp", make_mesh()),
              ("fsdp_tp", make_mesh(fsdp=4, tensor=2)),
              ("fsdp_tp", make_mesh(data=2, fsdp=2, tensor=2))]
-    # every model with every kind, each pair on two of the meshes, so that every mesh
-    # meets both models and several kinds (the whole product would take minutes here)
-    pairs = [(n, b, k, c) for n, b in (("llama", llama), ("bert", bert))
-             for k, c in configs.items()]
-    for i, (name, base, kind, config) in enumerate(pairs):
+    # every model with every kind, each on one or two meshes, so that every mesh meets
+    # Llama and every kind (the whole product took 6 minutes here)
+    nf4 = peftx.quantize_model(llama, peftx.QuantizationConfig(load_in_4bit=True))
+    runs = [
+        ("llama", llama, "lora", [steps[1]]),
+        ("llama", llama, "dora", [steps[3]]),
+        ("llama", llama, "ia3", [steps[0]]),
+        ("llama nf4", nf4, "lora", [steps[2]]),  # QLoRA: whole 64-value blocks per shard
+        ("bert", bert, "lora", [steps[2], steps[3]]),
+        ("bert", bert, "dora", [steps[0]]),
+        ("bert", bert, "ia3", [steps[1]]),
+    ]
+    for name, base, kind, meshes_here in runs:
+        config = configs[kind]
         model = peftx.get_peft_model(base, config, key=jax.random.key(4))
         want_state, want_metrics = one_step(model, None, None)
-        for preset, mesh in (steps[i % 4], steps[(i + 1) % 4]):
+        for preset, mesh in meshes_here:
             got_state, got_metrics = one_step(model, mesh, preset)
             where = (name, kind, preset, dict(mesh.shape))
             np.testing.assert_allclose(got_metrics["loss"], want_metrics["loss"],

@@ -98,32 +98,47 @@ class _Resolver:
                 entries = [None] * (value.ndim - stack)
                 for i, j in enumerate(axes[: len(entries)]):
                     if j is not None and value.shape[stack + i] != 1:
-                        entries[i] = own[j]
+                        entries[i] = _flat_split(own) if _flattens(value, node, stack) else own[j]
                 value = self.fitted(where, value.shape, (None,) * stack + tuple(entries))
             object.__setattr__(new, field.name, value)
         return new
 
 
+def _flattens(value: Any, node: Any, stack: int) -> bool:
+    """Whether `value` holds `node`'s weight flattened row-major (NF4's codes and block
+    scales): one axis of its own where the weight has several."""
+    return value.ndim - stack == 1 and len(node.shape) - stack > 1
+
+
+def _flat_split(own: tuple[Entry, ...]) -> Entry:
+    """The split of a row-major flattening of a weight split as `own`: the mesh axes of
+    the weight's first split axis. Its shards then hold whole rows, or whole runs of a
+    row, as many values as the weight's own shards, on the same devices."""
+    return next((entry for entry in own if entry is not None), None)
+
+
 def _check_nf4_blocks(
     path: str, node: NF4Array, stack: int, own: tuple[Entry, ...], mesh: Mesh
 ) -> None:
-    """Raise unless each shard of the weight's rows holds whole quantization blocks."""
-    names = (own[0],) if isinstance(own[0], str) else own[0] or ()
+    """Raise unless each shard of the flattened codes holds whole quantization blocks."""
+    entry = _flat_split(own)
+    names = (entry,) if isinstance(entry, str) else entry or ()
     parts = int(np.prod([mesh.shape[n] for n in names])) if names else 1
-    rows, per_row = node.shape[stack], int(np.prod(node.shape[stack + 1 :]))
-    if parts == 1 or rows % parts:
+    size = int(np.prod(node.shape[stack:]))
+    if parts == 1 or size % parts:
         return  # not split (a dimension not divided stays whole)
-    values = rows // parts * per_row
+    values = size // parts
     blocks = [("blocksize", node.blocksize, values)]
     if node.nested_absmax is not None:
         blocks.append(("nested_blocksize", node.nested_blocksize, values // node.blocksize))
-    for name, size, count in blocks:
-        if count % size:
+    for name, block, count in blocks:
+        if count % block:
             raise ValueError(
                 f"the NF4 weight {path} would be split into {parts} shards of {count} "
-                f"values, which cuts its quantization blocks ({name}={size}): a block would "
-                "straddle two shards. Shard it over fewer devices, or quantize it with a "
-                f"{name} that divides {count}."
+                f"{'values' if name == 'blocksize' else 'block scales'}, which cuts its "
+                f"quantization blocks ({name}={block}): a block would straddle two shards. "
+                f"Shard it over fewer devices, or quantize it with a {name} that divides "
+                f"{count}."
             )
 
 

@@ -210,6 +210,14 @@ def make_train_step(
         # the state's own shardings, a static argument: the jitted step returns the state
         # placed as it came
         placed = jax.tree.map(lambda x: x.sharding, state)
+        parts = mesh.shape["data"] * mesh.shape["fsdp"]
+        rows = {x.shape[0] for x in jax.tree.leaves(batch)}
+        if any(n % parts for n in rows):
+            raise ValueError(
+                f"a batch of {sorted(rows)} rows cannot be split over data x fsdp = "
+                f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {parts} devices; make the "
+                f"batch size a multiple of {parts}."
+            )
         return step(state, frozen, batch, placed)
 
     return sharded_step
