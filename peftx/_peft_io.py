@@ -544,5 +544,6 @@ def _match(
                 )
             rows.append(value)
         array = np.stack(rows) if t.stacked else rows[0]
-        out.append((t, jax.numpy.asarray(array, dtype=t.value.dtype)))
+        # placed as the skeleton's array is (split over a mesh, for a sharded model)
+        out.append((t, jax.device_put(array.astype(t.value.dtype), t.value.sharding)))
     return out

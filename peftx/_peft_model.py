@@ -20,6 +20,7 @@ from ._targets import ADAPTABLE, AdaptedLayer, layer_paths, name_or_path_of, tar
 from .adapters import AbstractWeight, AdapterSet, detach, merge
 from .adapters._kind import trained_fields
 from .implicit import use_implicit_args
+from .sharding import placed_like
 
 BASE = "__base__"
 """The name that routes an example of a mixed batch to the base model (PEFT's)."""
@@ -527,6 +528,7 @@ class PeftModel(eqx.Module):
             current = target.layer.weight
             base = current.weight if _is_set(current) else current
             adapter = detach(_stacked(config, target, base, k))
+            adapter = placed_like(adapter, base, _stack_axes(target.layer, base))
             if _is_set(current):
                 s = AdapterSet(base, {**current.adapters, adapter_name: adapter}, None, (active,))
             else:
@@ -626,12 +628,16 @@ def get_peft_model(
     return PeftModel(model, {}, (), adapter_name)._add(adapter_name, config, key, model_type)
 
 
+def _stack_axes(layer: Any, weight: Any) -> int:
+    """The leading layer axes of `layer`'s `weight` (layers stacked by `eqx.filter_vmap`)."""
+    kernel_ndim = layer.num_spatial_dims if isinstance(layer, eqx.nn.Conv) else 0
+    return len(weight.shape) - 2 - kernel_ndim
+
+
 def _stacked(config: Any, target: AdaptedLayer, base: Any, key: PRNGKeyArray) -> Any:
     """`config.build(base, target, key=key)` for each layer of a stack: layers made with
     `eqx.filter_vmap` carry leading axes on their weights, each gets its own adapter."""
-    layer = target.layer
-    kernel_ndim = layer.num_spatial_dims if isinstance(layer, eqx.nn.Conv) else 0
-    if len(base.shape) == 2 + kernel_ndim:
+    if _stack_axes(target.layer, base) == 0:
         return config.build(base, target, key=key)
     keys = jax.random.split(key, base.shape[0])
     return eqx.filter_vmap(lambda b, k: _stacked(config, target, b, k))(base, keys)

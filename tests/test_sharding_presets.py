@@ -114,6 +114,27 @@ SCRIPT = textwrap.dedent(
         else:
             raise AssertionError(bad)
 
+    # adapters added to, saved from and loaded onto a sharded model: placed by the rules,
+    # the same files as on one device
+    import pathlib, tempfile
+    mesh = make_mesh(fsdp=4, tensor=2)
+    placed = shard(model, mesh, "fsdp_tp").add_adapter("b", lora, key=jax.random.key(7))
+    plain = model.add_adapter("b", lora, key=jax.random.key(7))
+    want_specs = shard(plain, mesh, "fsdp_tp")
+    for x, y in zip(jax.tree.leaves(placed), jax.tree.leaves(want_specs), strict=True):
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        placed.save_pretrained(tmp / "sharded")
+        plain.save_pretrained(tmp / "plain")
+        for f in sorted((tmp / "plain").rglob("*.*")):
+            twin = tmp / "sharded" / f.relative_to(tmp / "plain")
+            assert f.read_bytes() == twin.read_bytes(), f
+        loaded = shard(model, mesh, "fsdp_tp").load_adapter(tmp / "plain" / "b", "b")
+    for x, y in zip(jax.tree.leaves(loaded), jax.tree.leaves(want_specs), strict=True):
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
     # an NF4 block may not straddle two shards; a batch must split over data x fsdp
     tiny = eqx.nn.Linear(8, 8, key=jax.random.key(6))
     tiny = eqx.tree_at(lambda m: m.weight, tiny, peftx.adapters.quantize_nf4(tiny.weight))

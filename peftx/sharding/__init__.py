@@ -5,6 +5,7 @@ from ._mesh import AXES as AXES, BATCH_AXES as BATCH_AXES, make_mesh as make_mes
 from ._place import (
     batch_sharding as batch_sharding,
     partition_specs as partition_specs,
+    placed_like as placed_like,
     shard as shard,
 )
 from ._rules import PRESETS as PRESETS, Rules as Rules

@@ -77,9 +77,9 @@ class _Resolver:
     def weight(self, path: str, node: AbstractWeight) -> Any:
         stack = stack_axes(path)
         own = self.base(path, node, len(node.shape) - stack)
-        return self._follow(path, node, stack, own)
+        return self.follow(path, node, stack, own)
 
-    def _follow(self, path: str, node: Any, stack: int, own: tuple[Entry, ...]) -> Any:
+    def follow(self, path: str, node: Any, stack: int, own: tuple[Entry, ...]) -> Any:
         """`node` with each array replaced by its spec: a field listed in its class's
         `weight_axes` takes the spec of the weight axes it follows, others stay whole."""
         if isinstance(node, NF4Array):
@@ -90,9 +90,9 @@ class _Resolver:
             value = getattr(node, field.name)
             where = f"{path}.{field.name}"
             if isinstance(value, AbstractWeight):
-                value = self._follow(where, value, stack, own)
+                value = self.follow(where, value, stack, own)
             elif isinstance(value, dict) and all(map(_is_weight, value.values())):
-                value = {k: self._follow(f"{where}.{k}", a, stack, own) for k, a in value.items()}
+                value = {k: self.follow(f"{where}.{k}", a, stack, own) for k, a in value.items()}
             elif eqx.is_array(value):
                 axes = declared.get(field.name, ())
                 entries = [None] * (value.ndim - stack)
@@ -216,6 +216,23 @@ def shard(model: Any, mesh: Mesh, rules: Any = "fsdp") -> Any:
     specs = partition_specs(model, mesh, rules)
     arrays, static = eqx.partition(model, eqx.is_array)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+    return eqx.combine(jax.device_put(arrays, shardings), static)
+
+
+def placed_like(adapter: Any, weight: Any, stack: int) -> Any:
+    """`adapter` (built for `weight`, with `stack` leading layer axes) with its arrays
+    placed as they follow `weight`'s placement, as its class declares; as it is when
+    `weight` is not split over a mesh. So an adapter added to, or loaded onto, a sharded
+    model lands where `shard` would put it."""
+    sharding = getattr(weight, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return adapter
+    spec = (*sharding.spec, *(None,) * (weight.ndim - len(sharding.spec)))
+    resolver = _Resolver(sharding.mesh, [], None)
+    specs = resolver.follow("adapter", adapter, stack, tuple(spec[stack:]))
+    arrays, static = eqx.partition(adapter, eqx.is_array)
+    specs = eqx.filter(specs, _is_spec, is_leaf=_is_spec)
+    shardings = jax.tree.map(lambda s: NamedSharding(sharding.mesh, s), specs, is_leaf=_is_spec)
     return eqx.combine(jax.device_put(arrays, shardings), static)
 
 
