@@ -94,9 +94,7 @@ def generate(
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     ```
     """
-    from .._peft_model import PeftModel  # peftx.models is imported before PeftModel's module
-
-    base = model.base_model if isinstance(model, PeftModel) else model
+    base = model.base_model if _is_peft_model(model) else model
     if not isinstance(base, _MODELS):
         raise TypeError(
             f"generate runs a causal language model ({', '.join(c.__name__ for c in _MODELS)}"
@@ -156,7 +154,7 @@ def generate(
 
     route = None
     if adapter_names is not None:
-        if not isinstance(model, PeftModel):
+        if not _is_peft_model(model):
             raise TypeError(
                 f"adapter_names routes prompts to adapters of a PeftModel; this model is a "
                 f"{type(model).__name__}, which has none."
@@ -228,12 +226,17 @@ def _has_implicit(tree: Any) -> bool:
     return any(is_implicit(x) for x in jax.tree.leaves(tree, is_leaf=is_implicit))
 
 
+def _is_peft_model(model: Any) -> bool:
+    """Whether `model` is a `PeftModel`, known by its interface (`base_model`, and
+    `prepared` for routing): `peftx.models` sits below the PEFT layer and imports none of
+    it."""
+    return hasattr(model, "base_model") and callable(getattr(model, "prepared", None))
+
+
 def _forward(model: Any, route: Array | None) -> Any:
     """`f(ids, mask, positions, cache) -> CausalLMOutput` for a plain, quantized or
     adapted model (a `PeftModel` routes each row by `route` when given)."""
-    from .._peft_model import PeftModel
-
-    if isinstance(model, PeftModel):
+    if _is_peft_model(model):
         return lambda *args, **kwargs: model(*args, adapter_names=route, **kwargs)
     if _has_implicit(model):
         call = use_implicit_args(lambda m, *args, **kwargs: m(*args, **kwargs))
