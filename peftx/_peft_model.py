@@ -17,8 +17,8 @@ from ._errors import UnknownAdapterError
 from ._peft_io import load_adapter_into, save_adapters
 from ._select import Predicate, dotted, of_type, peft_targets, require_matches, select
 from ._targets import ADAPTABLE, AdaptedLayer, layer_paths, name_or_path_of, targets
-from .adapters import AbstractWeight, AdapterSet, detach, merge
-from .adapters._kind import trained_fields
+from .adapters import AdapterSet, detach, merge
+from .adapters._kind import count_parameters, trained_fields
 from .implicit import use_implicit_args
 from .sharding import placed_like
 
@@ -248,7 +248,7 @@ class PeftModel(eqx.Module):
         """(trainable, all) floating-point parameters, every adapter included in all
         (PEFT's method of this name)."""
         trainable, _ = partition(self)
-        return _count(trainable), _count(self)
+        return count_parameters(trainable), count_parameters(self)
 
     # -- files --------------------------------------------------------------------------
 
@@ -566,22 +566,6 @@ def _saved_copies(model: Any, config: Any, adapter_name: str) -> dict[str, dict[
         select(model).at(~of_type(jax.Array)), peft_targets(names), wanted=names
     )
     return {adapter_name: dict(zip(chosen.paths(), chosen.get()))}
-
-
-def _count(tree: Any) -> int:
-    """Parameters in `tree`, as PEFT counts them: floating-point arrays, and each implicit
-    weight by its own count (a 4-bit weight as two values per stored byte, an adapter by
-    its trained arrays)."""
-
-    def is_weight(x: Any) -> bool:
-        return isinstance(x, AbstractWeight)
-
-    def size(x: Any) -> int:
-        if is_weight(x):
-            return x.num_parameters()
-        return x.size if eqx.is_inexact_array(x) else 0
-
-    return sum(size(x) for x in jax.tree.leaves(tree, is_leaf=is_weight))
 
 
 def partition(model: PeftModel, adapters: Sequence[str] | None = None) -> tuple[Any, Any]:

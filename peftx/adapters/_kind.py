@@ -32,10 +32,7 @@ class AbstractWeight(ImplicitArray):
     def num_parameters(self) -> int:
         """Its parameters as PEFT counts them (`print_trainable_parameters`): by default
         the floating arrays of its fields, an inner weight by its own count."""
-        leaves = jax.tree.leaves(
-            [getattr(self, f.name) for f in dataclasses.fields(self)], is_leaf=_is_weight
-        )
-        return sum(_parameters(x) for x in leaves)
+        return count_parameters([getattr(self, f.name) for f in dataclasses.fields(self)])
 
 
 class AbstractAdapter(AbstractWeight):
@@ -71,7 +68,7 @@ class AbstractAdapter(AbstractWeight):
         """The trained fields' sizes and the base weight's count (kept statistics, such
         as DoRA's base norms, are not parameters; PEFT has no such tensors)."""
         trained = [getattr(self, name) for name in self.peft_keys]
-        return sum(_parameters(x) for x in [*trained, self.weight])
+        return count_parameters([*trained, self.weight])
 
     def aval(self) -> jax.core.ShapedArray:
         return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
@@ -90,14 +87,20 @@ class AbstractAdapter(AbstractWeight):
         raise ValueError(f"{cls.__name__} adapters cannot be combined.")
 
 
-def _is_weight(x: Any) -> bool:
-    return isinstance(x, AbstractWeight)
+def count_parameters(tree: Any) -> int:
+    """Parameters in `tree` as PEFT counts them: floating arrays by their size, each
+    implicit weight by its `num_parameters()` (a 4-bit weight as two values per stored
+    byte, an adapter by its trained arrays)."""
 
+    def is_weight(x: Any) -> bool:
+        return isinstance(x, AbstractWeight)
 
-def _parameters(x: Any) -> int:
-    if isinstance(x, AbstractWeight):
-        return x.num_parameters()
-    return x.size if eqx.is_inexact_array(x) else 0
+    def size(x: Any) -> int:
+        if is_weight(x):
+            return x.num_parameters()
+        return x.size if eqx.is_inexact_array(x) else 0
+
+    return sum(size(x) for x in jax.tree.leaves(tree, is_leaf=is_weight))
 
 
 def trained_fields(adapter: AbstractAdapter) -> tuple[str, ...]:

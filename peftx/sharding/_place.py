@@ -59,8 +59,7 @@ class _Resolver:
         left whole (and noted, for one warning)."""
         out = []
         for size, entry in zip(shape, entries):
-            names = (entry,) if isinstance(entry, str) else entry or ()
-            parts = int(np.prod([self.mesh.shape[n] for n in names])) if names else 1
+            names, parts = _split(self.mesh, entry)
             if size % parts:
                 self.replicated.append(f"{path} (axis of {size} over {'x'.join(names)}={parts})")
                 entry = None
@@ -104,6 +103,12 @@ class _Resolver:
         return new
 
 
+def _split(mesh: Mesh, entry: Entry) -> tuple[tuple[str, ...], int]:
+    """The mesh axes of one entry of a spec, and how many parts they cut that axis into."""
+    names = (entry,) if isinstance(entry, str) else entry or ()
+    return names, int(np.prod([mesh.shape[n] for n in names])) if names else 1
+
+
 def _flattens(value: Any, node: Any, stack: int) -> bool:
     """Whether `value` holds `node`'s weight flattened row-major (NF4's codes and block
     scales): one axis of its own where the weight has several."""
@@ -121,9 +126,7 @@ def _check_nf4_blocks(
     path: str, node: NF4Array, stack: int, own: tuple[Entry, ...], mesh: Mesh
 ) -> None:
     """Raise unless each shard of the flattened codes holds whole quantization blocks."""
-    entry = _flat_split(own)
-    names = (entry,) if isinstance(entry, str) else entry or ()
-    parts = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+    _, parts = _split(mesh, _flat_split(own))
     size = int(np.prod(node.shape[stack:]))
     if parts == 1 or size % parts:
         return  # not split (a dimension not divided stays whole)
