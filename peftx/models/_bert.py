@@ -24,6 +24,7 @@ from ._common import (
     Check,
     HFConfig,
     LayerNorm,
+    LogicalAxesTable,
     MaskedLMOutput,
     SequenceClassifierOutput,
     activation,
@@ -49,6 +50,21 @@ class BertConfig(HFConfig):
 
     The dropout rates apply when a model is called with a `key` (training mode).
     """
+
+    # the logical axes of its weights, for `peftx.sharding`'s presets (see `HFConfig`)
+    LOGICAL_AXES: ClassVar[LogicalAxesTable] = (
+        (r"word_embeddings\.weight", ("vocab", "embed")),
+        (r"(position|token_type)_embeddings\.weight", (None, "embed")),
+        (r"attention\.self\.(query|key|value)\.weight", ("heads", "embed")),
+        (r"attention\.self\.(query|key|value)\.bias", ("heads",)),
+        (r"attention\.output\.dense\.weight", ("embed", "heads")),
+        (r"intermediate\.dense\.weight", ("mlp", "embed")),
+        (r"intermediate\.dense\.bias", ("mlp",)),
+        (r"output\.dense\.weight", ("embed", "mlp")),
+        (r"(pooler|transform)\.dense\.weight|classifier\.weight", (None, "embed")),
+        (r"predictions\.bias", ("vocab",)),
+        (r"LayerNorm\.(weight|bias)|output\.dense\.bias", ("embed",)),
+    )
 
     model_type: str = "bert"
     vocab_size: int = 30522
@@ -605,19 +621,6 @@ register(
             r"cls\..*",
             r"classifier\.(weight|bias)",
             r"(bert\.)?pooler\.dense\.(weight|bias)",
-        ),
-        logical_axes=(
-            (r"word_embeddings\.weight", ("vocab", "embed")),
-            (r"(position|token_type)_embeddings\.weight", (None, "embed")),
-            (r"attention\.self\.(query|key|value)\.weight", ("heads", "embed")),
-            (r"attention\.self\.(query|key|value)\.bias", ("heads",)),
-            (r"attention\.output\.dense\.weight", ("embed", "heads")),
-            (r"intermediate\.dense\.weight", ("mlp", "embed")),
-            (r"intermediate\.dense\.bias", ("mlp",)),
-            (r"output\.dense\.weight", ("embed", "mlp")),
-            (r"(pooler|transform)\.dense\.weight|classifier\.weight", (None, "embed")),
-            (r"predictions\.bias", ("vocab",)),
-            (r"LayerNorm\.(weight|bias)|output\.dense\.bias", ("embed",)),
         ),
     ),
 )

@@ -26,6 +26,7 @@ import jax.tree_util as jtu
 import ml_dtypes
 import numpy as np
 import safetensors.numpy
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
 from .._dtypes import float_dtype
@@ -33,6 +34,7 @@ from .._errors import CheckpointError, ConfigFileError
 from .._files import read_json, replaced_directory
 from .._select import dotted
 from .._spans import find_span
+from ..sharding import Rules, partition_specs
 from ._stack import LayerStack, Layout
 
 CONFIG_NAME = "config.json"
@@ -46,10 +48,7 @@ class Architecture:
     """How one `model_type` maps onto peftx: its config class, its model classes by
     transformers class name, the prefix its backbone has inside head models, tensors that
     are stored transposed (GPT-2's Conv1D), heads a base checkpoint lacks (initialized
-    fresh, as transformers does), checkpoint keys to ignore, and the logical axes of its
-    weights: `(regex, axes)` pairs, the regex matching the end of a layer's own array path
-    (`q_proj\\.weight`), the axes naming each dimension (`("heads", "embed")`), which
-    `peftx.sharding`'s presets map onto the mesh. Arrays no pair names are replicated."""
+    fresh, as transformers does) and checkpoint keys to ignore."""
 
     config_class: Any
     classes: dict[str, Any]
@@ -58,7 +57,6 @@ class Architecture:
     transposed: tuple[str, ...] = ()
     new_heads: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
-    logical_axes: tuple[tuple[str, tuple[str | None, ...]], ...] = ()
 
 
 ARCHITECTURES: dict[str, Architecture] = {}
@@ -289,12 +287,14 @@ class Reader:
             return _torch_numpy(self._torch[key]).dtype
         return self.tensors[key].dtype
 
-    def read_into(self, key: str, dest: np.ndarray) -> None:
-        """Copy tensor `key` into `dest` (its shape; any dtype, any strides), casting.
-        Each tensor is read once: a torch state dict lets go of it then, so what it holds
-        shrinks as the model grows."""
+    def read_into(self, key: str, dest: np.ndarray, index: tuple[slice, ...] | None = None) -> None:
+        """Copy tensor `key` into `dest` (its shape; any dtype, any strides), casting; or
+        only the part `index` (a slice per axis) picks, reading only the rows it spans. A
+        torch state dict lets go of a tensor read whole, so what it holds shrinks as the
+        model grows."""
         if self._torch is not None:
-            dest[...] = _torch_numpy(self._torch.pop(key))
+            whole = _torch_numpy(self._torch[key] if index else self._torch.pop(key))
+            dest[...] = whole[index] if index else whole
             return
         t = self.tensors[key]
         if t.nbytes == 0:
@@ -302,7 +302,7 @@ class Reader:
         if t.file not in self._files:
             self._files[t.file] = open(t.file, "rb", buffering=0)  # noqa: SIM115
         f = self._files[t.file]
-        if dest.dtype == t.dtype and dest.flags.c_contiguous:
+        if index is None and dest.dtype == t.dtype and dest.flags.c_contiguous:
             _read_exactly(f, t.offset, dest.reshape(-1).view(np.uint8), key)
             return
         if not t.shape:
@@ -310,14 +310,15 @@ class Reader:
             _read_exactly(f, t.offset, tmp.reshape(-1).view(np.uint8), key)
             dest[...] = tmp
             return
-        rows = t.shape[0]
-        row_bytes = t.nbytes // rows
+        rows = range(t.shape[0])[index[0]] if index else range(t.shape[0])
+        rest = (slice(None), *index[1:]) if index else ()
+        row_bytes = t.nbytes // t.shape[0]
         step = max(1, _CHUNK // max(row_bytes, 1))
-        for first in range(0, rows, step):
-            last = min(rows, first + step)
+        for first in range(rows.start, rows.stop, step):
+            last = min(rows.stop, first + step)
             tmp = np.empty((last - first, *t.shape[1:]), t.dtype)
             _read_exactly(f, t.offset + first * row_bytes, tmp.reshape(-1).view(np.uint8), key)
-            dest[first:last] = tmp
+            dest[first - rows.start : last - rows.start] = tmp[rest] if rest else tmp
 
 
 def _read_exactly(f: Any, offset: int, out: np.ndarray, key: str) -> None:
@@ -427,6 +428,8 @@ def from_pretrained(
     model_class: Any = None,
     layout: Layout = "stacked",
     strict: bool = True,
+    mesh: Mesh | None = None,
+    rules: Rules = "fsdp",
     **model_kwargs: Any,
 ) -> Any:
     """Load a transformers checkpoint directory into the peftx Equinox model for it.
@@ -441,11 +444,16 @@ def from_pretrained(
       default: the config's `architectures`, else the backbone.
     - `layout`: `"stacked"` (blocks run under `lax.scan`) or `"unrolled"`.
     - `strict`: raise on checkpoint tensors the model has no place for (else warn).
+    - `mesh`: a `jax.sharding.Mesh` (`peftx.sharding.make_mesh`) to load the model onto;
+      default: the default device.
+    - `rules`: how the arrays are split over `mesh` (see `peftx.sharding.shard`).
     - `model_kwargs`: passed to the model, e.g. `gradient_checkpointing=True`.
 
     **Returns:**
 
-    The model, its arrays on the default device.
+    The model, its arrays on the default device, or placed on `mesh` by `rules`: each
+    device's slices are read from the files straight into place, so no process holds more
+    of a weight than its devices' share (plus one row buffer).
 
     A head the checkpoint lacks (a classifier on a bare encoder) is initialized fresh,
     with a warning naming it. Every other missing tensor, a shape that differs, an
@@ -479,6 +487,11 @@ def from_pretrained(
         skeleton = eqx.filter_eval_shape(build, key)
         arrays, static = eqx.partition(skeleton, lambda x: isinstance(x, jax.ShapeDtypeStruct))
         leaves, treedef = _leaves(arrays)
+        shardings = [None] * len(leaves)
+        if mesh is not None:
+            specs = partition_specs(skeleton, mesh, rules)
+            specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+            shardings = [NamedSharding(mesh, spec) for spec in specs]
         expected = {k for leaf in leaves for k in _expected_keys(leaf)}
         to_ckpt = key_mapper(arch, expected, present)
         _check(path, hf, arch, cls, reader, leaves, to_ckpt, strict, dtype)
@@ -499,10 +512,11 @@ def from_pretrained(
                 built = jax.tree.leaves(eqx.filter(build(k), eqx.is_array))
                 return [built[n] for n in new]
 
-            fresh = dict(zip(new, jax.jit(initial)(key)))
+            placed = {} if mesh is None else {"out_shardings": [shardings[n] for n in new]}
+            fresh = dict(zip(new, jax.jit(initial, **placed)(key)))
         values = [
-            fresh[n] if n in fresh else _load_leaf(reader, leaf, to_ckpt, arch, dtype)
-            for n, leaf in enumerate(leaves)
+            fresh[n] if n in fresh else _load_leaf(reader, leaf, to_ckpt, arch, dtype, sharding)
+            for n, (leaf, sharding) in enumerate(zip(leaves, shardings))
         ]
     return eqx.combine(jax.tree.unflatten(treedef, values), static)
 
@@ -626,15 +640,40 @@ def _load_leaf(
     to_ckpt: Callable,
     arch: Architecture,
     dtype: Any,
+    sharding: NamedSharding | None,
 ) -> jax.Array:
+    """One array of the model, read whole onto the default device, or each device's
+    slice by `sharding`."""
     keys = list(_expected_keys(leaf))
     row_shape = leaf.shape[1:] if leaf.span is not None else leaf.shape
     transposed = is_transposed(arch, leaf.template)
     want_dtype = dtype if _is_float(leaf.dtype) else leaf.dtype
-    buffer = _empty((len(keys), *row_shape), want_dtype)
-    for row, k in enumerate(keys):
-        reader.read_into(to_ckpt(k), buffer[row].T if transposed else buffer[row])
-    return jax.device_put(buffer if leaf.span is not None else buffer[0])
+
+    def read(index: tuple[slice, ...] | None) -> np.ndarray:
+        if index is not None and leaf.span is None:
+            index = (slice(None), *index)
+        layers = keys[index[0]] if index else keys
+        own = index[1:] if index else None
+        shape = row_shape if own is None else [len(range(n)[s]) for n, s in zip(row_shape, own)]
+        buffer = _empty((len(layers), *shape), want_dtype)
+        for row, k in enumerate(layers):
+            if transposed:
+                reader.read_into(to_ckpt(k), buffer[row].T, own and own[::-1])
+            else:
+                reader.read_into(to_ckpt(k), buffer[row], own)
+        return buffer if leaf.span is not None else buffer[0]
+
+    if sharding is None:
+        return jax.device_put(read(None))
+    shards: dict[tuple, np.ndarray] = {}  # devices holding the same slice read it once
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in shards:
+            shards[key] = read(index)
+        return shards[key]
+
+    return jax.make_array_from_callback(leaf.shape, sharding, shard)
 
 
 def save_pretrained(

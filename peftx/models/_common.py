@@ -381,6 +381,10 @@ COMMON_CHECKS: dict[str, Check] = {
 }
 
 
+LogicalAxesTable = tuple[tuple[str, tuple[str | None, ...]], ...]
+"""`(regex, logical axes)` pairs: see `HFConfig.LOGICAL_AXES`."""
+
+
 @dataclasses.dataclass(frozen=True)
 class HFConfig:
     """Base of the architectures' configs: typed fields plus the full `config.json`
@@ -398,6 +402,11 @@ class HFConfig:
 
     # what each key of `config.json` (and each field of the same name) must be
     CHECKS: ClassVar[dict[str, Check]] = COMMON_CHECKS
+    # The logical axes of the architecture's weights: `(regex, axes)` pairs, the regex
+    # matching the end of a layer's own array path (`q_proj\\.weight`), the axes naming
+    # each dimension (`("heads", "embed")`), which `peftx.sharding`'s presets map onto a
+    # mesh. Arrays no pair names are replicated.
+    LOGICAL_AXES: ClassVar[LogicalAxesTable] = ()
 
     def __post_init__(self) -> None:
         fields = {f.name: f for f in dataclasses.fields(self)}

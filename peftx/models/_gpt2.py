@@ -27,6 +27,7 @@ from ._common import (
     HFConfig,
     KVCache,
     LayerNorm,
+    LogicalAxesTable,
     SequenceClassifierOutput,
     activation,
     attention_mask as visible_keys,
@@ -47,6 +48,20 @@ from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_lay
 @dataclasses.dataclass(frozen=True)
 class GPT2Config(HFConfig):
     """A GPT-2 `config.json`, as the fields the model uses (transformers' names)."""
+
+    # the logical axes of its weights, for `peftx.sharding`'s presets (see `HFConfig`)
+    LOGICAL_AXES: ClassVar[LogicalAxesTable] = (
+        (r"wte\.weight|lm_head\.weight", ("vocab", "embed")),
+        (r"wpe\.weight", (None, "embed")),
+        (r"attn\.c_attn\.weight", ("heads", "embed")),
+        (r"attn\.c_attn\.bias", ("heads",)),
+        (r"attn\.c_proj\.weight", ("embed", "heads")),
+        (r"mlp\.c_fc\.weight", ("mlp", "embed")),
+        (r"mlp\.c_fc\.bias", ("mlp",)),
+        (r"mlp\.c_proj\.weight", ("embed", "mlp")),
+        (r"score\.weight", (None, "embed")),
+        (r"ln_(1|2|f)\.(weight|bias)|(attn|mlp)\.c_proj\.bias", ("embed",)),
+    )
 
     model_type: str = "gpt2"
     vocab_size: int = 50257
@@ -477,17 +492,5 @@ register(
         new_heads=(r"score\.weight",),
         # the causal-mask buffers of old checkpoints, and a tied head saved anyway
         ignored=(r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)", r"lm_head\.weight"),
-        logical_axes=(
-            (r"wte\.weight|lm_head\.weight", ("vocab", "embed")),
-            (r"wpe\.weight", (None, "embed")),
-            (r"attn\.c_attn\.weight", ("heads", "embed")),
-            (r"attn\.c_attn\.bias", ("heads",)),
-            (r"attn\.c_proj\.weight", ("embed", "heads")),
-            (r"mlp\.c_fc\.weight", ("mlp", "embed")),
-            (r"mlp\.c_fc\.bias", ("mlp",)),
-            (r"mlp\.c_proj\.weight", ("embed", "mlp")),
-            (r"score\.weight", (None, "embed")),
-            (r"ln_(1|2|f)\.(weight|bias)|(attn|mlp)\.c_proj\.bias", ("embed",)),
-        ),
     ),
 )

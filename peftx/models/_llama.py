@@ -23,6 +23,7 @@ from ._common import (
     Check,
     HFConfig,
     KVCache,
+    LogicalAxesTable,
     RMSNorm,
     SequenceClassifierOutput,
     activation,
@@ -79,6 +80,23 @@ class LlamaConfig(HFConfig):
     first only); `rope` holds the `rope_parameters` as sorted pairs; `sliding_windows` is
     each layer's window (None: full attention), or `()` when no layer has one.
     """
+
+    # the logical axes of its weights, for `peftx.sharding`'s presets (see `HFConfig`)
+    LOGICAL_AXES: ClassVar[LogicalAxesTable] = (
+        (r"embed_tokens\.weight|lm_head\.weight", ("vocab", "embed")),
+        (r"[qkv]_proj\.weight", ("heads", "embed")),
+        (r"[qkv]_proj\.bias", ("heads",)),
+        (r"o_proj\.weight", ("embed", "heads")),
+        (r"(gate|up)_proj\.weight", ("mlp", "embed")),
+        (r"(gate|up)_proj\.bias", ("mlp",)),
+        (r"down_proj\.weight", ("embed", "mlp")),
+        (r"score\.weight", (None, "embed")),
+        (
+            r"(input_layernorm|post_attention_layernorm|norm)\.weight|o_proj\.bias",
+            ("embed",),
+        ),
+        (r"down_proj\.bias", ("embed",)),
+    )
 
     model_type: str = "llama"
     vocab_size: int = 32000
@@ -674,20 +692,5 @@ for _model_type in LlamaConfig.MODEL_TYPES:
             prefix="model",
             new_heads=(r"score\.weight",),
             ignored=(r".*rotary_emb\.inv_freq", r"lm_head\.weight"),
-            logical_axes=(
-                (r"embed_tokens\.weight|lm_head\.weight", ("vocab", "embed")),
-                (r"[qkv]_proj\.weight", ("heads", "embed")),
-                (r"[qkv]_proj\.bias", ("heads",)),
-                (r"o_proj\.weight", ("embed", "heads")),
-                (r"(gate|up)_proj\.weight", ("mlp", "embed")),
-                (r"(gate|up)_proj\.bias", ("mlp",)),
-                (r"down_proj\.weight", ("embed", "mlp")),
-                (r"score\.weight", (None, "embed")),
-                (
-                    r"(input_layernorm|post_attention_layernorm|norm)\.weight|o_proj\.bias",
-                    ("embed",),
-                ),
-                (r"down_proj\.bias", ("embed",)),
-            ),
         ),
     )

@@ -11,9 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._select import dotted
-from .._targets import model_type_of
 from ..adapters import AbstractWeight, NF4Array
-from ..models._checkpoint import ARCHITECTURES
 from ._mesh import BATCH_AXES
 from ._rules import (
     check_rules,
@@ -152,8 +150,8 @@ def partition_specs(model: Any, mesh: Mesh, rules: Any) -> Any:
     base = getattr(model, "base_model", model)
     table = None
     if isinstance(rules, str):
-        arch = ARCHITECTURES.get(model_type_of(base) or "")
-        table = getattr(arch, "logical_axes", ())
+        # a zoo model's config class names its weights' logical axes
+        table = getattr(getattr(base, "config", None), "LOGICAL_AXES", ())
         if not table and rules != "dp":
             raise ValueError(
                 f"the preset {rules!r} needs a model whose architecture names its weights' "
@@ -167,8 +165,8 @@ def partition_specs(model: Any, mesh: Mesh, rules: Any) -> Any:
         path = _module_path(dotted(keypath))
         if isinstance(leaf, AbstractWeight):
             return resolver.weight(path, leaf)
-        if eqx.is_array(leaf):
-            return resolver.array(path, leaf)
+        if eqx.is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
+            return resolver.array(path, leaf)  # an array, or one to be loaded
         return leaf
 
     specs = jax.tree_util.tree_map_with_path(spec, model, is_leaf=_is_weight)

@@ -22,10 +22,11 @@ INFO_FILE = "train_state.json"
 _PREFIX = "checkpoint-"
 
 
-def _arrays(state: TrainState) -> dict[str, np.ndarray]:
+def _arrays(state: TrainState) -> dict[str, jax.Array]:
+    """The arrays of `state`, named by their path in it."""
     tree = (state.trainable, state.opt_state, state.step, jax.random.key_data(state.key))
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
-    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
+    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
 
 
 def save_checkpoint(
@@ -51,8 +52,10 @@ def save_checkpoint(
     final = directory / f"{_PREFIX}{step:08d}"
     with replaced_directory(final) as tmp:
         eqx.combine(state.trainable, frozen).save_pretrained(tmp)
-        safetensors.numpy.save_file(_arrays(state), str(tmp / STATE_FILE))
-        (tmp / INFO_FILE).write_text(json.dumps({"step": step, **(info or {})}, indent=2))
+        host = {name: np.asarray(x) for name, x in _arrays(state).items()}
+        safetensors.numpy.save_file(host, str(tmp / STATE_FILE))
+        record = {"step": step, "processes": jax.process_count(), **(info or {})}
+        (tmp / INFO_FILE).write_text(json.dumps(record, indent=2))
     if keep is not None:
         for old in checkpoints(directory)[:-keep]:
             shutil.rmtree(old)
@@ -82,7 +85,10 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
 def restore_checkpoint(path: str | os.PathLike, like: TrainState) -> tuple[TrainState, dict]:
     """The `TrainState` saved at `path`, and its `info`. `like` (e.g. from `init_state`
     with the same model and optimizer) gives the structure; every array is checked
-    against it, so a checkpoint of another model or optimizer raises `CheckpointError`."""
+    against it, so a checkpoint of another model or optimizer raises `CheckpointError`.
+    Each array takes the placement of its counterpart in `like`, so a checkpoint taken on
+    one mesh restores onto another (or onto one device); one written by a different number
+    of processes is refused."""
     path = Path(path)
     try:
         saved = safetensors.numpy.load_file(str(path / STATE_FILE))
@@ -93,6 +99,13 @@ def restore_checkpoint(path: str | os.PathLike, like: TrainState) -> tuple[Train
         raise CheckpointError(
             f"{path / INFO_FILE} is damaged: it needs 'step', a count of steps, got "
             f"{info.get('step') if isinstance(info, dict) else info!r}"
+        )
+    processes = info.get("processes", 1)
+    if processes != jax.process_count():
+        raise CheckpointError(
+            f"{path} was written by {processes} process(es); this run has "
+            f"{jax.process_count()}. Resume with {processes}, or start from its adapter "
+            "(PeftModel.from_pretrained) instead."
         )
     expected = _arrays(like)
     if set(saved) != set(expected):
@@ -110,7 +123,8 @@ def restore_checkpoint(path: str | os.PathLike, like: TrainState) -> tuple[Train
     tree = (like.trainable, like.opt_state, like.step, jax.random.key_data(like.key))
     arrays, static = eqx.partition(tree, eqx.is_array)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(arrays)]
-    leaves = [jax.numpy.asarray(saved[p]) for p in paths]
+    like_leaves = jax.tree.leaves(arrays)
+    leaves = [jax.device_put(saved[p], x.sharding) for p, x in zip(paths, like_leaves)]
     trainable, opt_state, step, key_data = eqx.combine(
         jax.tree.unflatten(jax.tree.structure(arrays), leaves), static
     )
