@@ -74,7 +74,7 @@ def model_class_for(task: str, model_dir: Path) -> str:
 
 # -- the fine-tune job's TOML ---------------------------------------------------------------
 
-JOB_TABLES = ("model", "data", "lora", "ia3", "adapters", "quantization", "train", "output")
+JOB_TABLES = ("model", "data", "lora", "ia3", "adapters", "quantization", "train", "output", "mesh")
 MODEL_KEYS = {
     "path": None,
     "task": tuple(TASKS),

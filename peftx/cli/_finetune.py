@@ -29,6 +29,7 @@ from ._common import (
     read_toml,
     unknown_key,
 )
+from ._mesh import mesh_settings, placement_line, run_mesh
 from ._run_dir import Run, open_run, plan_output
 
 DATA_KEYS = {
@@ -199,6 +200,7 @@ class Job:
         if self.train["schedule"] not in SCHEDULES:
             raise UsageError(f"{path}: train.schedule must be one of {', '.join(SCHEDULES)}")
         _check_numbers(self, path)
+        self.mesh = mesh_settings(raw.get("mesh"), str(path))
         self.multi = "adapters" in raw
         self.adapters = self._several(raw, path) if self.multi else [self._single(raw, path)]
         out = self.output["dir"] or f"runs/{path.stem}"
@@ -420,8 +422,9 @@ def _datasets(job: Job, tokenizer: Any) -> tuple[list[tuple[dict, dict]], Any]:
     return pairs, labels
 
 
-def _model(job: Job, labels: Any, key: Any) -> Any:
-    """The base model with every adapter of the job on it (the first one active)."""
+def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any:
+    """The base model with every adapter of the job on it (the first one active), read
+    straight onto `mesh` when there is one."""
     import jax
     import jax.numpy as jnp
 
@@ -436,6 +439,7 @@ def _model(job: Job, labels: Any, key: Any) -> Any:
             model_class=model_class_for(job.model.task, job.model.path),
             dtype=jnp.bfloat16 if job.model.dtype == "bfloat16" else jnp.float32,
             layout=job.model.layout,
+            **({} if mesh is None else {"mesh": mesh, "rules": rules}),
             **extra,
         )
     if job.train["quantize"]:
@@ -584,6 +588,14 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
 
     protected = _protected(job)
     plan_output(job.out, job.resolved(), overwrite=overwrite, protected=protected)
+    mesh, rules = run_mesh(job.mesh)
+    if mesh is not None:
+        parts = mesh.shape["data"] * mesh.shape["fsdp"]
+        if job.train["batch_size"] % parts:
+            raise UsageError(
+                f"train.batch_size ({job.train['batch_size']}) must be a multiple of data x "
+                f"fsdp = {parts}, the parts each batch is split into on this mesh"
+            )
     # the whole job is checked (model, data, adapters) before the output is touched
     t = job.train
     tokenizer = AutoTokenizer.from_pretrained(job.model.path, local_files_only=True)
@@ -597,16 +609,20 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
         raise UsageError(f"train.epochs makes {total} steps, more than {MAX_COUNT}")
     optimizer, schedule = _optimizer(job, total)
     model_key, train_key = jax.random.split(jax.random.key(t["seed"]))
-    peft_model = _model(job, labels, model_key)
+    peft_model = _model(job, labels, model_key, mesh, rules)
     adapters = names if job.multi else None
-    state, frozen = train.init_state(peft_model, optimizer, key=train_key, adapters=adapters)
+    state, frozen = train.init_state(
+        peft_model, optimizer, key=train_key, adapters=adapters, mesh=mesh, rules=rules
+    )
+    if mesh is not None:
+        print(placement_line(mesh, rules, (state.trainable, frozen), state.opt_state))
     with open_run(job.out, job.resolved(), overwrite=overwrite, protected=protected) as run:
         for name in names:
             if job.multi:
                 print(f"{name}: ", end="")
             peft_model.set_adapter(name).print_trainable_parameters()
         trained = _train(
-            job, run, state, frozen, peft_model, pairs, labels, total, (optimizer, schedule)
+            job, run, state, frozen, peft_model, pairs, labels, total, (optimizer, schedule), mesh
         )
         written = _finish(job, run.work, *trained, frozen, tokenizer, labels, pairs)
         run.commit()
@@ -624,6 +640,7 @@ def _train(
     labels: Any,
     total: int,
     optimizer: tuple[Any, Any],
+    mesh: Any,
 ) -> tuple[Any, dict, dict]:
     """Train `state` for the job's steps in `run.work` (from its checkpoints when it
     resumes), logging and evaluating: the trained state and the metrics before and
@@ -639,7 +656,9 @@ def _train(
     optimizer, schedule = optimizer
     initial = state.trainable
     loss_fn = train.classification_loss if labels else train.causal_lm_loss
-    step_fn = train.make_train_step(loss_fn, optimizer, grad_accumulation=t["grad_accumulation"])
+    step_fn = train.make_train_step(
+        loss_fn, optimizer, grad_accumulation=t["grad_accumulation"], mesh=mesh
+    )
     if job.multi:
         ids = np.asarray(peft_model.adapter_ids(names))
         eval_data = _eval_set(pairs, ids, int(peft_model.adapter_ids([BASE])[0]))
