@@ -16,9 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from ..implicit import is_implicit, use_implicit_args
+from ..sharding import BATCH_AXES
 from ._common import KVCache
 from ._gpt2 import GPT2LMHeadModel
 from ._llama import LlamaForCausalLM
@@ -36,6 +38,7 @@ class _Spec(NamedTuple):
     do_sample: bool
     top_k: int | None
     use_top_p: bool
+    cache_sharding: NamedSharding | None  # where the model's weights lie on a mesh
 
 
 def generate(
@@ -165,7 +168,10 @@ def generate(
             )
         route = model.adapter_ids(list(adapter_names))  # integer ids: one compiled program
 
-    spec = _Spec(max_new_tokens, layers, kv_heads, head_dim, bool(do_sample), top_k, use_top_p)
+    placed = _cache_sharding(model, batch, kv_heads)
+    spec = _Spec(
+        max_new_tokens, layers, kv_heads, head_dim, bool(do_sample), top_k, use_top_p, placed
+    )
     sampling = jnp.asarray([temperature, 1.0 if top_p is None else top_p], jnp.float32)
     # traced, so other special ids reuse the compiled program: the pad id, then the EOS
     # ids filled with -1 (never a token) to a multiple of 4
@@ -201,6 +207,24 @@ def _checked_mask(mask: Any, shape: tuple[int, int]) -> tuple[Array, int]:
     if empty.size:
         raise ValueError(f"prompts {empty.tolist()} are all padding; each needs a real token.")
     return mask.astype(jnp.int32), int(host.sum(axis=-1).max())
+
+
+def _cache_sharding(model: Any, batch: int, kv_heads: int) -> NamedSharding | None:
+    """For a model on a mesh (`peftx.sharding`), the KV cache's placement: its rows split
+    as a batch is (`data`, `fsdp`) and its heads over `tensor`, as tensor-parallel key and
+    value projections give them, each where the axis divides; else None (so too under a
+    caller's `jit`, whose traced weights do not say where they lie)."""
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(model)]
+    mesh = next(
+        (s.mesh for s in shardings if isinstance(s, NamedSharding) and s.mesh.size > 1), None
+    )
+    if mesh is None:
+        return None
+    rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    rows_split = rows if batch % math.prod(mesh.shape[a] for a in rows) == 0 else None
+    tensor = mesh.shape.get("tensor", 1)
+    heads = "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
+    return NamedSharding(mesh, PartitionSpec(None, rows_split or None, None, heads))
 
 
 def _cache_dims(config: Any) -> tuple[int, int, int, int | None]:
@@ -294,7 +318,7 @@ def _generate(
         spec.head_dim,
         first.logits.dtype,
     )
-    out = forward(input_ids, mask, positions, cache=cache)
+    out = forward(input_ids, mask, positions, cache=_placed(cache, spec.cache_sharding))
 
     def pick(logits: Array, step: Array, done: Array) -> tuple[Array, Array]:
         token = _choose(logits[:, -1].astype(jnp.float32), step, key, sampling, spec)
@@ -315,8 +339,16 @@ def _generate(
         out = forward(token[:, None], ones, (real + step - 1)[:, None], cache=cache)
         token, done = pick(out.logits, step, done)
         tokens = lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
-        return step + 1, out.cache, tokens, token, done
+        return step + 1, _placed(out.cache, spec.cache_sharding), tokens, token, done
 
     state = (jnp.ones((), jnp.int32), out.cache, tokens, token, done)
     tokens = lax.while_loop(cond, body, state)[2]
     return jnp.concatenate([input_ids, tokens.astype(input_ids.dtype)], axis=1)
+
+
+def _placed(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
+    """`cache` with its keys and values constrained to `sharding` (if any)."""
+    if sharding is None:
+        return cache
+    key, value = (lax.with_sharding_constraint(x, sharding) for x in (cache.key, cache.value))
+    return eqx.tree_at(lambda c: (c.key, c.value), cache, (key, value))
