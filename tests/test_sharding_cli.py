@@ -20,10 +20,12 @@ def _adapter(out_dir):
     return safetensors.numpy.load_file(str(out_dir / "adapter" / "adapter_model.safetensors"))
 
 
-def _on_eight(job, *sets):
+def _on_eight(job, *sets, command=None):
     argv = [sys.executable, "-m", "peftx", "finetune", str(job)]
     for item in sets:
         argv += ["--set", item]
+    if command is not None:
+        argv = [sys.executable, "-m", "peftx", *map(str, command)]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
 
@@ -71,6 +73,24 @@ def test_finetune_on_a_mesh_writes_the_one_device_adapter(llama, tmp_path, capsy
         assert line.startswith(f"mesh {sizes} (8 cpu devices), rules "), line
         assert "parameters " in line and "optimizer state " in line, line
         _same_adapter(eight, reference, name)
+
+    # generate and merge take the same settings, as --mesh options
+    base, adapter = llama / "base", tmp_path / "lora one" / "adapter"
+    generate = ["generate", base, "w5 w6 w7", "--adapter", adapter, "--max-new-tokens", 6]
+    code, want, _ = run_cli(capsys, *generate)
+    assert code == 0
+    got = _on_eight(None, command=[*generate, "--mesh", "tensor=2", "--mesh", "rules=tp"])
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert got.stdout == want
+    assert "mesh data=1, fsdp=4, tensor=2 (8 cpu devices), rules tp" in got.stderr
+    code, _, _ = run_cli(capsys, "merge", base, adapter, tmp_path / "merged one")
+    assert code == 0
+    got = _on_eight(None, command=["merge", base, adapter, tmp_path / "merged eight"])
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert "mesh data=1, fsdp=8, tensor=1 (8 cpu devices), rules fsdp" in got.stdout
+    for name in ("config.json", "model.safetensors"):
+        want = (tmp_path / "merged one" / name).read_bytes()
+        assert (tmp_path / "merged eight" / name).read_bytes() == want, name
 
     # a batch the mesh cannot split is one line, before anything is written
     bad = _on_eight(job, f"output.dir={tmp_path / 'bad'}", "mesh.fsdp=8", "train.batch_size=12")

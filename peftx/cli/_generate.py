@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 
 from ._common import UsageError, model_class_for, model_dir, unknown_key
+from ._mesh import add_mesh_argument, mesh_from_arguments, placement_line, run_mesh
 
 SEED_LIMIT = 2**32  # jax.random.key keeps 32 bits of a seed without x64
 # The prompt is left-padded to a multiple of this many tokens, so that prompts of
@@ -51,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a field of the job's [quantization] table (BitsAndBytesConfig's names), e.g. "
         "bnb_4bit_use_double_quant=true or load_in_8bit=true; implies --quantize (repeatable)",
     )
+
+    add_mesh_argument(parser)
 
 
 def cache_dir() -> Path:
@@ -129,12 +133,14 @@ def run(args: argparse.Namespace) -> int:
     from .. import quantize_model
     from .._peft_model import PeftModel
     from ..models import from_pretrained, generate
+    from ..sharding import shard
 
     path = model_dir(args.model)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     _check_sampling(args)
     quantization = _quantization(args)
+    mesh, rules = run_mesh(mesh_from_arguments(args.mesh))
     name = model_class_for("causal-lm", path)
     if args.adapter is not None and not Path(args.adapter).is_dir():
         raise UsageError(f"adapter directory {args.adapter!r} does not exist")
@@ -146,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     if not prompt:
         raise UsageError("the prompt encodes to no tokens")
     with compilation_cache():
-        model = from_pretrained(path, model_class=name)
+        placed = {} if mesh is None else {"mesh": mesh, "rules": rules}
+        model = from_pretrained(path, model_class=name, **placed)
         positions = model.config.max_position_embeddings
         room = positions - len(prompt)
         if room < 1:
@@ -162,8 +169,12 @@ def run(args: argparse.Namespace) -> int:
             )
         if quantization is not None:
             model = quantize_model(model, quantization)
+            if mesh is not None:  # NF4 codes and scales follow the rows they stand for
+                model = shard(model, mesh, rules)
         if args.adapter is not None:
             model = PeftModel.from_pretrained(model, args.adapter)
+        if mesh is not None:
+            print(placement_line(mesh, rules, model), file=sys.stderr)
         eos = tokenizer.eos_token_id
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
         ids, mask = _left_padded(prompt, 0 if pad is None else pad)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ._common import UsageError, hf_config, model_class_for, model_dir
+from ._mesh import add_mesh_argument, mesh_from_arguments, placement_line, run_mesh
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="write into OUT_DIR even if it is not empty"
     )
+    add_mesh_argument(parser)
 
 
 def _head_labels(adapter: Path) -> int | None:
@@ -64,7 +66,9 @@ def _with_labels(base: Path, labels: int, scratch: Path) -> Path:
     return scratch
 
 
-def _load_base(base: Path, adapter: Path, task_type: str | None, scratch: Path) -> Any:
+def _load_base(
+    base: Path, adapter: Path, task_type: str | None, scratch: Path, placed: dict[str, Any]
+) -> Any:
     from ..models import from_pretrained
 
     task = PEFT_TASKS.get(task_type)
@@ -78,8 +82,8 @@ def _load_base(base: Path, adapter: Path, task_type: str | None, scratch: Path) 
         with warnings.catch_warnings():
             # the adapter's own copy of the head replaces a head the base lacks
             warnings.filterwarnings("ignore", message=".*initialized fresh")
-            return from_pretrained(base, model_class=name)
-    return from_pretrained(base, model_class=name)
+            return from_pretrained(base, model_class=name, **placed)
+    return from_pretrained(base, model_class=name, **placed)
 
 
 def _check_finite(model: Any, out: Path) -> None:
@@ -119,8 +123,13 @@ def run(args: argparse.Namespace) -> int:
             f"OUT_DIR {str(out)!r} exists and is not empty; pass --overwrite to write into it"
         )
     config = load_config(adapter)
+    mesh, rules = run_mesh(mesh_from_arguments(args.mesh))
+    placed = {} if mesh is None else {"mesh": mesh, "rules": rules}
     with tempfile.TemporaryDirectory() as scratch:
-        model = _load_base(base, adapter, config.task_type, Path(scratch))
+        model = _load_base(base, adapter, config.task_type, Path(scratch), placed)
+        if mesh is not None:
+            print(placement_line(mesh, rules, model))
+        # each weight merges with its adapter shard by shard, where it lies
         # PEFT's safe_merge: a broken adapter is named, and nothing is written
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload(safe_merge=True)
         _check_finite(merged, out)
