@@ -29,6 +29,7 @@ from .models._checkpoint import (
     listing,
     read_tensors,
 )
+from .sharding._hosts import spread_over_processes, to_host, wait_for_writer, writes_files
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 TORCH_WEIGHTS_NAME = "adapter_model.bin"
@@ -264,6 +265,7 @@ def save_adapters(
             f"{str(directory)!r} is a file; save_pretrained takes a directory to write into."
         )
     planned: list[tuple[str, dict[str, np.ndarray], str]] = []  # (folder, weights, config)
+    spread = False  # whether a saved array lies partly on other processes' devices
     for name in names:
         if name != "default" and (
             name in (".", "..") or any(sep in name for sep in ("/", "\\", os.sep))
@@ -282,19 +284,22 @@ def save_adapters(
                 continue
             if t.embedding == "targeted" and save_embedding_layers is False:
                 continue
-            value = np.asarray(t.value)
+            spread = spread or spread_over_processes(t.value)
+            value = to_host(t.value)
             rows = value if t.stacked else [value]
             for key, row in zip(t.keys, rows, strict=True):
                 arrays[PREFIX + key] = np.ascontiguousarray(row.T if t.transposed else row)
         text = json.dumps(_saved_config(peft_model, name), indent=2, sort_keys=True) + "\n"
         planned.append(("" if name == "default" else name, arrays, text))
-    with replaced_directory(directory) as tmp:
-        for folder, arrays, text in planned:
-            (tmp / folder).mkdir(exist_ok=True)
-            safetensors.numpy.save_file(
-                arrays, str(tmp / folder / WEIGHTS_NAME), metadata={"format": "pt"}
-            )
-            (tmp / folder / CONFIG_NAME).write_text(text, encoding="utf-8")
+    if writes_files():  # of several processes, process 0
+        with replaced_directory(directory) as tmp:
+            for folder, arrays, text in planned:
+                (tmp / folder).mkdir(exist_ok=True)
+                safetensors.numpy.save_file(
+                    arrays, str(tmp / folder / WEIGHTS_NAME), metadata={"format": "pt"}
+                )
+                (tmp / folder / CONFIG_NAME).write_text(text, encoding="utf-8")
+    wait_for_writer(f"peftx save_pretrained {directory}", spread)
 
 
 def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from .._files import read_json, replaced_directory
 from .._select import dotted
 from .._spans import find_span
 from ..sharding import Rules, partition_specs
+from ..sharding._hosts import spread_over_processes, to_host, wait_for_writer, writes_files
 from ._stack import LayerStack, Layout
 
 CONFIG_NAME = "config.json"
@@ -717,13 +718,14 @@ def save_pretrained(
     limit = _size(max_shard_size)
 
     arrays = eqx.filter(model, eqx.is_array)
+    spread = spread_over_processes(arrays)
     leaves, _ = _leaves(arrays)
     values = jax.tree.leaves(arrays)
     shards: list[dict[str, np.ndarray]] = [{}]
     sizes = [0]
     for leaf, value in zip(leaves, values):
         transposed = is_transposed(arch, leaf.template)
-        host = np.asarray(value)  # no copy on CPU
+        host = to_host(value)  # no copy on CPU
         rows = (
             [(leaf.template, host)]
             if leaf.span is None
@@ -745,16 +747,19 @@ def save_pretrained(
         names = [WEIGHTS_NAME]
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    with replaced_directory(path, drop=_is_weight_file) as tmp:
-        for shard, fname in zip(shards, names):
-            safetensors.numpy.save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-        if len(shards) > 1:
-            index = {
-                "metadata": {"total_size": sum(sizes)},
-                "weight_map": {k: f for shard, f in zip(shards, names) for k in sorted(shard)},
-            }
-            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        (tmp / CONFIG_NAME).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    if writes_files():  # of several processes, process 0
+        with replaced_directory(path, drop=_is_weight_file) as tmp:
+            for shard, fname in zip(shards, names):
+                safetensors.numpy.save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            if len(shards) > 1:
+                index = {
+                    "metadata": {"total_size": sum(sizes)},
+                    "weight_map": {k: f for shard, f in zip(shards, names) for k in sorted(shard)},
+                }
+                (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            (tmp / CONFIG_NAME).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+
+    wait_for_writer(f"peftx save_pretrained {path}", spread)
 
 
 _WEIGHT_FILE = re.compile(

@@ -9,12 +9,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
 import safetensors.numpy
 from safetensors import SafetensorError
 
 from .._errors import CheckpointError
 from .._files import remove_leftovers, replaced_directory
+from ..sharding._hosts import spread_over_processes, to_host, wait_for_writer, writes_files
 from ._step import TrainState
 
 STATE_FILE = "train_state.safetensors"
@@ -46,19 +46,25 @@ def save_checkpoint(
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1 (or None: keep all), got {keep}")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(directory)  # of a run killed while saving
-    step = int(state.step)
+    step = int(to_host(state.step))
     final = directory / f"{_PREFIX}{step:08d}"
-    with replaced_directory(final) as tmp:
-        eqx.combine(state.trainable, frozen).save_pretrained(tmp)
-        host = {name: np.asarray(x) for name, x in _arrays(state).items()}
-        safetensors.numpy.save_file(host, str(tmp / STATE_FILE))
-        record = {"step": step, "processes": jax.process_count(), **(info or {})}
-        (tmp / INFO_FILE).write_text(json.dumps(record, indent=2))
-    if keep is not None:
-        for old in checkpoints(directory)[:-keep]:
-            shutil.rmtree(old)
+    # every process takes part in gathering what is spread over processes; process 0
+    # writes, and the others wait for it
+    spread = spread_over_processes(state)
+    host = {name: to_host(x) for name, x in _arrays(state).items()}
+    trainable = jax.tree.map(to_host, state.trainable)
+    if writes_files():
+        directory.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(directory)  # of a run killed while saving
+        with replaced_directory(final) as tmp:
+            eqx.combine(trainable, frozen).save_pretrained(tmp)
+            safetensors.numpy.save_file(host, str(tmp / STATE_FILE))
+            record = {"step": step, "processes": jax.process_count(), **(info or {})}
+            (tmp / INFO_FILE).write_text(json.dumps(record, indent=2))
+        if keep is not None:
+            for old in checkpoints(directory)[:-keep]:
+                shutil.rmtree(old)
+    wait_for_writer(f"peftx save_checkpoint {final}", spread)
     return final
 
 
@@ -100,7 +106,7 @@ def restore_checkpoint(path: str | os.PathLike, like: TrainState) -> tuple[Train
             f"{path / INFO_FILE} is damaged: it needs 'step', a count of steps, got "
             f"{info.get('step') if isinstance(info, dict) else info!r}"
         )
-    processes = info.get("processes", 1)
+    processes = info.pop("processes", 1)
     if processes != jax.process_count():
         raise CheckpointError(
             f"{path} was written by {processes} process(es); this run has "

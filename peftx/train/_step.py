@@ -7,6 +7,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
@@ -14,6 +15,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .._peft_model import PeftModel, partition
 from ..adapters import with_dropout
 from ..sharding import batch_sharding, shard
+from ..sharding._hosts import process_rows
 
 Batch = dict[str, Array]
 # `loss_fn(model, batch, key) -> (summed loss, sums)`: `sums["count"]` is what the loss is
@@ -51,19 +53,24 @@ def init_state(
     if mesh is not None:
         model = shard(model, mesh, rules)
     trainable, frozen = partition(model, adapters)
-    opt_state = optimizer.init(trainable)
     step = jnp.zeros((), jnp.int32)
-    if mesh is not None:
+    if mesh is None:
+        opt_state = optimizer.init(trainable)
+    else:
+        # made in place on the mesh: across processes, no array is ever whole on one
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        shardings = jax.tree.map(lambda x: x.sharding, trainable)
-        opt_state = optax.tree_utils.tree_map_params(
+        placement = optax.tree_utils.tree_map_params(
             optimizer,
-            jax.device_put,
-            opt_state,
-            shardings,
-            transform_non_params=lambda x: jax.device_put(x, replicated),
+            lambda _, param: param.sharding,
+            jax.eval_shape(optimizer.init, trainable),
+            trainable,
+            transform_non_params=lambda _: replicated,
         )
-        step, key = jax.device_put((step, key), replicated)
+        opt_state = jax.jit(optimizer.init, out_shardings=placement)(trainable)
+        # through the host: a key on one device cannot move to other processes' devices
+        data = jax.device_put(np.asarray(jax.random.key_data(key)), replicated)
+        key = jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
+        step = jax.device_put(np.zeros((), np.int32), replicated)
     return TrainState(trainable, opt_state, step, key), frozen
 
 
@@ -158,7 +165,9 @@ def make_train_step(
 
     With a `mesh` (a state from `init_state(..., mesh=mesh)`), the batch is split over
     `data` and `fsdp` (`peftx.sharding.batch_sharding`), and the new state is constrained
-    to the shardings the old one has, so steps follow one another without resharding.
+    to the shardings the old one has, so steps follow one another without resharding. In
+    a run of several processes (`peftx.sharding.initialize_distributed`), each process
+    passes only its own rows (numpy), which make one global batch.
     """
     if grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be at least 1, got {grad_accumulation}")
@@ -210,6 +219,7 @@ def make_train_step(
         # the state's own shardings, a static argument: the jitted step returns the state
         # placed as it came
         placed = jax.tree.map(lambda x: x.sharding, state)
+        batch = process_rows(mesh, batch)
         parts = mesh.shape["data"] * mesh.shape["fsdp"]
         rows = {x.shape[0] for x in jax.tree.leaves(batch)}
         if any(n % parts for n in rows):
