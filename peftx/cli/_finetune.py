@@ -440,6 +440,9 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
             dtype=jnp.bfloat16 if job.model.dtype == "bfloat16" else jnp.float32,
             layout=job.model.layout,
             **({} if mesh is None else {"mesh": mesh, "rules": rules}),
+            # with weights split over fsdp, the backward pass would keep every layer's
+            # gathered weights (the whole model) without recomputing the forward
+            **({"gradient_checkpointing": True} if _splits_weights(mesh, rules) else {}),
             **extra,
         )
     if job.train["quantize"]:
@@ -450,6 +453,11 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
     for n, a in enumerate(rest, 1):
         model = model.add_adapter(a.name, a.config, key=jax.random.fold_in(key, n))
     return model
+
+
+def _splits_weights(mesh: Any, rules: str | None) -> bool:
+    """Whether `rules` split the base weights over `mesh`'s `fsdp` axis."""
+    return mesh is not None and rules in ("fsdp", "fsdp_tp") and mesh.shape["fsdp"] > 1
 
 
 def _optimizer(job: Job, total_steps: int) -> tuple[Any, Any]:

@@ -14,7 +14,9 @@ MESH_KEYS = {"data": 1, "fsdp": -1, "tensor": 1, "rules": "fsdp"}
 FSDP splits them over every device at the cost of one all-gather per layer, and splits
 the batch over the same devices, so each one computes its own share. Tensor parallelism
 moves activations between devices in every layer, which pays only when one layer's
-weights do not fit a device."""
+weights do not fit a device. With weights split over `fsdp`, `peftx finetune` turns on
+gradient checkpointing: without it, the backward pass keeps every layer's gathered
+weights, the whole model on each device."""
 
 
 @dataclasses.dataclass(frozen=True)

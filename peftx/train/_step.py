@@ -167,7 +167,8 @@ def make_train_step(
     `data` and `fsdp` (`peftx.sharding.batch_sharding`), and the new state is constrained
     to the shardings the old one has, so steps follow one another without resharding. In
     a run of several processes (`peftx.sharding.initialize_distributed`), each process
-    passes only its own rows (numpy), which make one global batch.
+    passes only its own rows (numpy), which make one global batch. `step.lower(state,
+    frozen, batch)` gives the compiled program to inspect, as `jax.jit`'s `lower` does.
     """
     if grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be at least 1, got {grad_accumulation}")
@@ -230,6 +231,13 @@ def make_train_step(
             )
         return step(state, frozen, batch, placed)
 
+    def lower(state: TrainState, frozen: Any, batch: Batch) -> jax.stages.Lowered:
+        """The step for these arguments, lowered (`.compile()` gives its HLO, shardings
+        and `memory_analysis()`), as a jitted function's `lower` does."""
+        placed = jax.tree.map(lambda x: x.sharding, state)
+        return step.lower(state, frozen, process_rows(mesh, batch), placed).lowered
+
+    sharded_step.lower = lower  # type: ignore[attr-defined]
     return sharded_step
 
 
