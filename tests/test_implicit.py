@@ -134,7 +134,7 @@ def _magnitude(x):
     return jax.tree.map(lambda leaf: jnp.abs(leaf).astype(jnp.float32), x)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     case=dot_general_case(),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),

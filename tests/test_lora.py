@@ -133,7 +133,7 @@ def weight_product(draw):
     return w_shape, x_shape, dims, w_first
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     case=weight_product(), r=st.integers(2, 4), use_rslora=st.booleans(), seed=st.integers(0, 2**16)
 )

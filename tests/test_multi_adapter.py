@@ -423,7 +423,7 @@ def test_merging_several_adapters_matches_peft(kind):
     np.testing.assert_allclose(merged(jnp.asarray(x)), want.numpy(), rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(case=weight_product(), seed=st.integers(0, 2**16))
 def test_gated_set_any_layout(case, seed):
     """Two LoRAs of different ranks on one base, weighted by a soft gate row, in any
