@@ -117,3 +117,16 @@ def test_bad_mesh_tables_are_one_line(llama, tmp_path, capsys):
         assert code == 2, (sets, err)
         assert words in err and err.count("\n") == 1, (sets, err)
         assert not out_dir.exists()
+
+
+def test_a_partial_multi_process_environment_is_one_line(llama, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
+    argv = ["finetune", llama / "job.toml", "--set", f"output.dir={tmp_path / 'out'}"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert (
+        "JAX_COORDINATOR_ADDRESS=127.0.0.1:1 asks for a run of several processes; it needs "
+        "JAX_NUM_PROCESSES" in err
+    ), err
+    assert not (tmp_path / "out").exists()

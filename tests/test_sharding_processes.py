@@ -115,3 +115,34 @@ def test_two_processes_train_and_save_as_one(tmp_path):
             np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
     info = tmp_path / "two" / "checkpoints" / "checkpoint-00000002" / "train_state.json"
     assert '"processes": 2' in info.read_text()
+
+
+def test_peftx_finetune_refuses_several_processes(llama, tmp_path):
+    """The command's run directory is one process's: in a run of two it says so, in one
+    line from each, and writes nothing."""
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_NUM_PROCESSES": "2"}
+    env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{_free_port()}"
+    argv = [sys.executable, "-m", "peftx", "finetune", str(llama / "job.toml")]
+    argv += ["--set", f"output.dir={tmp_path / 'out'}"]
+    procs = [
+        subprocess.Popen(
+            argv,
+            env=env | {"JAX_PROCESS_ID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 2, err[-2000:]
+        assert (
+            err.strip()
+            .splitlines()[-1]
+            .startswith(
+                "peftx: error: peftx finetune runs in one process (with all its devices); this run "
+                "has 2."
+            )
+        ), err[-2000:]
+    assert not (tmp_path / "out").exists()

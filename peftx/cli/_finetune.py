@@ -440,9 +440,6 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
             dtype=jnp.bfloat16 if job.model.dtype == "bfloat16" else jnp.float32,
             layout=job.model.layout,
             **({} if mesh is None else {"mesh": mesh, "rules": rules}),
-            # with weights split over fsdp, the backward pass would keep every layer's
-            # gathered weights (the whole model) without recomputing the forward
-            **({"gradient_checkpointing": True} if _splits_weights(mesh, rules) else {}),
             **extra,
         )
     if job.train["quantize"]:
@@ -453,11 +450,6 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
     for n, a in enumerate(rest, 1):
         model = model.add_adapter(a.name, a.config, key=jax.random.fold_in(key, n))
     return model
-
-
-def _splits_weights(mesh: Any, rules: str | None) -> bool:
-    """Whether `rules` split the base weights over `mesh`'s `fsdp` axis."""
-    return mesh is not None and rules in ("fsdp", "fsdp_tp") and mesh.shape["fsdp"] > 1
 
 
 def _optimizer(job: Job, total_steps: int) -> tuple[Any, Any]:
@@ -597,6 +589,12 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
     protected = _protected(job)
     plan_output(job.out, job.resolved(), overwrite=overwrite, protected=protected)
     mesh, rules = run_mesh(job.mesh)
+    if jax.process_count() > 1:
+        raise UsageError(
+            f"peftx finetune runs in one process (with all its devices); this run has "
+            f"{jax.process_count()}. Train several processes with the library (README: "
+            "'Several processes')"
+        )
     if mesh is not None:
         parts = mesh.shape["data"] * mesh.shape["fsdp"]
         if job.train["batch_size"] % parts:

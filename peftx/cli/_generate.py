@@ -134,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from .._peft_model import PeftModel
     from ..models import from_pretrained, generate
     from ..sharding import shard
+    from ..sharding._hosts import to_host, writes_files
 
     path = model_dir(args.model)
     if args.max_new_tokens < 1:
@@ -191,8 +192,9 @@ def run(args: argparse.Namespace) -> int:
             eos_token_id=eos,
             pad_token_id=pad,
         )
-        new = np.asarray(out)[0, ids.shape[1] :].tolist()
-    print(tokenizer.decode(new, skip_special_tokens=True))
+        new = to_host(out)[0, ids.shape[1] :].tolist()
+    if writes_files():  # of several processes, one prints
+        print(tokenizer.decode(new, skip_special_tokens=True))
     return 0
 
 

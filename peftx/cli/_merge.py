@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from .._config import load_config
     from .._peft_model import PeftModel
     from ..models import save_pretrained
+    from ..sharding._hosts import writes_files
 
     base = model_dir(args.base)
     adapter = Path(args.adapter)
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload(safe_merge=True)
         _check_finite(merged, out)
         save_pretrained(merged, out)
+    if not writes_files():  # of several processes, process 0 writes and reports
+        return 0
     copied = [name for name in TOKENIZER_FILES if (base / name).is_file()]
     for name in copied:
         shutil.copyfile(base / name, out / name)

@@ -14,9 +14,7 @@ MESH_KEYS = {"data": 1, "fsdp": -1, "tensor": 1, "rules": "fsdp"}
 FSDP splits them over every device at the cost of one all-gather per layer, and splits
 the batch over the same devices, so each one computes its own share. Tensor parallelism
 moves activations between devices in every layer, which pays only when one layer's
-weights do not fit a device. With weights split over `fsdp`, `peftx finetune` turns on
-gradient checkpointing: without it, the backward pass keeps every layer's gathered
-weights, the whole model on each device."""
+weights do not fit a device."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +91,16 @@ def mesh_from_arguments(items: list[str]) -> MeshSettings | None:
 def run_mesh(settings: MeshSettings | None) -> tuple[Any, str | None]:
     """`(mesh, rules)` a command runs with: the settings' mesh, or with none given, every
     visible device on `fsdp`; `(None, None)` (the plain one-device path) when none are
-    given and there is one device."""
+    given and there is one device. A run of several processes that the environment
+    describes is joined first (`peftx.sharding.initialize_distributed`)."""
     import jax
 
-    from ..sharding import make_mesh
+    from ..sharding import initialize_distributed, make_mesh
 
+    try:
+        initialize_distributed()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if settings is None:
         if jax.device_count() == 1:
             return None, None

@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
+from jax.sharding import PartitionSpec
 from jaxtyping import PRNGKeyArray
 
 from .._spans import parse_span, span_name
 from ..implicit import Slot
+from ..sharding import BATCH_AXES
 
 Layout = Literal["stacked", "unrolled"]
 
@@ -194,6 +196,23 @@ def _dots_but_low_rank_expansions(primitive: Any, *avals: Any, **params: Any) ->
     return 16 * k > min(lhs_free, rhs_free)
 
 
+def _batch_split(step: Callable) -> Callable:
+    """`step` with its carry (the hidden states) kept split over the batch axes of the
+    mesh in context (`jax.set_mesh`, as a sharded train step sets it): XLA then gathers
+    each layer's weights (FSDP) rather than every device's activations."""
+
+    def split(block: Any, carry: Any, x: Any) -> tuple[Any, Any]:
+        carry, y = step(block, carry, x)
+        mesh = jax.sharding.get_abstract_mesh()
+        rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+        if rows:
+            spec = PartitionSpec(rows)
+            carry = jax.tree.map(lambda h: lax.with_sharding_constraint(h, spec), carry)
+        return carry, y
+
+    return split
+
+
 def run_layers(
     layers: "LayerStack | Sequence[Any]",
     step: Callable[[Any, Any, Any], tuple[Any, Any]],
@@ -219,6 +238,7 @@ def run_layers(
     unrolled step's temporaries and 1.2x its time (`benchmarks/scan_layers.py`).
     `remat_policy="everything_saveable"` with `gradient_checkpointing=True` stores them all.
     """
+    step = _batch_split(step)
     if gradient_checkpointing:
         step = eqx.filter_checkpoint(step, policy=checkpoint_policy(remat_policy))
     elif isinstance(layers, LayerStack):

@@ -229,13 +229,15 @@ def make_train_step(
                 f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {parts} devices; make the "
                 f"batch size a multiple of {parts}."
             )
-        return step(state, frozen, batch, placed)
+        with jax.set_mesh(mesh):  # the model keeps its activations split by rows
+            return step(state, frozen, batch, placed)
 
     def lower(state: TrainState, frozen: Any, batch: Batch) -> jax.stages.Lowered:
         """The step for these arguments, lowered (`.compile()` gives its HLO, shardings
         and `memory_analysis()`), as a jitted function's `lower` does."""
         placed = jax.tree.map(lambda x: x.sharding, state)
-        return step.lower(state, frozen, process_rows(mesh, batch), placed).lowered
+        with jax.set_mesh(mesh):
+            return step.lower(state, frozen, process_rows(mesh, batch), placed).lowered
 
     sharded_step.lower = lower  # type: ignore[attr-defined]
     return sharded_step
