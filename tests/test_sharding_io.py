@@ -44,7 +44,10 @@ SCRIPT = textwrap.dedent(
 
     def same_arrays(a, b, where):
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(where))
+            np.testing.assert_array_equal(  # float64 holds bfloat16 values exactly
+                np.asarray(x).astype(np.float64), np.asarray(y).astype(np.float64),
+                err_msg=str(where),
+            )
 
     def device_bytes(model, device):
         return sum(s.data.nbytes for x in jax.tree.leaves(model) if eqx_array(x)
@@ -75,6 +78,12 @@ SCRIPT = textwrap.dedent(
                     total = sum(x.nbytes for x in jax.tree.leaves(got))
                     per = device_bytes(got, jax.devices()[0])
                     assert per < total / 7, (name, per, total)  # norms stay whole
+    # a float32 file read as bfloat16: each slice is cast on the way in
+    half = peftx.from_pretrained(root / "gpt2", dtype="bfloat16")
+    got = peftx.from_pretrained(root / "gpt2", dtype="bfloat16", mesh=meshes["fsdp_tp"],
+                                rules="fsdp_tp")
+    assert {x.dtype for x in jax.tree.leaves(got)} == {jnp.dtype("bfloat16")}
+    same_arrays(got, shard(half, meshes["fsdp_tp"], "fsdp_tp"), "bfloat16")
     try:
         peftx.from_pretrained(root / "llama", mesh=meshes["tp"], rules="tensors")
     except ValueError as e:
