@@ -18,6 +18,7 @@ SCRIPT = textwrap.dedent(
     import sys
     import warnings
 
+    import equinox as eqx
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -110,6 +111,9 @@ SCRIPT = textwrap.dedent(
         assert q.sharding.is_equivalent_to(base_q.sharding, q.ndim), (preset, q.sharding)
         np.testing.assert_allclose(q, merged.model.layers["0-1"].self_attn.q_proj.weight,
                                    rtol=1e-6, atol=1e-7)
+        # compiled, the merge moves nothing between devices: no all-gather at all
+        merge = eqx.filter_jit(lambda m: m.merge_and_unload())
+        assert "all-gather" not in merge.lower(placed).lowered.compile().as_text(), preset
         peftx.save_pretrained(got, root / preset / "merged")
         want = files(root / "one" / "merged")
         assert files(root / preset / "merged").keys() == want.keys()
