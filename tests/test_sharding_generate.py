@@ -70,6 +70,33 @@ SCRIPT = textwrap.dedent(
                         strict=True):
             np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-6, err_msg=preset)
 
+    # a bfloat16 base on the 2x2x2 mesh (adapters in float32, as PEFT keeps them), to
+    # bfloat16's precision (SGD: the update is the gradient)
+    half = peftx.get_peft_model(
+        LlamaForCausalLM(llama.config, key=jax.random.key(0), dtype=jnp.bfloat16),
+        peftx.LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+        key=jax.random.key(1), adapter_name="a",
+    ).add_adapter("b", peftx.LoraConfig(r=2, target_modules=["q_proj"],
+                                        init_lora_weights=False), key=jax.random.key(2))
+    sgd = optax.sgd(1e-2)
+
+    def half_step(mesh, preset):
+        state, frozen = peftx.train.init_state(half, sgd, key=jax.random.key(4),
+                                               adapters=["a", "b"], mesh=mesh, rules=preset)
+        step = peftx.train.make_train_step(peftx.train.causal_lm_loss, sgd, mesh=mesh)
+        return step(state, frozen, batch)
+
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    (want_state, want_metrics), (state, metrics) = (
+        half_step(None, None), half_step(meshes["fsdp_tp"], "fsdp_tp"))
+    np.testing.assert_allclose(np.float32(metrics["loss"]), np.float32(want_metrics["loss"]),
+                               rtol=8 * eps)
+    for x, y in zip(jax.tree.leaves(state.trainable), jax.tree.leaves(want_state.trainable),
+                    strict=True):
+        y = np.asarray(y, np.float32)
+        np.testing.assert_allclose(np.asarray(x, np.float32), y, rtol=8 * eps,
+                                   atol=8 * eps * float(np.abs(y).max()))
+
     # -- greedy generation ---------------------------------------------------------------
     want_plain = peftx.generate(llama, ids, 6)
     want_mixed = peftx.generate(model, ids, 6, adapter_names=names)
