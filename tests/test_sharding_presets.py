@@ -2,7 +2,7 @@
 simulated devices equal to the step on one, for LoRA, DoRA, IA3 and QLoRA on Llama
 (grouped-query attention) and BERT.
 
-Runs in a child process with `--xla_force_host_platform_device_count=8`, so this suite
+Runs in child processes with `--xla_force_host_platform_device_count=8`, so this suite
 keeps one device."""
 
 import pathlib
@@ -224,11 +224,20 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_presets_place_the_zoo_and_a_step_equals_one_device(tmp_path):
-    script = tmp_path / "presets.py"
-    script.write_text(SCRIPT)
+# two child processes, which the suite's workers run side by side: the meshes and the
+# placement, and the steps
+_HEAD, _REST = SCRIPT.split("# -- meshes", 1)
+_MESHES, _REST = ("# -- meshes" + _REST).split("llama = LlamaForCausalLM(", 1)
+_MODELS, _REST = ("llama = LlamaForCausalLM(" + _REST).split("# -- placement", 1)
+_PLACEMENT, _STEPS = ("# -- placement" + _REST).split("# -- one step", 1)
+_STEPS = "# -- one step" + _STEPS
+
+
+def _run(tmp_path, script):
+    path = tmp_path / "presets.py"
+    path.write_text(script)
     result = subprocess.run(
-        [sys.executable, str(script)],
+        [sys.executable, str(path)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -236,3 +245,11 @@ def test_presets_place_the_zoo_and_a_step_equals_one_device(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.strip().endswith("OK")
+
+
+def test_meshes_and_the_presets_placement(tmp_path):
+    _run(tmp_path, _HEAD + _MESHES + _MODELS + _PLACEMENT + 'print("OK")\n')
+
+
+def test_a_step_on_every_mesh_equals_one_device(tmp_path):
+    _run(tmp_path, _HEAD + _MODELS + _STEPS)
