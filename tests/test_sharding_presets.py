@@ -106,10 +106,11 @@ SCRIPT = textwrap.dedent(
     assert "lm_head.weight" in message and "q_proj" not in message, message
     assert odd.model.embed_tokens.weight.sharding.spec == P()
     for bad, words in ((("nope",), "unknown sharding preset 'nope'"),
-                       (([(peftx.path_glob("*"), P("model"))],), "names mesh axis 'model'")):
+                       (([(peftx.path_glob("*"), P("model"))],), "names mesh axis 'model'"),
+                       ((8,), "must be a preset (dp, fsdp, tp, fsdp_tp) or a list of")):
         try:
             shard(model, make_mesh(), *bad)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             assert words in str(e), e
         else:
             raise AssertionError(bad)

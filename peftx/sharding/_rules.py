@@ -39,6 +39,11 @@ def check_rules(rules: Any, mesh_axes: Sequence[str]) -> None:
         if rules not in PRESETS:
             raise ValueError(f"unknown sharding preset {rules!r}; presets: {', '.join(PRESETS)}.")
         return
+    if not isinstance(rules, Sequence):
+        raise TypeError(
+            f"sharding rules must be a preset ({', '.join(PRESETS)}) or a list of "
+            f"(peftx.Predicate, PartitionSpec) pairs, got {type(rules).__name__} {rules!r}."
+        )
     for k, pair in enumerate(rules):
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], Predicate)):
             raise TypeError(
