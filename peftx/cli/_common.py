@@ -2,6 +2,7 @@
 
 import dataclasses
 import difflib
+import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,15 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise UsageError(str(e).removesuffix(".")) from None
     except OSError as e:  # unreadable: permissions, I/O
         raise UsageError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
+
+
+def option_value(text: str) -> Any:
+    """The value of a command-line `KEY=VALUE`, read as TOML (`8`, `true`, `"x"`); a bare
+    word that is not TOML is that string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text.strip()
 
 
 def unknown_key(where: str, key: str, allowed: Iterable[str]) -> UsageError:

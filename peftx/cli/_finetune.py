@@ -29,7 +29,7 @@ from ._common import (
     read_toml,
     unknown_key,
 )
-from ._mesh import mesh_settings, placement_line, run_mesh
+from ._mesh import mesh_settings, on_mesh, placement_line, run_mesh
 from ._run_dir import Run, open_run, plan_output
 
 DATA_KEYS = {
@@ -439,7 +439,7 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
             model_class=model_class_for(job.model.task, job.model.path),
             dtype=jnp.bfloat16 if job.model.dtype == "bfloat16" else jnp.float32,
             layout=job.model.layout,
-            **({} if mesh is None else {"mesh": mesh, "rules": rules}),
+            **on_mesh(mesh, rules),
             **extra,
         )
     if job.train["quantize"]:
@@ -585,6 +585,7 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
     from transformers import AutoTokenizer
 
     from .. import train
+    from ..sharding import batch_parts
 
     protected = _protected(job)
     plan_output(job.out, job.resolved(), overwrite=overwrite, protected=protected)
@@ -596,7 +597,7 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
             "'Several processes')"
         )
     if mesh is not None:
-        parts = mesh.shape["data"] * mesh.shape["fsdp"]
+        parts = batch_parts(mesh)
         if job.train["batch_size"] % parts:
             raise UsageError(
                 f"train.batch_size ({job.train['batch_size']}) must be a multiple of data x "

@@ -7,7 +7,6 @@ import dataclasses
 import math
 import os
 import sys
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._common import UsageError, model_class_for, model_dir, unknown_key
-from ._mesh import add_mesh_argument, mesh_from_arguments, placement_line, run_mesh
+from ._common import UsageError, model_class_for, model_dir, option_value, unknown_key
+from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, placement_line, run_mesh
 
 SEED_LIMIT = 2**32  # jax.random.key keeps 32 bits of a seed without x64
 # The prompt is left-padded to a multiple of this many tokens, so that prompts of
@@ -102,10 +101,7 @@ def _quantization(args: argparse.Namespace) -> Any:
             )
         if key not in fields:
             raise unknown_key("--quantization", key, fields)
-        try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text.strip()  # a bare word: a string
+        value = option_value(text)
         if fields[key].type is bool and not isinstance(value, bool):
             raise UsageError(f"--quantization {key}={text}: expected true or false")
         given[key] = value
@@ -153,8 +149,7 @@ def run(args: argparse.Namespace) -> int:
     if not prompt:
         raise UsageError("the prompt encodes to no tokens")
     with compilation_cache():
-        placed = {} if mesh is None else {"mesh": mesh, "rules": rules}
-        model = from_pretrained(path, model_class=name, **placed)
+        model = from_pretrained(path, model_class=name, **on_mesh(mesh, rules))
         positions = model.config.max_position_embeddings
         room = positions - len(prompt)
         if room < 1:

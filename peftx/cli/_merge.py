@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ._common import UsageError, hf_config, model_class_for, model_dir
-from ._mesh import add_mesh_argument, mesh_from_arguments, placement_line, run_mesh
+from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, placement_line, run_mesh
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         )
     config = load_config(adapter)
     mesh, rules = run_mesh(mesh_from_arguments(args.mesh))
-    placed = {} if mesh is None else {"mesh": mesh, "rules": rules}
+    placed = on_mesh(mesh, rules)
     with tempfile.TemporaryDirectory() as scratch:
         model = _load_base(base, adapter, config.task_type, Path(scratch), placed)
         if mesh is not None:

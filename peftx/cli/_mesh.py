@@ -3,10 +3,9 @@ mesh it makes, and the line the command prints about it."""
 
 import argparse
 import dataclasses
-import tomllib
 from typing import Any
 
-from ._common import UsageError, unknown_key
+from ._common import UsageError, option_value, unknown_key
 
 MESH_KEYS = {"data": 1, "fsdp": -1, "tensor": 1, "rules": "fsdp"}
 """The `[mesh]` table's keys and defaults: every device on `fsdp`, weights split by the
@@ -26,12 +25,6 @@ class MeshSettings:
     fsdp: int
     tensor: int
     rules: str
-
-    @property
-    def batch_parts(self) -> int | None:
-        """How many parts a batch is split into (`data x fsdp`), when known before the
-        devices are counted."""
-        return None if -1 in (self.data, self.fsdp) else self.data * self.fsdp
 
 
 def mesh_settings(table: Any, where: str) -> MeshSettings | None:
@@ -80,10 +73,7 @@ def mesh_from_arguments(items: list[str]) -> MeshSettings | None:
         key, sep, text = item.partition("=")
         if not sep:
             raise UsageError(f"--mesh {item!r}: expected KEY=VALUE, e.g. fsdp=8")
-        try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text.strip()  # a bare word: a preset's name
+        value = option_value(text)
         table[key.strip()] = value
     return mesh_settings(table, "--mesh") if items else None
 
@@ -110,6 +100,11 @@ def run_mesh(settings: MeshSettings | None) -> tuple[Any, str | None]:
     except ValueError as e:
         raise UsageError(f"[mesh]: {e}") from None
     return mesh, settings.rules
+
+
+def on_mesh(mesh: Any, rules: str | None) -> dict[str, Any]:
+    """`from_pretrained`'s keywords that read a model straight onto `mesh` (none without)."""
+    return {} if mesh is None else {"mesh": mesh, "rules": rules}
 
 
 def placement_line(mesh: Any, rules: str, parameters: Any, optimizer_state: Any = None) -> str:

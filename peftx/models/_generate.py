@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from ..implicit import is_implicit, use_implicit_args
-from ..sharding import BATCH_AXES
+from ..sharding import BATCH_AXES, batch_parts
 from ._common import KVCache
 from ._gpt2 import GPT2LMHeadModel
 from ._llama import LlamaForCausalLM
@@ -221,7 +221,7 @@ def _cache_sharding(model: Any, batch: int, kv_heads: int) -> NamedSharding | No
     if mesh is None:
         return None
     rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-    rows_split = rows if batch % math.prod(mesh.shape[a] for a in rows) == 0 else None
+    rows_split = rows if batch % batch_parts(mesh) == 0 else None
     tensor = mesh.shape.get("tensor", 1)
     heads = "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
     return NamedSharding(mesh, PartitionSpec(None, rows_split or None, None, heads))

@@ -2,7 +2,12 @@
 placing a model (adapters follow their base weights), and runs of several processes."""
 
 from ._hosts import initialize_distributed as initialize_distributed
-from ._mesh import AXES as AXES, BATCH_AXES as BATCH_AXES, make_mesh as make_mesh
+from ._mesh import (
+    AXES as AXES,
+    BATCH_AXES as BATCH_AXES,
+    batch_parts as batch_parts,
+    make_mesh as make_mesh,
+)
 from ._place import (
     batch_sharding as batch_sharding,
     partition_specs as partition_specs,

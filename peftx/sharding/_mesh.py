@@ -58,3 +58,8 @@ def make_mesh(
 
 def _described(sizes: dict[str, int]) -> str:
     return ", ".join(f"{name}={size}" for name, size in sizes.items())
+
+
+def batch_parts(mesh: Mesh) -> int:
+    """How many parts a batch is split into on `mesh`: the product of its batch axes."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names)

@@ -9,6 +9,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 import safetensors.numpy
 from safetensors import SafetensorError
 
@@ -22,7 +23,7 @@ INFO_FILE = "train_state.json"
 _PREFIX = "checkpoint-"
 
 
-def _arrays(state: TrainState) -> dict[str, jax.Array]:
+def _arrays(state: TrainState) -> dict[str, jax.Array | np.ndarray]:
     """The arrays of `state`, named by their path in it."""
     tree = (state.trainable, state.opt_state, state.step, jax.random.key_data(state.key))
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
@@ -51,8 +52,9 @@ def save_checkpoint(
     # every process takes part in gathering what is spread over processes; process 0
     # writes, and the others wait for it
     spread = spread_over_processes(state)
-    host = {name: to_host(x) for name, x in _arrays(state).items()}
-    trainable = jax.tree.map(to_host, state.trainable)
+    trainable = jax.tree.map(to_host, state.trainable)  # gathered once, saved twice
+    with_host = eqx.tree_at(lambda s: s.trainable, state, trainable)
+    host = {name: to_host(x) for name, x in _arrays(with_host).items()}
     if writes_files():
         directory.mkdir(parents=True, exist_ok=True)
         remove_leftovers(directory)  # of a run killed while saving

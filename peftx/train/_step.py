@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._peft_model import PeftModel, partition
 from ..adapters import with_dropout
-from ..sharding import batch_sharding, shard
+from ..sharding import batch_parts, batch_sharding, shard
 from ..sharding._hosts import process_rows
 
 Batch = dict[str, Array]
@@ -216,12 +216,11 @@ def make_train_step(
     if mesh is None:
         return step
 
-    def sharded_step(state: TrainState, frozen: Any, batch: Batch) -> tuple[TrainState, dict]:
-        # the state's own shardings, a static argument: the jitted step returns the state
-        # placed as it came
-        placed = jax.tree.map(lambda x: x.sharding, state)
+    def arguments(state: TrainState, batch: Batch) -> tuple[Batch, Any]:
+        """The global batch (checked to split over the mesh) and the state's own
+        shardings, a static argument: the jitted step returns the state placed as it came."""
         batch = process_rows(mesh, batch)
-        parts = mesh.shape["data"] * mesh.shape["fsdp"]
+        parts = batch_parts(mesh)
         rows = {x.shape[0] for x in jax.tree.leaves(batch)}
         if any(n % parts for n in rows):
             raise ValueError(
@@ -229,15 +228,19 @@ def make_train_step(
                 f"{mesh.shape['data']} x {mesh.shape['fsdp']} = {parts} devices; make the "
                 f"batch size a multiple of {parts}."
             )
+        return batch, jax.tree.map(lambda x: x.sharding, state)
+
+    def sharded_step(state: TrainState, frozen: Any, batch: Batch) -> tuple[TrainState, dict]:
+        batch, placed = arguments(state, batch)
         with jax.set_mesh(mesh):  # the model keeps its activations split by rows
             return step(state, frozen, batch, placed)
 
     def lower(state: TrainState, frozen: Any, batch: Batch) -> jax.stages.Lowered:
         """The step for these arguments, lowered (`.compile()` gives its HLO, shardings
         and `memory_analysis()`), as a jitted function's `lower` does."""
-        placed = jax.tree.map(lambda x: x.sharding, state)
+        batch, placed = arguments(state, batch)
         with jax.set_mesh(mesh):
-            return step.lower(state, frozen, process_rows(mesh, batch), placed).lowered
+            return step.lower(state, frozen, batch, placed).lowered
 
     sharded_step.lower = lower  # type: ignore[attr-defined]
     return sharded_step
