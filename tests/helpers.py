@@ -2,6 +2,8 @@
 
 import contextlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -147,3 +149,19 @@ def intents(seed: int, n: int) -> list[dict]:
         words = [*rng.choice(FILLER, 2), *rng.choice(CLASSES[label], 4)]
         rows.append({"sentence": " ".join(rng.permutation(words)), "intent": label})
     return rows
+
+
+def run_script(path: Path, script: str, *args, ending: str = "OK", timeout: int = 900) -> str:
+    """Run Python source `script` (written to `path`) as a child process from the tests'
+    directory, with `args`: it must exit 0 and end by printing `ending`. Its stdout."""
+    path.write_text(script)
+    result = subprocess.run(
+        [sys.executable, str(path), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).parent,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.strip().endswith(ending), result.stdout[-2000:]
+    return result.stdout

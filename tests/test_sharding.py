@@ -3,12 +3,10 @@
 
 Runs in a subprocess, since the number of (fake CPU) devices is fixed when JAX starts."""
 
-import pathlib
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from helpers import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -97,14 +95,4 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_sharded_mixed_batch_forward_and_gradients(tmp_path, axis_type):
-    script = tmp_path / "sharded.py"
-    script.write_text(SCRIPT)
-    result = subprocess.run(
-        [sys.executable, str(script), axis_type],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=pathlib.Path(__file__).parent,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().endswith("OK 4")
+    run_script(tmp_path / "sharded.py", SCRIPT, axis_type, ending="OK 4", timeout=600)

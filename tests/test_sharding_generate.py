@@ -5,10 +5,9 @@ one-device generation token for token.
 Runs in a child process with `--xla_force_host_platform_device_count=8`, so this suite
 keeps one device."""
 
-import pathlib
-import subprocess
-import sys
 import textwrap
+
+from helpers import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -119,14 +118,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_mixed_adapter_batches_train_and_generate_under_every_preset(tmp_path):
-    script = tmp_path / "sharding_generate.py"
-    script.write_text(SCRIPT)
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "xla")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=pathlib.Path(__file__).parent,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("OK")
+    run_script(tmp_path / "sharding_generate.py", SCRIPT, tmp_path / "xla")

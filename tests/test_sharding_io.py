@@ -5,10 +5,9 @@ single-device files, and training checkpoints restored across meshes.
 Runs in a child process with `--xla_force_host_platform_device_count=8`, so this suite
 keeps one device."""
 
-import pathlib
-import subprocess
-import sys
 import textwrap
+
+from helpers import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -179,14 +178,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_sharded_load_save_merge_and_checkpoints(tmp_path):
-    script = tmp_path / "sharding_io.py"
-    script.write_text(SCRIPT)
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=pathlib.Path(__file__).parent,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("OK")
+    run_script(tmp_path / "sharding_io.py", SCRIPT, tmp_path)

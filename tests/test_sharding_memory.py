@@ -10,10 +10,9 @@ of its 8.5 MB.)
 Runs in a child process with `--xla_force_host_platform_device_count=8`, so this suite
 keeps one device."""
 
-import pathlib
-import subprocess
-import sys
 import textwrap
+
+from helpers import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -86,14 +85,4 @@ SCRIPT = textwrap.dedent(
 
 
 def test_fsdp_step_holds_an_eighth_and_never_reshards_the_state(tmp_path):
-    script = tmp_path / "sharding_memory.py"
-    script.write_text(SCRIPT)
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=pathlib.Path(__file__).parent,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
-    assert result.stdout.strip().endswith("OK")
+    run_script(tmp_path / "sharding_memory.py", SCRIPT, timeout=600)

@@ -5,10 +5,9 @@ simulated devices equal to the step on one, for LoRA, DoRA, IA3 and QLoRA on Lla
 Runs in child processes with `--xla_force_host_platform_device_count=8`, so this suite
 keeps one device."""
 
-import pathlib
-import subprocess
-import sys
 import textwrap
+
+from helpers import run_script
 
 SCRIPT = textwrap.dedent(
     """
@@ -234,23 +233,9 @@ _PLACEMENT, _STEPS = ("# -- placement" + _REST).split("# -- one step", 1)
 _STEPS = "# -- one step" + _STEPS
 
 
-def _run(tmp_path, script):
-    path = tmp_path / "presets.py"
-    path.write_text(script)
-    result = subprocess.run(
-        [sys.executable, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=pathlib.Path(__file__).parent,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.strip().endswith("OK")
-
-
 def test_meshes_and_the_presets_placement(tmp_path):
-    _run(tmp_path, _HEAD + _MESHES + _MODELS + _PLACEMENT + 'print("OK")\n')
+    run_script(tmp_path / "presets.py", _HEAD + _MESHES + _MODELS + _PLACEMENT + 'print("OK")\n')
 
 
 def test_a_step_on_every_mesh_equals_one_device(tmp_path):
-    _run(tmp_path, _HEAD + _MODELS + _STEPS)
+    run_script(tmp_path / "presets.py", _HEAD + _MODELS + _STEPS)
