@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent(
     import os
     import sys
 
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
     import equinox as eqx
     import jax
     import numpy as np

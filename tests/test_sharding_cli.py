@@ -26,7 +26,8 @@ def _on_eight(job, *sets, command=None):
         argv += ["--set", item]
     if command is not None:
         argv = [sys.executable, "-m", "peftx", *map(str, command)]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = dict(os.environ)
+    env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
 
 

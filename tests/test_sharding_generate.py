@@ -16,8 +16,8 @@ SCRIPT = textwrap.dedent(
     import sys
 
     dump = pathlib.Path(sys.argv[1])  # XLA writes each program it compiles here
-    os.environ["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count=8 --xla_dump_to={dump} "
+    os.environ["XLA_FLAGS"] += (
+        f" --xla_force_host_platform_device_count=8 --xla_dump_to={dump} "
         "--xla_dump_hlo_module_re=.*generate.* --xla_dump_hlo_pass_re=^$"
     )
 

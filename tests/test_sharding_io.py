@@ -12,7 +12,7 @@ from helpers import run_script
 SCRIPT = textwrap.dedent(
     """
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
     import pathlib
     import sys
     import warnings

@@ -17,7 +17,7 @@ from helpers import run_script
 SCRIPT = textwrap.dedent(
     """
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
     import jax
     import jax.numpy as jnp

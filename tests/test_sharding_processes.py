@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     import sys
 
     count, root = int(sys.argv[1]), pathlib.Path(sys.argv[2])
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // count}"
+    os.environ["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={8 // count}"
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -76,7 +76,7 @@ def _free_port():
 
 
 def _launch(script, count, root):
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = dict(os.environ)
     if count > 1:
         env |= {
             "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{_free_port()}",
@@ -120,7 +120,7 @@ def test_two_processes_train_and_save_as_one(tmp_path):
 def test_peftx_finetune_refuses_several_processes(llama, tmp_path):
     """The command's run directory is one process's: in a run of two it says so, in one
     line from each, and writes nothing."""
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_NUM_PROCESSES": "2"}
+    env = {**os.environ, "JAX_NUM_PROCESSES": "2"}
     env["JAX_COORDINATOR_ADDRESS"] = f"127.0.0.1:{_free_port()}"
     argv = [sys.executable, "-m", "peftx", "finetune", str(llama / "job.toml")]
     argv += ["--set", f"output.dir={tmp_path / 'out'}"]
