@@ -2,6 +2,8 @@
 
 import contextlib
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +167,32 @@ def run_script(path: Path, script: str, *args, ending: str = "OK", timeout: int 
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.strip().endswith(ending), result.stdout[-2000:]
     return result.stdout
+
+
+def run_processes(argv: list, *, processes: int = 1, devices: int = 8, timeout: int = 600):
+    """Run `argv` as a JAX run of `processes` child processes on this machine (over the
+    loopback address), `devices` simulated CPU devices in all: each one's
+    `(exit status, stdout, stderr)`, process 0's first."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices // processes}"
+    if processes > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": f"{processes}"}
+    children = [
+        subprocess.Popen(
+            [str(a) for a in argv],
+            env=env | ({"JAX_PROCESS_ID": str(i)} if processes > 1 else {}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parent,
+        )
+        for i in range(processes)
+    ]
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=timeout)
+        results.append((child.returncode, out, err))
+    return results

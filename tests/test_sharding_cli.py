@@ -5,13 +5,12 @@ bytes printed at start; bad `[mesh]` values are one line and change nothing.
 The 8-device runs are child processes with `--xla_force_host_platform_device_count=8`,
 so this suite keeps one device."""
 
-import os
-import subprocess
 import sys
 
 import numpy as np
+import pytest
 import safetensors.numpy
-from helpers import run_cli
+from helpers import run_cli, run_processes
 
 EPS = float(np.finfo(np.float32).eps)
 
@@ -20,15 +19,16 @@ def _adapter(out_dir):
     return safetensors.numpy.load_file(str(out_dir / "adapter" / "adapter_model.safetensors"))
 
 
-def _on_eight(job, *sets, command=None):
-    argv = [sys.executable, "-m", "peftx", "finetune", str(job)]
+def _on_eight(job, *sets, command=None, processes=1):
+    """`peftx finetune job --set ...` (or `peftx *command`) on 8 simulated devices, in one
+    process or several: each process's `(exit status, stdout, stderr)`, process 0's first."""
+    argv = [sys.executable, "-m", "peftx", "finetune", job]
     for item in sets:
         argv += ["--set", item]
     if command is not None:
-        argv = [sys.executable, "-m", "peftx", *map(str, command)]
-    env = dict(os.environ)
-    env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+        argv = [sys.executable, "-m", "peftx", *command]
+    results = run_processes(argv, processes=processes)
+    return results[0] if processes == 1 else results
 
 
 def _same_adapter(got, want, where):
@@ -40,67 +40,91 @@ def _same_adapter(got, want, where):
 
 
 QUICK = ["train.steps=3", "train.log_every=1", "output.merged=false"]
+MESH_LINE = "mesh {} (8 cpu devices), rules "
 
 
-def test_finetune_on_a_mesh_writes_the_one_device_adapter(llama, tmp_path, capsys):
+def _one_device(job, out, *sets):
+    """The reference: `peftx finetune` in this process, on its one device (no table)."""
+    from peftx.cli import main
+
+    sets = [f"output.dir={out}", *QUICK, *sets]
+    assert main(["finetune", str(job), *sum((["--set", s] for s in sets), [])]) == 0
+    return out
+
+
+def _mesh_line(stdout, sizes):
+    line = next(x for x in stdout.splitlines() if x.startswith("mesh "))
+    assert line.startswith(MESH_LINE.format(sizes)), line
+    assert "parameters " in line and "optimizer state " in line, line
+
+
+@pytest.fixture(scope="module")
+def lora_one(llama, tmp_path_factory):
+    return _one_device(llama / "job.toml", tmp_path_factory.mktemp("lora") / "one")
+
+
+def test_finetune_on_a_mesh_writes_the_one_device_adapter(llama, lora_one, tmp_path):
     job = llama / "job.toml"
-    runs = {
-        "lora": ([], ["mesh.fsdp=8"]),
-        "lora 2x2x2": (
-            [],
-            ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.rules=fsdp_tp"],
-        ),
-        # no [mesh] table: every device on fsdp, the default
-        "qlora": (["train.quantize=true"], []),
-    }
-    for name, (common, mesh) in runs.items():
-        one, eight = tmp_path / f"{name} one", tmp_path / f"{name} eight"
-        if name != "lora 2x2x2":
-            sets = [f"output.dir={one}", *QUICK, *common]
-            code, out, err = run_cli(
-                capsys, "finetune", job, *sum((["--set", s] for s in sets), [])
-            )
-            assert code == 0, err
-            assert "mesh " not in out  # one device and no table: the plain path
-            reference = one
-        result = _on_eight(job, f"output.dir={eight}", *QUICK, *common, *mesh)
-        assert result.returncode == 0, result.stderr[-3000:]
-        sizes = {
-            "lora": "data=1, fsdp=8, tensor=1",
-            "lora 2x2x2": "data=2, fsdp=2, tensor=2",
-            "qlora": "data=1, fsdp=8, tensor=1",
-        }[name]
-        line = next(x for x in result.stdout.splitlines() if x.startswith("mesh "))
-        assert line.startswith(f"mesh {sizes} (8 cpu devices), rules "), line
-        assert "parameters " in line and "optimizer state " in line, line
-        _same_adapter(eight, reference, name)
+    code, out, err = _on_eight(job, f"output.dir={tmp_path / 'fsdp'}", *QUICK, "mesh.fsdp=8")
+    assert code == 0, err[-3000:]
+    _mesh_line(out, "data=1, fsdp=8, tensor=1")
+    _same_adapter(tmp_path / "fsdp", lora_one, "fsdp=8")
 
-    # generate and merge take the same settings, as --mesh options
-    base, adapter = llama / "base", tmp_path / "lora one" / "adapter"
+    # 2 x 2 x 2 over two processes of 4 devices: process 0 owns the run directory (and
+    # its checkpoints), each feeds its own rows, and the one-device adapter comes out
+    sets = [f"output.dir={tmp_path / 'two'}", *QUICK, "train.checkpoint_every=1"]
+    sets += ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.rules=fsdp_tp"]
+    (code, out, err), (code1, out1, err1) = _on_eight(job, *sets, processes=2)
+    assert code == 0 and code1 == 0, err[-3000:] + err1[-3000:]
+    _mesh_line(out, "data=2, fsdp=2, tensor=2")
+    assert "wrote" in out  # process 0 reports; gloo's own lines come from both
+    assert not [x for x in out1.splitlines() if not x.startswith("[Gloo]")], out1
+    _same_adapter(tmp_path / "two", lora_one, "2x2x2 in two processes")
+    assert not (tmp_path / "two" / "checkpoints").exists()  # removed once the run is done
+
+    # a batch the mesh cannot split is one line, before anything is written
+    code, _, err = _on_eight(
+        job, f"output.dir={tmp_path / 'bad'}", "mesh.fsdp=8", "train.batch_size=12"
+    )
+    assert code == 2
+    assert err.strip().splitlines()[-1] == (
+        "peftx: error: train.batch_size (12) must be a multiple of data x fsdp = 8, the parts "
+        "each batch is split into on this mesh"
+    ), err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_qlora_without_a_mesh_table_uses_every_device(llama, tmp_path, capsys):
+    job = llama / "job.toml"
+    one = _one_device(job, tmp_path / "one", "train.quantize=true")
+    assert "mesh " not in capsys.readouterr().out  # one device and no table: the plain path
+    code, out, err = _on_eight(
+        job, f"output.dir={tmp_path / 'eight'}", *QUICK, "train.quantize=true"
+    )
+    assert code == 0, err[-3000:]
+    _mesh_line(out, "data=1, fsdp=8, tensor=1")  # the default: every device on fsdp
+    _same_adapter(tmp_path / "eight", one, "qlora")
+
+
+def test_generate_and_merge_take_the_mesh_as_options(llama, lora_one, tmp_path, capsys):
+    base, adapter = llama / "base", lora_one / "adapter"
     generate = ["generate", base, "w5 w6 w7", "--adapter", adapter, "--max-new-tokens", 6]
     code, want, _ = run_cli(capsys, *generate)
     assert code == 0
-    got = _on_eight(None, command=[*generate, "--mesh", "tensor=2", "--mesh", "rules=tp"])
-    assert got.returncode == 0, got.stderr[-3000:]
-    assert got.stdout == want
-    assert "mesh data=1, fsdp=4, tensor=2 (8 cpu devices), rules tp" in got.stderr
+    code, out, err = _on_eight(
+        None, command=[*generate, "--mesh", "tensor=2", "--mesh", "rules=tp"]
+    )
+    assert code == 0, err[-3000:]
+    assert out == want
+    assert "mesh data=1, fsdp=4, tensor=2 (8 cpu devices), rules tp" in err
     code, _, _ = run_cli(capsys, "merge", base, adapter, tmp_path / "merged one")
     assert code == 0
-    got = _on_eight(None, command=["merge", base, adapter, tmp_path / "merged eight"])
-    assert got.returncode == 0, got.stderr[-3000:]
-    assert "mesh data=1, fsdp=8, tensor=1 (8 cpu devices), rules fsdp" in got.stdout
+    code, out, err = _on_eight(None, command=["merge", base, adapter, tmp_path / "merged eight"])
+    assert code == 0, err[-3000:]
+    assert "mesh data=1, fsdp=8, tensor=1 (8 cpu devices), rules fsdp" in out
     for name in ("config.json", "model.safetensors"):
         want = (tmp_path / "merged one" / name).read_bytes()
         assert (tmp_path / "merged eight" / name).read_bytes() == want, name
-
-    # a batch the mesh cannot split is one line, before anything is written
-    bad = _on_eight(job, f"output.dir={tmp_path / 'bad'}", "mesh.fsdp=8", "train.batch_size=12")
-    assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines()[-1] == (
-        "peftx: error: train.batch_size (12) must be a multiple of data x fsdp = 8, the parts "
-        "each batch is split into on this mesh"
-    ), bad.stderr
-    assert not (tmp_path / "bad").exists()
 
 
 def test_bad_mesh_tables_are_one_line(llama, tmp_path, capsys):

@@ -3,7 +3,9 @@ dataset with checkpoints it resumes from, evaluate before and after, and write t
 adapter in PEFT's format."""
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -581,21 +583,27 @@ def _restore(ckpt_dir: Path, state: Any, total: int) -> tuple[Any, dict] | None:
 
 
 def _finetune(job: Job, *, overwrite: bool) -> int:
+    from ..sharding._hosts import writes_files
+
+    protected = _protected(job)
+    plan_output(job.out, job.resolved(), overwrite=overwrite, protected=protected)
+    mesh, rules = run_mesh(job.mesh)
+    # of several processes, process 0 reports (errors come from each)
+    with contextlib.redirect_stdout(sys.stdout if writes_files() else io.StringIO()):
+        _run(job, mesh, rules, overwrite=overwrite, protected=protected)
+    return 0
+
+
+def _run(
+    job: Job, mesh: Any, rules: str | None, *, overwrite: bool, protected: list[tuple[str, Path]]
+) -> None:
     import jax
     from transformers import AutoTokenizer
 
     from .. import train
     from ..sharding import batch_parts
+    from ..sharding._hosts import wait_for_all, writes_files
 
-    protected = _protected(job)
-    plan_output(job.out, job.resolved(), overwrite=overwrite, protected=protected)
-    mesh, rules = run_mesh(job.mesh)
-    if jax.process_count() > 1:
-        raise UsageError(
-            f"peftx finetune runs in one process (with all its devices); this run has "
-            f"{jax.process_count()}. Train several processes with the library (README: "
-            "'Several processes')"
-        )
     if mesh is not None:
         parts = batch_parts(mesh)
         if job.train["batch_size"] % parts:
@@ -632,9 +640,10 @@ def _finetune(job: Job, *, overwrite: bool) -> int:
             job, run, state, frozen, peft_model, pairs, labels, total, (optimizer, schedule), mesh
         )
         written = _finish(job, run.work, *trained, frozen, tokenizer, labels, pairs)
-        run.commit()
+        if writes_files():
+            run.commit()
+    wait_for_all(f"peftx finetune {job.out}")  # every process ends with the files in place
     print("wrote\n  " + "\n  ".join(written))
-    return 0
 
 
 def _train(
@@ -656,6 +665,7 @@ def _train(
     from tqdm import tqdm
 
     from .. import BASE, train
+    from ..sharding._hosts import own_rows, writes_files
 
     out, t = run.work, job.train
     names = [a.name for a in job.adapters]
@@ -674,6 +684,7 @@ def _train(
         eval_data, eval_step = pairs[0][1], train.make_eval_step(loss_fn)
     evaluate = lambda s: _evaluate(job, eval_step, s, frozen, eval_data)  # noqa: E731
     log = Log(out / "metrics.jsonl")
+    report = writes_files()  # process 0 of several
 
     ckpt_dir, start = out / "checkpoints", 0
     restored = _restore(ckpt_dir, state, total) if run.resume else None
@@ -708,10 +719,15 @@ def _train(
     check = lambda n, m: _check_finite(n, m, last_ckpt, t["learning_rate"])  # noqa: E731
     tick, seen, pending = time.perf_counter(), 0, None
     with tqdm(
-        total=total, initial=start, desc="fine-tuning", unit="step", dynamic_ncols=True
+        total=total,
+        initial=start,
+        desc="fine-tuning",
+        unit="step",
+        dynamic_ncols=True,
+        disable=not report,
     ) as bar:
         for n in range(start + 1, total + 1):
-            state, metrics = step_fn(state, frozen, next(batches))
+            state, metrics = step_fn(state, frozen, own_rows(mesh, next(batches)))
             if pending is not None:  # a step late, so the device is never left waiting
                 check(*pending)
             pending = (n, metrics)
@@ -736,7 +752,8 @@ def _train(
                 tick, seen = time.perf_counter(), 0
             if every(n, t["eval_every"]) and n != total:
                 log.write(*_eval_records(job, n, evaluate(state)))
-                plot(log.path, out / "curves.png")
+                if report:
+                    plot(log.path, out / "curves.png")
             if every(n, t["checkpoint_every"]) and n != total:
                 check(n, metrics)
                 last_ckpt = train.save_checkpoint(
@@ -751,7 +768,8 @@ def _train(
     _check_trained(initial, state.trainable, total)
     after = evaluate(state)
     log.write(*_eval_records(job, total, after))
-    plot(log.path, out / "curves.png")
+    if report:
+        plot(log.path, out / "curves.png")
     _report(job, "after fine-tuning: ", after)
     return state, before, after
 
@@ -831,6 +849,7 @@ def _finish(
     import equinox as eqx
 
     from .. import models
+    from ..sharding._hosts import writes_files
 
     out = job.out
     peft_model = eqx.combine(state.trainable, frozen)
@@ -853,8 +872,10 @@ def _finish(
                 "nothing was saved"
             )
         summary["serving"] = check
-    peft_model.save_pretrained(work / "adapter")
-    tokenizer.save_pretrained(work / "adapter")
+    peft_model.save_pretrained(work / "adapter")  # every process: the arrays are gathered
+    writer = writes_files()  # process 0 of several
+    if writer:
+        tokenizer.save_pretrained(work / "adapter")
     adapter = out / "adapter"
     if job.multi:  # PEFT's layout: an adapter not named "default" in the subfolder of its name
         where = {a.name: adapter if a.name == "default" else adapter / a.name for a in job.adapters}
@@ -862,7 +883,8 @@ def _finish(
     else:
         written = [f"adapter (PEFT format): {adapter}"]
     if labels:
-        write_text(work / "labels.json", json.dumps(labels))
+        if writer:
+            write_text(work / "labels.json", json.dumps(labels))
         written.append(f"labels: {out / 'labels.json'}")
     if job.output["merged"]:
         if job.train["quantize"]:
@@ -871,11 +893,13 @@ def _finish(
                 "`peftx merge BASE_DIR ADAPTER_DIR OUT_DIR`"
             )
         models.save_pretrained(peft_model.merge_and_unload(safe_merge=True), work / "merged")
-        tokenizer.save_pretrained(work / "merged")
+        if writer:
+            tokenizer.save_pretrained(work / "merged")
         written.append(f"merged model: {out / 'merged'}")
     written += [f"metrics: {out / 'metrics.jsonl'}", f"curves: {out / 'curves.png'}"]
-    write_text(work / "summary.json", json.dumps(summary, indent=2))
-    shutil.rmtree(work / "checkpoints", ignore_errors=True)
+    if writer:
+        write_text(work / "summary.json", json.dumps(summary, indent=2))
+        shutil.rmtree(work / "checkpoints", ignore_errors=True)
     return written
 
 
@@ -895,12 +919,17 @@ def _finite_or_null(value: Any) -> Any:
 
 
 class Log:
-    """`metrics.jsonl`: one JSON object per line, appended as the run goes."""
+    """`metrics.jsonl`: one JSON object per line, appended as the run goes (by process 0
+    of several)."""
 
     def __init__(self, path: Path):
         self.path = path
 
     def write(self, *records: dict[str, Any]) -> None:
+        from ..sharding._hosts import writes_files
+
+        if not writes_files():
+            return
         lines = [json.dumps(_finite_or_null(r), allow_nan=False) + "\n" for r in records]
         with self.path.open("a", encoding="utf-8") as f:
             f.write("".join(lines))
@@ -908,7 +937,9 @@ class Log:
     def truncate(self, after: int) -> None:
         """Drop the records past step `after` (a killed run's, after its last checkpoint),
         and any line a kill tore."""
-        if not self.path.exists():
+        from ..sharding._hosts import writes_files
+
+        if not writes_files() or not self.path.exists():
             return
         kept = []
         for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():

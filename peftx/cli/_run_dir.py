@@ -144,7 +144,33 @@ def open_run(
 ) -> Iterator[Run]:
     """Lock `out`, decide again under the lock what to do with it (`plan_output`), and make
     the run's directory ready: marked, with its `job.json`, and tidied of what a killed
-    run left. The lock is released when the block ends."""
+    run left. The lock is released when the block ends.
+
+    In a run of several processes, process 0 does this and tells the others where the run
+    writes and whether it resumes (`out` must be on a file system they all see); they
+    never touch `out`."""
+    from ..sharding._hosts import agree, writes_files
+
+    if not writes_files():
+        code = agree(0)
+        if code < 0:
+            raise UsageError(f"process 0 could not open {out}: see its message")
+        yield Run(out, staging_dir(out) if code & 2 else out, resume=bool(code & 1))
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            run = stack.enter_context(_open_run(out, job, overwrite=overwrite, protected=protected))
+        except BaseException:
+            agree(-1)
+            raise
+        agree(2 * (run.work != out) + run.resume)
+        yield run
+
+
+@contextlib.contextmanager
+def _open_run(
+    out: Path, job: dict[str, Any], *, overwrite: bool, protected: list[tuple[str, Path]]
+) -> Iterator[Run]:
     out.mkdir(parents=True, exist_ok=True)
     locks = [Lock(out)]
     try:

@@ -76,8 +76,35 @@ def writes_files() -> bool:
 def wait_for_writer(name: str, spread: bool) -> None:
     """After a save of arrays spread over processes, every process waits here until
     process 0 has written (`name` tells the barriers apart)."""
-    if spread and jax.process_count() > 1:
+    if spread:
+        wait_for_all(name)
+
+
+def agree(code: int) -> int:
+    """Process 0's `code`, on every process (a collective); `code` itself in one process."""
+    if jax.process_count() == 1:
+        return code
+    return int(multihost_utils.broadcast_one_to_all(np.int32(code)))
+
+
+def wait_for_all(name: str) -> None:
+    """Every process of a run waits here until all have arrived (`name` tells the
+    barriers apart); nothing in one process."""
+    if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)
+
+
+def own_rows(mesh: Any, batch: Any) -> Any:
+    """Of a global batch (numpy, the same on every process), the rows this process's
+    devices hold, in order: what it passes to a sharded step (`process_rows` makes the
+    global batch again). The whole batch in one process."""
+    if jax.process_count() == 1:
+        return batch
+    n = jax.tree.leaves(batch)[0].shape[0]
+    held = batch_sharding(mesh).addressable_devices_indices_map((n,)).values()
+    spans = sorted({index[0].indices(n)[:2] for index in held})
+    take = np.concatenate([np.arange(start, stop) for start, stop in spans])
+    return jax.tree.map(lambda x: np.asarray(x)[take], batch)
 
 
 def process_rows(mesh: Any, batch: Any) -> Any:
