@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import jax.extend.core as jexc
+import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 
@@ -18,6 +19,16 @@ def close(a, b, tol=1e-5):
     """Assert two pytrees have the same leaves, each equal within `tol`."""
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+def close_in_scale(got, want, ulps):
+    """Assert each leaf of `got` is within `ulps` machine epsilons (of `want`'s dtype) of
+    `want`'s, relative to the largest magnitude in `want`'s leaf: the bound for sums whose
+    terms cancel, where an element-wise relative tolerance means nothing."""
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        bound = ulps * float(jnp.finfo(y.dtype).eps) * float(jnp.abs(y).max())
+        error = np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))
+        assert error.max() <= bound, f"error {error.max():.3g} over the bound {bound:.3g}"
 
 
 def all_eqns(jaxpr):

@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import close
+from helpers import close, close_in_scale
 from jax.test_util import check_grads
 
 from peftx.adapters import AdapterSet, DoraArray, LoraArray, adapter_set
@@ -63,8 +63,10 @@ def test_jvp_jacfwd_linearize_hessian_match_the_dense_formula(getkey):
     y_ref, dy_ref = jax.jvp(ref, (a, b, x), tangents)
     close((y, dy, y_lin, dy_lin), (y_ref, dy_ref, y_ref, dy_ref))
     close(jac, jax.jacfwd(ref, argnums=(0, 1, 2))(a, b, x))
-    close(hess, jax.hessian(ref, argnums=(0, 1))(a, b, x), tol=1e-4)
-    close(hvp, jax.jvp(jax.grad(ref, argnums=(0, 1)), (a, b, x), tangents)[1], tol=1e-4)
+    # second derivatives sum terms that cancel: bounded relative to each block's scale
+    close_in_scale(hess, jax.hessian(ref, argnums=(0, 1))(a, b, x), ulps=512)
+    hvp_ref = jax.jvp(jax.grad(ref, argnums=(0, 1)), (a, b, x), tangents)[1]
+    close_in_scale(hvp, hvp_ref, ulps=512)
 
 
 @pytest.mark.parametrize("frozen", ["none", "a", "b", "x"])
