@@ -53,20 +53,34 @@ def test_jvp_jacfwd_linearize_hessian_match_the_dense_formula(getkey):
     w, a, b, _, x = _factors(getkey())
     f, ref = _lora_fn(w)
     tangents = tuple(jax.random.normal(getkey(), v.shape) for v in (a, b, x))
+
+    # each transformation jitted, of f and of the reference alike: a compile each, not one
+    # per operation
+    def jvp(fn):
+        return jax.jit(lambda a, b, x, t: jax.jvp(fn, (a, b, x), t))
+
+    def linearized(fn):
+        def both(a, b, x, t):
+            y, f_lin = jax.linearize(fn, a, b, x)
+            return y, f_lin(*t)
+
+        return jax.jit(both)
+
+    def hvp(fn):
+        return jax.jit(lambda a, b, x, t: jax.jvp(jax.grad(fn, argnums=(0, 1)), (a, b, x), t)[1])
+
     with strict():
-        y, dy = jax.jvp(f, (a, b, x), tangents)
-        jac = jax.jacfwd(f, argnums=(0, 1, 2))(a, b, x)
-        y_lin, f_lin = jax.linearize(f, a, b, x)
-        dy_lin = f_lin(*tangents)
+        y, dy = jvp(f)(a, b, x, tangents)
+        jac = jax.jit(jax.jacfwd(f, argnums=(0, 1, 2)))(a, b, x)
+        y_lin, dy_lin = linearized(f)(a, b, x, tangents)
         hess = jax.jit(jax.hessian(f, argnums=(0, 1)))(a, b, x)
-        hvp = jax.jvp(jax.grad(f, argnums=(0, 1)), (a, b, x), tangents)[1]
-    y_ref, dy_ref = jax.jvp(ref, (a, b, x), tangents)
+        f_hvp = hvp(f)(a, b, x, tangents)
+    y_ref, dy_ref = jvp(ref)(a, b, x, tangents)
     close((y, dy, y_lin, dy_lin), (y_ref, dy_ref, y_ref, dy_ref))
-    close(jac, jax.jacfwd(ref, argnums=(0, 1, 2))(a, b, x))
+    close(jac, jax.jit(jax.jacfwd(ref, argnums=(0, 1, 2)))(a, b, x))
     # second derivatives sum terms that cancel: bounded relative to each block's scale
-    close_in_scale(hess, jax.hessian(ref, argnums=(0, 1))(a, b, x), ulps=512)
-    hvp_ref = jax.jvp(jax.grad(ref, argnums=(0, 1)), (a, b, x), tangents)[1]
-    close_in_scale(hvp, hvp_ref, ulps=512)
+    close_in_scale(hess, jax.jit(jax.hessian(ref, argnums=(0, 1)))(a, b, x), ulps=512)
+    close_in_scale(f_hvp, hvp(ref)(a, b, x, tangents), ulps=512)
 
 
 @pytest.mark.parametrize("frozen", ["none", "a", "b", "x"])
