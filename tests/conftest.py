@@ -1,5 +1,7 @@
 import itertools
 import os
+import shutil
+import tempfile
 import warnings
 
 # The suite's models are tiny: LLVM's optimizations cost XLA more compile time than they
@@ -13,7 +15,16 @@ os.environ["XLA_FLAGS"] = " ".join(
     )
 )
 
-import jax  # noqa: E402
+# One persistent compilation cache for the session, its xdist workers and their child
+# processes, which compile many of the same programs (each `peftx finetune` run builds its
+# step anew): made by the first process and removed by it at the end.
+_MADE_CACHE = "PEFTX_TESTS_JAX_CACHE" not in os.environ
+if _MADE_CACHE:
+    os.environ["PEFTX_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="peftx-tests-jax-cache-")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["PEFTX_TESTS_JAX_CACHE"]
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
+import jax
 import numpy as np
 import pytest
 from helpers import (
@@ -31,8 +42,15 @@ from peftx.implicit import MaterializationWarning
 # A materialization nobody asked about is a bug; tests that expect one use `pytest.warns`.
 warnings.filterwarnings("error", category=MaterializationWarning)
 
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def pytest_unconfigure(config):
+    if _MADE_CACHE:
+        shutil.rmtree(os.environ["PEFTX_TESTS_JAX_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="session")

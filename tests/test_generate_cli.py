@@ -76,10 +76,16 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def cache_home(tmp_path, monkeypatch):
-    """Compiled programs go under this test's directory, not the user's cache."""
+    """Compiled programs go under this test's directory: not the user's cache, nor the
+    suite's own (conftest), which this process leaves for the test's duration."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    return tmp_path / "cache"
+    suites = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    yield tmp_path / "cache"
+    jax.config.update("jax_compilation_cache_dir", suites)
+    compilation_cache.reset_cache()
 
 
 def _auto_tokenizer(path):
@@ -326,5 +332,5 @@ def test_a_users_own_cache_directory_is_kept(llama, capsys, tmp_path, cache_home
         assert jax.config.jax_compilation_cache_dir == str(ours)
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
-        compilation_cache.reset_cache()  # later tests compile without a cache
+        compilation_cache.reset_cache()  # as cache_home left it
     assert code == 0 and any(ours.iterdir()) and not (cache_home / "peftx").exists()
