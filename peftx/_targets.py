@@ -60,6 +60,7 @@ IA3_TARGET_MODULES: dict[str, tuple[str, ...]] = {
     "mistral": ("k_proj", "v_proj", "down_proj"),
     "opt": ("q_proj", "k_proj", "fc2"),
     "qwen2": ("q_proj", "v_proj", "down_proj"),
+    "qwen3": ("q_proj", "v_proj", "down_proj"),
     "roberta": ("key", "value", "output.dense"),
     "t5": ("k", "v", "wo"),
 }
@@ -71,6 +72,7 @@ IA3_FEEDFORWARD_MODULES: dict[str, tuple[str, ...]] = {
     "mistral": ("down_proj",),
     "opt": ("fc2",),
     "qwen2": ("down_proj",),
+    "qwen3": ("down_proj",),
     "roberta": ("output.dense",),
     "t5": ("wo",),
 }

@@ -45,6 +45,14 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(
         **COMMON, num_key_value_heads=2, tie_word_embeddings=True
     ),
+    "qwen3": lambda: transformers.Qwen3Config(
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=16,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,  # the second layer slides
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=VOCAB,
         n_embd=32,

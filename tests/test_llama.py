@@ -39,7 +39,7 @@ COMMON = dict(
     attn_implementation="eager",
 )
 DEFAULT_ROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0))
-PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 # name: the family, its config, and how to switch the arm's feature off on the same
 # weights ("plain": config overrides; "zero_biases": set every bias to zero), so a test
@@ -115,6 +115,20 @@ CASES = {
             layer_types=["full_attention", "sliding_attention", "sliding_attention"],
         ),
         plain=dict(layer_types=["full_attention"] * LAYERS),
+    ),
+    # q/k norms (random weights, so they matter), an explicit head_dim unlike hidden/heads,
+    # biases on q, k, v and o, and a window on some layers
+    "qwen3": dict(
+        family="qwen3",
+        config=dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            use_sliding_window=True,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+        zero_biases=True,
     ),
 }
 HEADS = ("Model", "ForCausalLM", "ForSequenceClassification")
@@ -314,7 +328,12 @@ PROMPT = 5
 
 @pytest.mark.parametrize(
     "name, layout",
-    [("mistral", "stacked"), ("qwen2-sliding", "unrolled"), ("llama-yarn", "stacked")],
+    [
+        ("mistral", "stacked"),
+        ("qwen2-sliding", "unrolled"),
+        ("llama-yarn", "stacked"),
+        ("qwen3", "stacked"),
+    ],
 )
 def test_kv_cache_steps_match_full_forward(checkpoint, name, layout):
     """A left-padded prompt prefilled into the cache, then one token at a time (positions
@@ -386,7 +405,7 @@ HEAD = 4
 BF16_U = float(jnp.finfo(jnp.bfloat16).eps) / 2
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "llama-bias-head_dim"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "llama-bias-head_dim"])
 def test_bfloat16_matches_transformers(checkpoint, name):
     model, path = checkpoint(name)
     ours32 = pm.from_pretrained(path, layout="unrolled")
@@ -482,6 +501,8 @@ def test_qwen2_windows_from_max_window_layers():
         dict(model_type="mistral"),
         dict(model_type="qwen2", qkv_bias=True, sliding_windows=(None, 4, 4)),
         dict(model_type="qwen2", qkv_bias=True, tie_word_embeddings=True, num_labels=5),
+        dict(model_type="qwen3", qk_norm=True, qkv_bias=True, o_proj_bias=True, head_dim=16),
+        dict(model_type="qwen3", qk_norm=True, sliding_windows=(4, None, 4)),
     ],
 )
 def test_config_built_from_fields_is_written_for_transformers(fields, tmp_path):
@@ -516,6 +537,9 @@ def test_config_built_from_fields_is_written_for_transformers(fields, tmp_path):
         (dict(model_type="mistral", sliding_windows=(None, 4, 4)), "some layers only"),
         (dict(model_type="qwen2"), r"Qwen2 has \(True, False, False\)"),
         (dict(model_type="qwen2", qkv_bias=True, sliding_windows=(2, 4, 4)), "one sliding_window"),
+        (dict(model_type="qwen3"), "qk_norm=False"),
+        (dict(model_type="llama", qk_norm=True), "qk_norm=True"),
+        (dict(model_type="qwen3", qk_norm=True, qkv_bias=True), "attention_bias on q, k, v and o"),
     ],
 )
 def test_config_transformers_cannot_express_raises(fields, match):

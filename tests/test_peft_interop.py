@@ -88,6 +88,9 @@ def _bert_config():
 BUILDERS = {
     "llama": lambda: transformers.LlamaForCausalLM(_llama_config()),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(_llama_config(transformers.Qwen2Config)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(
+        _llama_config(transformers.Qwen3Config, head_dim=16, attention_bias=True)
+    ),
     "gpt2": lambda: transformers.GPT2LMHeadModel(_gpt2_config()),
     "llama-cls": lambda: transformers.LlamaForSequenceClassification(_llama_config(num_labels=3)),
     "bert-cls": lambda: transformers.BertForSequenceClassification(_bert_config()),
@@ -95,6 +98,7 @@ BUILDERS = {
 AUTO = {
     "llama": transformers.AutoModelForCausalLM,
     "qwen2": transformers.AutoModelForCausalLM,
+    "qwen3": transformers.AutoModelForCausalLM,
     "gpt2": transformers.AutoModelForCausalLM,
     "llama-cls": transformers.AutoModelForSequenceClassification,
     "bert-cls": transformers.AutoModelForSequenceClassification,
@@ -341,6 +345,15 @@ CASES = {
         "qwen2",
         "IA3Config",
         dict(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    ),
+    # PEFT's defaults for the architecture (target_modules=None): q_proj and v_proj for
+    # LoRA; k_proj, v_proj and down_proj for IA3, with down_proj as feedforward
+    "qwen3-default": ("qwen3", "LoraConfig", dict(r=4, lora_alpha=8)),
+    "qwen3-ia3-default": ("qwen3", "IA3Config", dict()),
+    "qwen3-dora-all-linear": (
+        "qwen3",
+        "LoraConfig",
+        dict(r=2, lora_alpha=4, target_modules="all-linear", use_dora=True),
     ),
     "qwen2-bias-all": (
         "qwen2",

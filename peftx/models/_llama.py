@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2) in Equinox, named as transformers names it."""
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) in Equinox, named as transformers names
+it (`transformers/models/{llama,mistral,qwen2,qwen3}/modeling_*.py`)."""
 
 import dataclasses
 import json
@@ -74,11 +75,13 @@ ROPE_REQUIRED = {
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(HFConfig):
-    """A Llama, Mistral or Qwen2 `config.json`, as the fields the model uses.
+    """A Llama, Mistral, Qwen2 or Qwen3 `config.json`, as the fields the model uses.
 
     transformers' `attention_bias` is `qkv_bias` and `o_proj_bias` here (Qwen2 has the
     first only); `rope` holds the `rope_parameters` as sorted pairs; `sliding_windows` is
-    each layer's window (None: full attention), or `()` when no layer has one.
+    each layer's window (None: full attention), or `()` when no layer has one; `qk_norm`:
+    each head's queries and keys are RMS-normalized before the rotary embedding (Qwen3's
+    `q_norm` and `k_norm`).
     """
 
     # the logical axes of its weights, for `peftx.sharding`'s presets (see `HFConfig`)
@@ -91,6 +94,7 @@ class LlamaConfig(HFConfig):
         (r"(gate|up)_proj\.bias", ("mlp",)),
         (r"down_proj\.weight", ("embed", "mlp")),
         (r"score\.weight", (None, "embed")),
+        (r"[qk]_norm\.weight", (None,)),  # over one head's features: kept whole
         (
             r"(input_layernorm|post_attention_layernorm|norm)\.weight|o_proj\.bias",
             ("embed",),
@@ -115,11 +119,12 @@ class LlamaConfig(HFConfig):
     mlp_bias: bool = False
     rope: tuple[tuple[str, Any], ...] = (("rope_theta", 10000.0), ("rope_type", "default"))
     sliding_windows: tuple[int | None, ...] = ()
+    qk_norm: bool = False
     num_labels: int = 2
     pad_token_id: int | None = None
     initializer_range: float = 0.02
 
-    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2")
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
     CHECKS: ClassVar[dict[str, Check]] = {
         **COMMON_CHECKS,
         "hidden_size": integer(1, MAX_WIDTH),
@@ -201,14 +206,20 @@ class LlamaConfig(HFConfig):
                 f"layer_types has {len(d['layer_types'])} entries for "
                 f"num_hidden_layers={layers}; give one per layer."
             )
-        if model_type == "qwen2":
+        head_dim = d.get("head_dim") or None  # None: hidden_size // heads
+        if model_type in ("qwen2", "qwen3"):
             window = d.get("sliding_window") if d.get("use_sliding_window") else None
             types = d.get("layer_types") or [
                 "sliding_attention" if window and i >= d.get("max_window_layers", 28) else "full"
                 for i in range(layers)
             ]
             windows = tuple(window if t == "sliding_attention" else None for t in types)
+        if model_type == "qwen2":
             qkv_bias, o_bias, mlp_bias = True, False, False  # as transformers' Qwen2 builds it
+        elif model_type == "qwen3":
+            qkv_bias = o_bias = bool(d.get("attention_bias", False))
+            mlp_bias = False
+            head_dim = d.get("head_dim", 128)  # transformers' Qwen3Config default
         elif model_type == "mistral":
             windows = (d.get("sliding_window"),) * layers
             qkv_bias = o_bias = mlp_bias = False  # transformers' Mistral has no biases
@@ -226,7 +237,7 @@ class LlamaConfig(HFConfig):
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or None,  # None: hidden_size // heads
+            head_dim=head_dim,
             hidden_act=d.get("hidden_act", "silu"),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
@@ -236,6 +247,7 @@ class LlamaConfig(HFConfig):
             mlp_bias=mlp_bias,
             rope=tuple(sorted(rope.items())),
             sliding_windows=tuple(w or None for w in windows) if any(windows) else (),
+            qk_norm=model_type == "qwen3",
             num_labels=int(n_labels),
             pad_token_id=d.get("pad_token_id"),
             initializer_range=d.get("initializer_range", 0.02),
@@ -273,6 +285,10 @@ class LlamaConfig(HFConfig):
                 f"{self.model_type} config holds one sliding_window."
             )
         window = windows.pop() if windows else None
+        if self.qk_norm != (self.model_type == "qwen3"):
+            self._unwritable(
+                f"qk_norm={self.qk_norm}", "Qwen3 normalizes queries and keys; the others do not"
+            )
         if self.model_type == "llama":
             if window is not None:
                 self._unwritable("a sliding window", "use model_type 'mistral' or 'qwen2'")
@@ -286,11 +302,18 @@ class LlamaConfig(HFConfig):
                 self._unwritable("a window on some layers only", "use model_type 'qwen2'")
             d.update(sliding_window=window)
         else:
-            if biases != (True, False, False):
+            if self.model_type == "qwen2" and biases != (True, False, False):
                 self._unwritable(
                     f"(qkv_bias, o_proj_bias, mlp_bias) = {biases}",
                     "transformers' Qwen2 has (True, False, False)",
                 )
+            if self.model_type == "qwen3" and (self.qkv_bias != self.o_proj_bias or self.mlp_bias):
+                self._unwritable(
+                    f"(qkv_bias, o_proj_bias, mlp_bias) = {biases}",
+                    "transformers' Qwen3 has attention_bias on q, k, v and o, none on the MLP",
+                )
+            if self.model_type == "qwen3":
+                d.update(attention_bias=self.qkv_bias)
             d.update(
                 use_sliding_window=window is not None,
                 sliding_window=window,
@@ -429,6 +452,8 @@ class LlamaAttention(eqx.Module):
     k_proj: eqx.nn.Linear
     v_proj: eqx.nn.Linear
     o_proj: eqx.nn.Linear
+    q_norm: RMSNorm | None  # Qwen3's, over each head's features; None elsewhere
+    k_norm: RMSNorm | None
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         c, std = config, config.initializer_range
@@ -438,6 +463,8 @@ class LlamaAttention(eqx.Module):
         self.k_proj = _linear(d, kvh * hd, c.qkv_bias, kk, std, dtype)
         self.v_proj = _linear(d, kvh * hd, c.qkv_bias, kv, std, dtype)
         self.o_proj = _linear(h * hd, d, c.o_proj_bias, ko, std, dtype)
+        norm = (lambda: RMSNorm(hd, c.rms_norm_eps, dtype=dtype)) if c.qk_norm else lambda: None
+        self.q_norm, self.k_norm = norm(), norm()
 
 
 class LlamaMLP(eqx.Module):
@@ -551,6 +578,8 @@ class LlamaModel(eqx.Module):
             q = linear(attn.q_proj, x).reshape(b, s, c.num_attention_heads, c.head_dim)
             k = linear(attn.k_proj, x).reshape(b, s, c.num_key_value_heads, c.head_dim)
             v = linear(attn.v_proj, x).reshape(b, s, c.num_key_value_heads, c.head_dim)
+            if c.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if kv is not None:
                 k, v = write_cache(kv[0], kv[1], k, v, index)
@@ -678,7 +707,9 @@ class LlamaForSequenceClassification(eqx.Module):
 
 
 for _model_type in LlamaConfig.MODEL_TYPES:
-    _prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}[_model_type]
+    _prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[
+        _model_type
+    ]
     register(
         _model_type,
         Architecture(
