@@ -54,6 +54,7 @@ LORA_TARGET_MODULES: dict[str, tuple[str, ...]] = {
 }
 IA3_TARGET_MODULES: dict[str, tuple[str, ...]] = {
     "bert": ("key", "value", "output.dense"),
+    "gemma2": ("q_proj", "v_proj", "down_proj"),
     "gpt2": ("c_attn", "mlp.c_proj"),
     "gpt_neox": ("query_key_value", "dense_4h_to_h"),
     "llama": ("k_proj", "v_proj", "down_proj"),
@@ -66,6 +67,7 @@ IA3_TARGET_MODULES: dict[str, tuple[str, ...]] = {
 }
 IA3_FEEDFORWARD_MODULES: dict[str, tuple[str, ...]] = {
     "bert": ("output.dense",),
+    "gemma2": ("down_proj",),
     "gpt2": ("mlp.c_proj",),
     "gpt_neox": ("dense_4h_to_h",),
     "llama": ("down_proj",),

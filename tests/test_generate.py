@@ -53,6 +53,14 @@ CONFIGS = {
         sliding_window=4,
         max_window_layers=1,  # the second layer slides
     ),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,  # on the first layer; the prompts exceed it
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=VOCAB,
         n_embd=32,

@@ -91,6 +91,16 @@ BUILDERS = {
     "qwen3": lambda: transformers.Qwen3ForCausalLM(
         _llama_config(transformers.Qwen3Config, head_dim=16, attention_bias=True)
     ),
+    "gemma2": lambda: transformers.Gemma2ForCausalLM(
+        _llama_config(
+            transformers.Gemma2Config,
+            head_dim=16,
+            sliding_window=4,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+            initializer_range=0.2,  # logits the adapters can move past EFFECT
+        )
+    ),
     "gpt2": lambda: transformers.GPT2LMHeadModel(_gpt2_config()),
     "llama-cls": lambda: transformers.LlamaForSequenceClassification(_llama_config(num_labels=3)),
     "bert-cls": lambda: transformers.BertForSequenceClassification(_bert_config()),
@@ -99,6 +109,7 @@ AUTO = {
     "llama": transformers.AutoModelForCausalLM,
     "qwen2": transformers.AutoModelForCausalLM,
     "qwen3": transformers.AutoModelForCausalLM,
+    "gemma2": transformers.AutoModelForCausalLM,
     "gpt2": transformers.AutoModelForCausalLM,
     "llama-cls": transformers.AutoModelForSequenceClassification,
     "bert-cls": transformers.AutoModelForSequenceClassification,
@@ -352,6 +363,13 @@ CASES = {
     "qwen3-ia3-default": ("qwen3", "IA3Config", dict()),
     "qwen3-dora-all-linear": (
         "qwen3",
+        "LoraConfig",
+        dict(r=2, lora_alpha=4, target_modules="all-linear", use_dora=True),
+    ),
+    "gemma2-default": ("gemma2", "LoraConfig", dict(r=4, lora_alpha=8)),
+    "gemma2-ia3-default": ("gemma2", "IA3Config", dict()),
+    "gemma2-dora-all-linear": (
+        "gemma2",
         "LoraConfig",
         dict(r=2, lora_alpha=4, target_modules="all-linear", use_dora=True),
     ),

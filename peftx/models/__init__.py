@@ -16,6 +16,12 @@ from ._common import (
     MaskedLMOutput as MaskedLMOutput,
     SequenceClassifierOutput as SequenceClassifierOutput,
 )
+from ._gemma import (
+    Gemma2Config as Gemma2Config,
+    Gemma2ForCausalLM as Gemma2ForCausalLM,
+    Gemma2ForSequenceClassification as Gemma2ForSequenceClassification,
+    Gemma2Model as Gemma2Model,
+)
 from ._generate import generate as generate
 from ._gpt2 import (
     GPT2MLP as GPT2MLP,

@@ -5,7 +5,7 @@ import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -63,6 +63,18 @@ def _plain(weight: Any) -> Any:
             "(from `get_peft_model`) does this itself."
         )
     return weight
+
+
+def normal_linear(
+    i: int, o: int, bias: bool, key: PRNGKeyArray, std: float, dtype: Any
+) -> eqx.nn.Linear:
+    """A fresh `Linear(i, o)` as transformers initializes one: weights normal with `std`,
+    bias zero."""
+    layer = eqx.nn.Linear(i, o, use_bias=bias, key=key, dtype=dtype)
+    layer = eqx.tree_at(lambda m: m.weight, layer, std * jax.random.normal(key, (o, i), dtype))
+    if bias:
+        layer = eqx.tree_at(lambda m: m.bias, layer, jnp.zeros((o,), dtype))
+    return layer
 
 
 def linear(layer: eqx.nn.Linear, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
@@ -159,6 +171,37 @@ def positions_from_mask(
     return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+class DecoderPositions(NamedTuple):
+    """Where a decoder call's tokens go: each token's cache slot, which keys are real
+    tokens, the cache slot written first (None without a cache) and the positions."""
+
+    slots: Int[Array, "batch seq"]
+    key_valid: Bool[Array, "batch keys"]
+    index: Int[Array, ""] | None
+    position_ids: Int[Array, "batch seq"]
+
+
+def decoder_positions(
+    input_ids: Any, attention_mask: Any, position_ids: Any, cache: "KVCache | None"
+) -> DecoderPositions:
+    """A decoder call's `DecoderPositions`, its inputs checked. Without `position_ids`,
+    positions count the real tokens (as `generate` does); with a `cache`, the tokens are
+    written at `cache.index` and their positions continue the count of real tokens there."""
+    b, s = check_inputs(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
+    if cache is None:
+        slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask, b, s)
+        return DecoderPositions(slots, valid, None, position_ids)
+    slots = cache.index + jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    key_valid = lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, 1)
+    if position_ids is None:
+        every = positions_from_mask(key_valid.astype(jnp.int32), b, key_valid.shape[1])
+        position_ids = lax.dynamic_slice_in_dim(every, cache.index, s, axis=1)
+    return DecoderPositions(slots, key_valid, cache.index, position_ids)
+
+
 def attention_mask(
     query_slots: Int[Array, "batch q"],
     key_valid: Bool[Array, "batch k"],
@@ -200,17 +243,21 @@ def dot_product_attention(
     mask: Bool[Array, "batch 1 q k"],
     scale: float | Float[Array, ""],
     *,
+    softcap: float | None = None,
     dropout_rate: float = 0.0,
     dropout_key: PRNGKeyArray | None = None,
 ) -> Float[Array, "batch q heads dim"]:
     """Softmax attention (grouped-query when there are fewer key/value heads), softmax in
     float32. A query that sees no key (a padding position) attends uniformly instead of
-    giving NaN, as transformers' eager attention does. With a `dropout_key`, the attention
-    weights are dropped at `dropout_rate` (training mode)."""
+    giving NaN, as transformers' eager attention does. `softcap` bounds the scores to
+    `(-softcap, softcap)` with `softcap·tanh(score / softcap)` (Gemma 2). With a
+    `dropout_key`, the attention weights are dropped at `dropout_rate` (training mode)."""
     b, sq, h, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, sq, kv, h // kv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k).astype(jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)
     weights = dropout(weights, dropout_rate, dropout_key).astype(v.dtype)
@@ -368,8 +415,10 @@ def check_values(values: Mapping[str, Any], checks: Mapping[str, Check], prefix:
 
 
 # The keys every architecture reads the same way.
+STRING = Check(lambda v: isinstance(v, str), "a string")
+
 COMMON_CHECKS: dict[str, Check] = {
-    "model_type": Check(lambda v: isinstance(v, str), "a string"),
+    "model_type": STRING,
     "architectures": strings(),
     "vocab_size": integer(1, MAX_VOCAB),
     "num_labels": integer(1, MAX_VOCAB),

@@ -19,6 +19,7 @@ from ._common import (
     MAX_LAYERS,
     MAX_POSITIONS,
     MAX_WIDTH,
+    STRING,
     BaseModelOutput,
     CausalLMOutput,
     Check,
@@ -29,8 +30,8 @@ from ._common import (
     SequenceClassifierOutput,
     activation,
     attention_mask,
-    check_inputs,
     check_values,
+    decoder_positions,
     dot_product_attention,
     embed,
     flag,
@@ -38,8 +39,8 @@ from ._common import (
     last_token_index,
     linear,
     mapping,
+    normal_linear,
     number,
-    positions_from_mask,
     strings,
     tied_logits,
     write_cache,
@@ -47,12 +48,11 @@ from ._common import (
 from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_layers, run_layers
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-_NAME = Check(lambda v: isinstance(v, str), "a string")
 # the rope parameters (`rope_parameters`, or transformers 4's `rope_scaling`)
 ROPE_CHECKS: dict[str, Check] = {
     "rope_theta": number(0, open_low=True),
-    "rope_type": _NAME,
-    "type": _NAME,
+    "rope_type": STRING,
+    "type": STRING,
     "factor": number(0, open_low=True, null=True),
     "low_freq_factor": number(0, open_low=True),
     "high_freq_factor": number(0, open_low=True),
@@ -133,7 +133,7 @@ class LlamaConfig(HFConfig):
         "num_attention_heads": integer(1, MAX_WIDTH),
         "num_key_value_heads": integer(1, MAX_WIDTH, null=True),
         "head_dim": integer(1, MAX_WIDTH, null=True),
-        "hidden_act": _NAME,
+        "hidden_act": STRING,
         "max_position_embeddings": integer(1, MAX_POSITIONS),
         "rms_norm_eps": number(0),
         "rope_theta": number(0, open_low=True),
@@ -351,10 +351,12 @@ def _check_rope_needs(rope: dict[str, Any], source: str) -> None:
 
 
 def rope_frequencies(
-    config: LlamaConfig, seq_len: Int[Array, ""] | None = None
+    config: HFConfig, seq_len: Int[Array, ""] | None = None
 ) -> tuple[Float[Array, " half"], float]:
     """`(inv_freq, attention_scaling)` for the config's rope type, as transformers computes
-    them (in float32). `seq_len` (traced) matters only to `dynamic`."""
+    them (in float32). `seq_len` (traced) matters only to `dynamic`. `config`: this
+    family's, or another with `rope_parameters`, `head_dim` and `max_position_embeddings`
+    (Gemma's)."""
     p = config.rope_parameters
     kind, base, dim = p["rope_type"], float(p["rope_theta"]), config.head_dim
     dim = int(dim * p.get("partial_rotary_factor", 1.0))
@@ -428,7 +430,7 @@ def apply_rope(
 
 
 def rope_tables(
-    config: LlamaConfig, position_ids: Int[Array, "batch seq"], dtype: Any
+    config: HFConfig, position_ids: Int[Array, "batch seq"], dtype: Any
 ) -> tuple[Array, Array]:
     inv_freq, scaling = rope_frequencies(config, jnp.max(position_ids) + 1)
     freqs = position_ids[..., None].astype(jnp.float32) * inv_freq[None, None, :]
@@ -436,15 +438,6 @@ def rope_tables(
     cos = (jnp.cos(emb) * scaling).astype(dtype)[:, :, None, :]
     sin = (jnp.sin(emb) * scaling).astype(dtype)[:, :, None, :]
     return cos, sin
-
-
-def _linear(i: int, o: int, bias: bool, key: PRNGKeyArray, std: float, dtype: Any) -> Any:
-    layer = eqx.nn.Linear(i, o, use_bias=bias, key=key, dtype=dtype)
-    weight = std * jax.random.normal(key, (o, i), dtype)
-    layer = eqx.tree_at(lambda m: m.weight, layer, weight)
-    if bias:
-        layer = eqx.tree_at(lambda m: m.bias, layer, jnp.zeros((o,), dtype))
-    return layer
 
 
 class LlamaAttention(eqx.Module):
@@ -459,10 +452,10 @@ class LlamaAttention(eqx.Module):
         c, std = config, config.initializer_range
         kq, kk, kv, ko = jax.random.split(key, 4)
         d, h, kvh, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = _linear(d, h * hd, c.qkv_bias, kq, std, dtype)
-        self.k_proj = _linear(d, kvh * hd, c.qkv_bias, kk, std, dtype)
-        self.v_proj = _linear(d, kvh * hd, c.qkv_bias, kv, std, dtype)
-        self.o_proj = _linear(h * hd, d, c.o_proj_bias, ko, std, dtype)
+        self.q_proj = normal_linear(d, h * hd, c.qkv_bias, kq, std, dtype)
+        self.k_proj = normal_linear(d, kvh * hd, c.qkv_bias, kk, std, dtype)
+        self.v_proj = normal_linear(d, kvh * hd, c.qkv_bias, kv, std, dtype)
+        self.o_proj = normal_linear(h * hd, d, c.o_proj_bias, ko, std, dtype)
         norm = (lambda: RMSNorm(hd, c.rms_norm_eps, dtype=dtype)) if c.qk_norm else lambda: None
         self.q_norm, self.k_norm = norm(), norm()
 
@@ -473,11 +466,11 @@ class LlamaMLP(eqx.Module):
     down_proj: eqx.nn.Linear
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
-        c, std = config, config.initializer_range
+        c, std, bias = config, config.initializer_range, config.mlp_bias
         kg, ku, kd = jax.random.split(key, 3)
-        self.gate_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias, kg, std, dtype)
-        self.up_proj = _linear(c.hidden_size, c.intermediate_size, c.mlp_bias, ku, std, dtype)
-        self.down_proj = _linear(c.intermediate_size, c.hidden_size, c.mlp_bias, kd, std, dtype)
+        self.gate_proj = normal_linear(c.hidden_size, c.intermediate_size, bias, kg, std, dtype)
+        self.up_proj = normal_linear(c.hidden_size, c.intermediate_size, bias, ku, std, dtype)
+        self.down_proj = normal_linear(c.intermediate_size, c.hidden_size, bias, kd, std, dtype)
 
 
 class LlamaDecoderLayer(eqx.Module):
@@ -548,21 +541,10 @@ class LlamaModel(eqx.Module):
         their default positions continue the count of the real tokens in the cache.
         """
         c = self.config
-        b, s = check_inputs(input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
-        if cache is None:
-            slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-            key_valid, index = valid, None
-            if position_ids is None:
-                position_ids = positions_from_mask(attention_mask, b, s)
-        else:
-            slots = cache.index + jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-            key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, 1)
-            index = cache.index
-            if position_ids is None:
-                # the new tokens continue the count of real tokens already in the cache
-                every = positions_from_mask(key_valid.astype(jnp.int32), b, key_valid.shape[1])
-                position_ids = jax.lax.dynamic_slice_in_dim(every, cache.index, s, axis=1)
+        slots, key_valid, index, position_ids = decoder_positions(
+            input_ids, attention_mask, position_ids, cache
+        )
+        b, s = input_ids.shape
         h = embed(self.embed_tokens, input_ids)
         cos, sin = rope_tables(c, position_ids, h.dtype)
         windows = c.sliding_windows or (None,) * c.num_hidden_layers
@@ -627,7 +609,7 @@ class LlamaForCausalLM(eqx.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else _linear(
+            else normal_linear(
                 config.hidden_size, config.vocab_size, False, kh, config.initializer_range, dtype
             )
         )
@@ -681,7 +663,7 @@ class LlamaForSequenceClassification(eqx.Module):
             config = dataclasses.replace(config, num_labels=num_labels)
         self.model = LlamaModel(config, key=km, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
-        self.score = _linear(
+        self.score = normal_linear(
             config.hidden_size, config.num_labels, False, kh, config.initializer_range, dtype
         )
 
