@@ -184,3 +184,68 @@ def test_quantized_weights_count_as_the_parameters_they_stand_for(quant):
     )
     assert dense.get_nb_trainable_parameters() == torch_model.get_nb_trainable_parameters()
     assert quantized.get_nb_trainable_parameters() == dense.get_nb_trainable_parameters()
+
+
+ZOO = {
+    "qwen3": lambda: peftx.models.LlamaForCausalLM(
+        peftx.models.LlamaConfig(
+            model_type="qwen3", qk_norm=True, head_dim=16, sliding_windows=(4, None), **_SIZES
+        ),
+        key=jax.random.key(0),
+    ),
+    "gemma2": lambda: peftx.models.Gemma2ForCausalLM(
+        peftx.models.Gemma2Config(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=8.0,
+            sliding_windows=(4, None),
+            **_SIZES,
+        ),
+        key=jax.random.key(0),
+    ),
+}
+_SIZES = dict(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_qlora_on_each_new_architecture(name):
+    """QLoRA on every linear layer of a stacked Qwen3 and Gemma 2: no weight is made
+    dense (`strict`), the logits equal the same adapters over the dequantized weights
+    (whose NF4 codes equal bitsandbytes' above), and a gradient reaches every adapter
+    factor and nothing else."""
+    q = quantize_model(ZOO[name](), QuantizationConfig(load_in_4bit=True))
+    config = LoraConfig(target_modules="all-linear", r=4, init_lora_weights=False)
+    peft_model = get_peft_model(q, config, key=jax.random.key(1))
+    ids = jnp.array([[3, 9, 27, 5, 14, 2]])
+    with strict():
+        got = peft_model(ids).logits
+    dense = jax.tree.map(
+        lambda w: materialize(w) if isinstance(w, NF4Array) else w,
+        peft_model,
+        is_leaf=lambda w: isinstance(w, NF4Array),
+    )
+    np.testing.assert_allclose(got, dense(ids).logits, rtol=1e-5, atol=1e-5)
+    trainable, frozen = partition(peft_model)
+    is_nf4 = lambda w: isinstance(w, NF4Array)  # noqa: E731
+    assert any(is_nf4(w) for w in jax.tree.leaves(frozen, is_leaf=is_nf4))
+
+    @eqx.filter_jit
+    def grads(trainable):
+        def loss(t):
+            return jnp.sum(eqx.combine(t, frozen)(ids).logits[0, -1] ** 2)
+
+        return jax.grad(loss)(trainable)
+
+    with strict():
+        leaves = jax.tree.leaves(grads(trainable))
+    assert len(leaves) == 2 * 7  # A and B of q, k, v, o, gate, up, down (stacked)
+    assert all(float(jnp.abs(g).max()) > 0 for g in leaves)

@@ -40,6 +40,7 @@ DATA_KEYS = {
     "text_column": "text",
     "label_column": "label",
     "prompt_column": None,
+    "messages_column": None,
     "max_length": 128,
     "pack": False,
 }
@@ -167,10 +168,19 @@ def _check_numbers(job: "Job", path: Path) -> None:
         value = getattr(job, table)[key]
         if not isinstance(value, bool):
             raise UsageError(f"{path}: {table}.{key} must be true or false, got {value!r}")
-    for table, key in TEXT + [("data", "prompt_column"), ("output", "dir")]:
+    optional = [("data", "prompt_column"), ("data", "messages_column"), ("output", "dir")]
+    for table, key in TEXT + optional:
         value = getattr(job, table)[key]
-        if not isinstance(value, str) and not (value is None and key in ("prompt_column", "dir")):
+        if not isinstance(value, str) and not (value is None and (table, key) in optional):
             raise UsageError(f"{path}: {table}.{key} must be a string, got {value!r}")
+    if job.data["messages_column"] is not None:
+        if job.model.task != "causal-lm":
+            raise UsageError(f'{path}: data.messages_column needs model.task = "causal-lm"')
+        if job.data["prompt_column"] is not None:
+            raise UsageError(
+                f"{path}: data.messages_column and data.prompt_column are two formats; "
+                "give one (a chat's prompt is its messages before the assistant's turn)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,9 +386,23 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
         return encode(adapter.train, rows), encode(adapter.eval, held), labels
     columns = [d["text_column"]] + ([d["prompt_column"]] if d["prompt_column"] else [])
     names = {"texts": d["text_column"], "prompts": d["prompt_column"]}
+    if d["messages_column"]:
+        columns, names = [d["messages_column"]], {"conversations": d["messages_column"]}
 
     def encode_lm(file: Path) -> dict:
         rs = train.read_records(file, columns)
+        if d["messages_column"]:
+            return _encoded(
+                file,
+                names,
+                lambda: train.encode_chat(
+                    tokenizer,
+                    [r[d["messages_column"]] for r in rs],
+                    max_length=d["max_length"],
+                    pack=d["pack"],
+                    vocab_size=vocab_size,
+                ),
+            )
         prompts = [r[d["prompt_column"]] for r in rs] if d["prompt_column"] else None
         return _encoded(
             file,

@@ -11,6 +11,7 @@ from ._data import (
     IGNORE as IGNORE,
     batches_per_epoch as batches_per_epoch,
     encode_causal_lm as encode_causal_lm,
+    encode_chat as encode_chat,
     encode_classification as encode_classification,
     eval_batches as eval_batches,
     mixed_batches as mixed_batches,

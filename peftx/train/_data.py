@@ -4,6 +4,7 @@ for causal LM, and batched in an order a run can resume from."""
 import csv
 import io
 import json
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from numbers import Integral
@@ -241,6 +242,118 @@ def encode_causal_lm(
     # a prompt fills an unpacked row; packed, it only shifts the text into the next row
     _check_supervised(data, lost, [0 if pack else len(s) for s in starts], max_length)
     return data
+
+
+def encode_chat(
+    tokenizer: Any,
+    conversations: Sequence[Any],
+    *,
+    max_length: int,
+    pack: bool = False,
+    vocab_size: int | None = None,
+) -> dict[str, np.ndarray]:
+    """`input_ids`, `attention_mask` and `labels` for chat data, the loss on the
+    assistant's tokens only (TRL's `assistant_only_loss`).
+
+    Each row is a list of messages, `{"role": ..., "content": str}` (OpenAI's and TRL's
+    format), rendered with the tokenizer's own chat template (`apply_chat_template`, its
+    special tokens included). The assistant's tokens, its end-of-turn tokens included, are
+    found from the template's `{% generation %}` markers where it has them, else by
+    rendering each conversation up to every assistant turn (with the generation prompt)
+    and through it: the text between is the turn. `pack` and `vocab_size` are as
+    `encode_causal_lm`'s.
+
+    **Raises** `TypeError` for a row that is not a list of such messages, and
+    `ValueError` for a tokenizer without a chat template, or a template whose renderings
+    of a conversation's beginnings are not beginnings of the whole (the assistant's turns
+    cannot be found: give prompt/completion columns instead).
+    """
+    _positive_int(max_length, "max_length", least=2)
+    if vocab_size is not None:
+        _positive_int(vocab_size, "vocab_size")
+    if isinstance(conversations, str | bytes) or not isinstance(conversations, Sequence):
+        raise TypeError(
+            "conversations must be a sequence of chats (lists of messages), got "
+            f"{_describe(conversations)}"
+        )
+    if not conversations:
+        raise ValueError("no rows to encode")
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(
+            "the tokenizer has no chat template to render messages with; set one "
+            "(tokenizer.chat_template), or give the data as text (text_column, prompt_column)"
+        )
+    marked = _GENERATION.search(template if isinstance(template, str) else str(template))
+    rows_ids, rows_labels = [], []
+    for n, messages in enumerate(conversations, 1):
+        _check_messages(messages, n)
+        if marked:
+            out = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            ids, learned = list(out["input_ids"]), list(out["assistant_masks"])
+        else:
+            ids, learned = _turns_by_prefixes(tokenizer, messages, n)
+        rows_ids.append(ids)
+        rows_labels.append([i if m else IGNORE for i, m in zip(ids, learned, strict=True)])
+    if pack:
+        data, lost = _pack(rows_ids, rows_labels, max_length)
+    else:
+        data, lost = _pad(tokenizer, rows_ids, rows_labels, max_length)
+    _check_vocab(tokenizer, data["input_ids"], vocab_size)
+    starts = [next((k for k, x in enumerate(r) if x != IGNORE), len(r)) for r in rows_labels]
+    _check_supervised(data, lost, [0 if pack else k for k in starts], max_length)
+    return data
+
+
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+_MESSAGE = ("role", "content")
+
+
+def _check_messages(messages: Any, row: int) -> None:
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
+        raise TypeError(
+            f"conversations: row {row} holds {_describe(messages)}, not a list of messages "
+            '({"role": ..., "content": ...})'
+        )
+    for k, m in enumerate(messages, 1):
+        if not (isinstance(m, dict) and all(isinstance(m.get(f), str) for f in _MESSAGE)):
+            raise TypeError(
+                f"conversations: row {row}, message {k} is {_describe(m)}; a message is "
+                '{"role": str, "content": str}'
+            )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"conversations: row {row} has no assistant message to learn from")
+
+
+def _turns_by_prefixes(tokenizer: Any, messages: list[dict], row: int) -> tuple[list, list]:
+    """A conversation's ids, and which are the assistant's: each turn is the text between
+    the rendering up to it (with the generation prompt) and the rendering through it."""
+
+    def render(upto: list[dict], prompt: bool) -> str:
+        return tokenizer.apply_chat_template(upto, tokenize=False, add_generation_prompt=prompt)
+
+    text = render(messages, False)
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(messages[:k], True), render(messages[: k + 1], False)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise ValueError(
+                f"conversations: row {row}: the chat template renders the conversation up to "
+                f"message {k + 1} as something other than a beginning of the whole, and has "
+                "no {% generation %} markers, so the assistant's tokens cannot be told apart; "
+                "give the data as prompt/completion columns (prompt_column) instead"
+            )
+        spans.append((len(before), len(through)))
+    out = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    learned = [
+        any(start < end_span and end > start_span for start_span, end_span in spans)
+        for start, end in out["offset_mapping"]
+    ]
+    return list(out["input_ids"]), learned
 
 
 def _pack(

@@ -1,0 +1,166 @@
+"""`peftx.train.encode_chat`: chat rows rendered with the tokenizer's own template, the
+loss on the assistant's turns only, found from the template's generation markers or by
+rendering prefixes; against labels written out by hand here."""
+
+import numpy as np
+import pytest
+from helpers import word_tokenizer
+
+from peftx.train import IGNORE, encode_chat
+
+WORDS = ["[PAD]", "[UNK]", "</s>", "system", "user", "assistant", "eot", "turns"]
+WORDS += [f"w{i}" for i in range(20)]
+# "role content eot" per message, and the role word as the generation prompt
+PLAIN = (
+    "{% for m in messages %}{{ m.role }} {{ m.content }} eot {% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+# the same text, the assistant's turns inside generation markers
+MARKED = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}assistant "
+    "{% generation %}{{ m.content }} eot {% endgeneration %}"
+    "{% else %}{{ m.role }} {{ m.content }} eot {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant {% endif %}"
+)
+CHATS = [
+    [
+        {"role": "system", "content": "w1"},
+        {"role": "user", "content": "w2 w3"},
+        {"role": "assistant", "content": "w4 w5 w6"},
+        {"role": "user", "content": "w7"},
+        {"role": "assistant", "content": "w8"},
+    ],
+    [{"role": "user", "content": "w9 w10 w11"}, {"role": "assistant", "content": "w12"}],
+]
+
+
+def _tokenizer(template):
+    tok = word_tokenizer(WORDS)
+    tok.chat_template = template
+    return tok
+
+
+def _by_hand(chat):
+    """Ids and labels written out: each message is its role word, its words and `eot`;
+    an assistant's words and `eot` are labelled, nothing else."""
+    ids, labels = [], []
+    for m in chat:
+        words = [WORDS.index(w) for w in m["content"].split()] + [WORDS.index("eot")]
+        ids += [WORDS.index(m["role"]), *words]
+        learned = m["role"] == "assistant"
+        labels += [IGNORE] + (words if learned else [IGNORE] * len(words))
+    return ids, labels
+
+
+@pytest.mark.parametrize("template", [PLAIN, MARKED], ids=["prefixes", "markers"])
+def test_assistant_turns_only_are_learned(template):
+    data = encode_chat(_tokenizer(template), CHATS, max_length=24)
+    for row, chat in enumerate(CHATS):
+        ids, labels = _by_hand(chat)
+        n = len(ids)
+        np.testing.assert_array_equal(data["input_ids"][row, :n], ids)
+        np.testing.assert_array_equal(data["labels"][row, :n], labels)
+        np.testing.assert_array_equal(data["attention_mask"][row], np.arange(24) < n)
+        assert (data["labels"][row, n:] == IGNORE).all()
+
+
+def test_packed_chats_keep_their_labels():
+    data = encode_chat(_tokenizer(MARKED), CHATS * 4, max_length=8, pack=True)
+    ids, labels = map(np.concatenate, zip(*(map(np.asarray, _by_hand(c)) for c in CHATS * 4)))
+    rows = len(ids) // 8
+    np.testing.assert_array_equal(data["input_ids"], ids[: rows * 8].reshape(rows, 8))
+    np.testing.assert_array_equal(data["labels"], labels[: rows * 8].reshape(rows, 8))
+
+
+def test_a_template_that_cannot_mark_the_assistant_is_refused():
+    """A template whose rendering of a conversation's beginning is not a beginning of the
+    whole (here, it counts the messages first) and has no markers."""
+    counting = "{{ messages | length }} turns " + PLAIN
+    refusal = r"row 1: .*no {% generation %} markers.*\(prompt_column\)"
+    with pytest.raises(ValueError, match=refusal):
+        encode_chat(_tokenizer(counting), CHATS, max_length=24)
+
+
+def test_markers_need_no_rendering_of_prefixes():
+    """With generation markers the same counting template is read: the turns come from
+    the markers, and the two words in front are left out of the loss."""
+    data = encode_chat(_tokenizer("{{ messages | length }} turns " + MARKED), CHATS, max_length=24)
+    for row, chat in enumerate(CHATS):
+        ids, labels = _by_hand(chat)
+        front = [WORDS.index("[UNK]"), WORDS.index("turns")]  # the count is no word here
+        np.testing.assert_array_equal(data["input_ids"][row, : len(ids) + 2], front + ids)
+        np.testing.assert_array_equal(data["labels"][row, : len(ids) + 2], [IGNORE] * 2 + labels)
+
+
+@pytest.mark.parametrize(
+    "rows, error, words",
+    [
+        (["w1 w2"], TypeError, "row 1 holds a str"),
+        ([[{"role": "user"}]], TypeError, "row 1, message 1 is a dict"),
+        ([[{"role": "user", "content": "w1"}]], ValueError, "row 1 has no assistant message"),
+        ([], ValueError, "no rows"),
+    ],
+)
+def test_bad_rows_are_named(rows, error, words):
+    with pytest.raises(error, match=words):
+        encode_chat(_tokenizer(PLAIN), rows, max_length=24)
+
+
+def test_a_tokenizer_without_a_template_is_refused():
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_chat(word_tokenizer(WORDS), CHATS, max_length=24)
+
+
+def test_finetune_trains_on_a_messages_column(llama, tmp_path, capsys):
+    """`[data] messages_column`: `peftx finetune` renders each row with the checkpoint's
+    own template and counts the assistant's tokens only; bad combinations are one line."""
+    import shutil
+
+    from helpers import run_cli, write_jsonl
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(llama / "base", base)
+    tok = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    tok.chat_template = MARKED
+    tok.save_pretrained(base)
+    rng = np.random.default_rng(0)
+
+    def chats(n):
+        out = []
+        for _ in range(n):
+            start = int(rng.integers(5, 50))
+            ask = " ".join(f"w{start + k}" for k in range(3))
+            answer = " ".join(f"w{start + 3 + k}" for k in range(3))
+            out.append(
+                {
+                    "messages": [
+                        {"role": "user", "content": ask},
+                        {"role": "assistant", "content": answer},
+                    ]
+                }
+            )
+        return out
+
+    write_jsonl(tmp_path / "train.jsonl", chats(64))
+    write_jsonl(tmp_path / "eval.jsonl", chats(16))
+    job = (llama / "job.toml").read_text()
+    job = job.replace('path = "base"', f'path = "{base}"')
+    job = job.replace('train = "train.jsonl"', f'train = "{tmp_path / "train.jsonl"}"')
+    job = job.replace('eval = "eval.jsonl"', f'eval = "{tmp_path / "eval.jsonl"}"')
+    text = 'text_column = "answer"\nprompt_column = "question"'
+    assert text in job
+    job = job.replace(text, 'messages_column = "messages"')
+    (tmp_path / "job.toml").write_text(job)
+    sets = ["--set", f"output.dir={tmp_path / 'out'}", "--set", "train.steps=4"]
+    sets += ["--set", "data.pack=false"]  # one row per chat: the counts below
+    code, out, err = run_cli(capsys, "finetune", tmp_path / "job.toml", *sets)
+    assert code == 0, err
+    # 4 tokens per row learned: the answer's 3 words and the end of the turn
+    assert "supervised tokens: 256 in" in out and ", 64 in" in out, out
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+
+    code, _, err = run_cli(
+        capsys, "finetune", tmp_path / "job.toml", *sets, "--set", "data.prompt_column=question"
+    )
+    assert code == 2 and "two formats" in err and err.count("\n") == 1, err
