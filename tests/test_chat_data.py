@@ -164,3 +164,30 @@ def test_finetune_trains_on_a_messages_column(llama, tmp_path, capsys):
         capsys, "finetune", tmp_path / "job.toml", *sets, "--set", "data.prompt_column=question"
     )
     assert code == 2 and "two formats" in err and err.count("\n") == 1, err
+
+
+def test_generate_chat_renders_the_prompt_with_the_template(llama, tmp_path, capsys):
+    """`peftx generate --chat P` continues the template's rendering of a user message P
+    with the assistant's turn to follow: the same text as generating from that rendering,
+    written out here, as a plain prompt."""
+    import shutil
+
+    from helpers import run_cli
+    from transformers import AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(llama / "base", base)
+    tok = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    tok.chat_template = PLAIN
+    tok.save_pretrained(base)
+    argv = ["generate", base, "--max-new-tokens", 5]
+    code, chat, err = run_cli(capsys, *argv, "--chat", "w5 w6 w7")
+    assert code == 0, err
+    code, plain, err = run_cli(capsys, *argv, "user w5 w6 w7 eot assistant")
+    assert code == 0, err
+    assert chat == plain
+    code, other, _ = run_cli(capsys, *argv, "w5 w6 w7")
+    assert code == 0 and other != chat  # the template changed what was generated from
+
+    code, _, err = run_cli(capsys, "generate", llama / "base", "--chat", "w5")
+    assert code == 2 and "has no chat template" in err, err

@@ -1,5 +1,6 @@
-"""`peftx generate MODEL_DIR [--adapter DIR] [--quantize] PROMPT`: a causal LM's
-continuation of a prompt, fed to the model as exactly `tokenizer(prompt)`."""
+"""`peftx generate MODEL_DIR [--adapter DIR] [--quantize] [--chat] PROMPT`: a causal LM's
+continuation of a prompt, fed to the model as exactly `tokenizer(prompt)` (or, with
+`--chat`, as the chat template renders it)."""
 
 import argparse
 import contextlib
@@ -27,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL_DIR", help="a causal LM checkpoint directory")
     parser.add_argument("prompt", metavar="PROMPT", help="the text to continue")
     parser.add_argument("--adapter", metavar="DIR", help="an adapter to apply (PEFT's format)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user's message: render it with the checkpoint's chat template "
+        "and the assistant's turn to follow, as `peftx finetune` renders chats",
+    )
     parser.add_argument(
         "--max-new-tokens",
         type=int,
@@ -123,6 +130,18 @@ def _check_sampling(args: argparse.Namespace) -> None:
         raise UsageError(f"--seed must be in [0, 2**32), got {args.seed}")
 
 
+def _prompt_ids(tokenizer: Any, prompt: str, chat: bool, path: Path) -> list[int]:
+    """The prompt as `peftx finetune` trains rows on it: `tokenizer(prompt)`, or with
+    `chat`, one user message rendered by the chat template with the generation prompt."""
+    if not chat:
+        return tokenizer(prompt)["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"--chat: the tokenizer in {path} has no chat template")
+    message = [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -145,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise UsageError(f"no tokenizer could be loaded from {path}: {e}") from None
-    prompt = tokenizer(args.prompt)["input_ids"]  # what `peftx finetune` trains rows on
+    prompt = _prompt_ids(tokenizer, args.prompt, args.chat, path)
     if not prompt:
         raise UsageError("the prompt encodes to no tokens")
     with compilation_cache():
