@@ -89,7 +89,12 @@ BUILDERS = {
     "llama": lambda: transformers.LlamaForCausalLM(_llama_config()),
     "qwen2": lambda: transformers.Qwen2ForCausalLM(_llama_config(transformers.Qwen2Config)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(
-        _llama_config(transformers.Qwen3Config, head_dim=16, attention_bias=True)
+        _llama_config(
+            transformers.Qwen3Config,
+            head_dim=16,
+            attention_bias=True,
+            initializer_range=0.2,  # logits the adapters can move past EFFECT
+        )
     ),
     "gemma2": lambda: transformers.Gemma2ForCausalLM(
         _llama_config(
