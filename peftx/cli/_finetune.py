@@ -391,30 +391,14 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
 
     def encode_lm(file: Path) -> dict:
         rs = train.read_records(file, columns)
+        rows = dict(max_length=d["max_length"], pack=d["pack"], vocab_size=vocab_size)
         if d["messages_column"]:
-            return _encoded(
-                file,
-                names,
-                lambda: train.encode_chat(
-                    tokenizer,
-                    [r[d["messages_column"]] for r in rs],
-                    max_length=d["max_length"],
-                    pack=d["pack"],
-                    vocab_size=vocab_size,
-                ),
-            )
+            chats = [r[d["messages_column"]] for r in rs]
+            return _encoded(file, names, lambda: train.encode_chat(tokenizer, chats, **rows))
+        texts = [r[d["text_column"]] for r in rs]
         prompts = [r[d["prompt_column"]] for r in rs] if d["prompt_column"] else None
         return _encoded(
-            file,
-            names,
-            lambda: train.encode_causal_lm(
-                tokenizer,
-                [r[d["text_column"]] for r in rs],
-                prompts,
-                max_length=d["max_length"],
-                pack=d["pack"],
-                vocab_size=vocab_size,
-            ),
+            file, names, lambda: train.encode_causal_lm(tokenizer, texts, prompts, **rows)
         )
 
     data = encode_lm(adapter.train), encode_lm(adapter.eval)

@@ -94,6 +94,13 @@ def tied_logits(
     return lax.dot_general(h, _plain(layer.weight), (((h.ndim - 1,), (1,)), ((), ())))
 
 
+def lm_logits(
+    embeddings: eqx.nn.Embedding, lm_head: eqx.nn.Linear | None, h: Float[Array, "*batch dim"]
+) -> Float[Array, "*batch vocab"]:
+    """A language model's logits: `lm_head`'s, or with no head (tied), the embeddings'."""
+    return tied_logits(embeddings, h) if lm_head is None else linear(lm_head, h)
+
+
 def embed(layer: eqx.nn.Embedding, ids: Int[Array, "*batch"]) -> Float[Array, "*batch dim"]:
     """Rows of `layer.weight` for integer `ids`."""
     return jnp.take(_plain(layer.weight), ids, axis=0)

@@ -38,11 +38,11 @@ from ._common import (
     integer,
     last_token_index,
     linear,
+    lm_logits,
     mapping,
     normal_linear,
     number,
     strings,
-    tied_logits,
     write_cache,
 )
 from ._llama import ROPE_CHECKS, apply_rope, attention_mask_for, rope_tables
@@ -438,10 +438,7 @@ class Gemma2ForCausalLM(eqx.Module):
             output_hidden_states=output_hidden_states,
         )
         h = out.last_hidden_state
-        if self.lm_head is None:
-            logits = tied_logits(self.model.embed_tokens, h)
-        else:
-            logits = linear(self.lm_head, h)
+        logits = lm_logits(self.model.embed_tokens, self.lm_head, h)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)

@@ -38,8 +38,8 @@ from ._common import (
     integer,
     last_token_index,
     linear,
+    lm_logits,
     number,
-    tied_logits,
     write_cache,
 )
 from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_layers, run_layers
@@ -419,10 +419,7 @@ class GPT2LMHeadModel(eqx.Module):
             output_hidden_states=output_hidden_states,
         )
         h = out.last_hidden_state
-        if self.lm_head is None:
-            logits = tied_logits(self.transformer.wte, h)
-        else:
-            logits = linear(self.lm_head, h)
+        logits = lm_logits(self.transformer.wte, self.lm_head, h)
         return CausalLMOutput(logits, out.hidden_states, out.cache)
 
 

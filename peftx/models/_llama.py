@@ -38,11 +38,11 @@ from ._common import (
     integer,
     last_token_index,
     linear,
+    lm_logits,
     mapping,
     normal_linear,
     number,
     strings,
-    tied_logits,
     write_cache,
 )
 from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_layers, run_layers
@@ -635,10 +635,7 @@ class LlamaForCausalLM(eqx.Module):
             output_hidden_states=output_hidden_states,
         )
         h = out.last_hidden_state
-        if self.lm_head is None:
-            logits = tied_logits(self.model.embed_tokens, h)
-        else:
-            logits = linear(self.lm_head, h)
+        logits = lm_logits(self.model.embed_tokens, self.lm_head, h)
         return CausalLMOutput(logits, out.hidden_states, out.cache)
 
 
