@@ -36,6 +36,12 @@ def _run(model, x):
     return peftx.use_implicit_args(body)(model, x)
 
 
+def _dequantized(model):
+    """`model` with each NF4 weight replaced by its dense values."""
+    is_nf4 = lambda w: isinstance(w, NF4Array)  # noqa: E731
+    return jax.tree.map(lambda w: materialize(w) if is_nf4(w) else w, model, is_leaf=is_nf4)
+
+
 def test_4bit_quantizes_every_linear_but_the_head():
     lm = CausalLM(d=64)
     q = quantize_model(lm, QuantizationConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True))
@@ -111,11 +117,7 @@ def test_qlora_on_a_quantized_model_trains_only_the_adapters():
     with strict():
         out = _run(peft_model, x)
     # the same adapters over the dequantized weights give the same output
-    dense = jax.tree.map(
-        lambda w: materialize(w) if isinstance(w, NF4Array) else w,
-        peft_model,
-        is_leaf=lambda w: isinstance(w, NF4Array),
-    )
+    dense = _dequantized(peft_model)
     np.testing.assert_allclose(out, _run(dense, x), rtol=1e-5, atol=1e-5)
     trainable, _ = partition(peft_model)
     leaves = jax.tree.leaves(trainable)
@@ -228,11 +230,7 @@ def test_qlora_on_each_new_architecture(name):
     ids = jnp.array([[3, 9, 27, 5, 14, 2]])
     with strict():
         got = peft_model(ids).logits
-    dense = jax.tree.map(
-        lambda w: materialize(w) if isinstance(w, NF4Array) else w,
-        peft_model,
-        is_leaf=lambda w: isinstance(w, NF4Array),
-    )
+    dense = _dequantized(peft_model)
     np.testing.assert_allclose(got, dense(ids).logits, rtol=1e-5, atol=1e-5)
     trainable, frozen = partition(peft_model)
     is_nf4 = lambda w: isinstance(w, NF4Array)  # noqa: E731
