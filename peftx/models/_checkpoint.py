@@ -36,6 +36,7 @@ from .._select import dotted
 from .._spans import find_span
 from ..sharding import Rules, partition_specs
 from ..sharding._hosts import spread_over_processes, to_host, wait_for_writer, writes_files
+from ._hub_keys import HubKeys, HubLayout, hub_tensors
 from ._stack import LayerStack, Layout
 
 CONFIG_NAME = "config.json"
@@ -49,7 +50,8 @@ class Architecture:
     """How one `model_type` maps onto peftx: its config class, its model classes by
     transformers class name, the prefix its backbone has inside head models, tensors that
     are stored transposed (GPT-2's Conv1D), heads a base checkpoint lacks (initialized
-    fresh, as transformers does) and checkpoint keys to ignore."""
+    fresh, as transformers does), checkpoint keys to ignore, and tensors the Hub stores
+    under other names (`hub_keys`: read in either layout, written in the Hub's)."""
 
     config_class: Any
     classes: dict[str, Any]
@@ -58,6 +60,7 @@ class Architecture:
     transposed: tuple[str, ...] = ()
     new_heads: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
+    hub_keys: tuple[HubKeys, ...] = ()
 
 
 ARCHITECTURES: dict[str, Architecture] = {}
@@ -474,7 +477,8 @@ def from_pretrained(
     config = arch.config_class.from_hf_config(hf)
     # where the model came from, for the `base_model_name_or_path` of its adapters
     config = replace(config, name_or_path=os.path.abspath(path))
-    with Reader(path) as reader:
+    with Reader(path) as files:
+        reader = HubLayout(files, arch.hub_keys) if arch.hub_keys else files
         present = reader.keys()
         if dtype is None:
             floats = [d for d in (reader.dtype(k) for k in sorted(present)) if _is_float(d)]
@@ -731,6 +735,7 @@ def save_pretrained(
             if leaf.span is None
             else [(leaf.template.format(i=leaf.span[0] + j), host[j]) for j in range(host.shape[0])]
         )
+        rows = [(k, t) for key, value in rows for k, t in hub_tensors(arch.hub_keys, key, value)]
         for k, t in rows:
             t = np.ascontiguousarray(t.T if transposed else t)
             if sizes[-1] and sizes[-1] + t.nbytes > limit:

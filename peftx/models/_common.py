@@ -484,18 +484,26 @@ class HFConfig:
 
 class BaseModelOutput(eqx.Module):
     """A backbone's output: the last hidden state, each block's output with
-    `output_hidden_states=True` (stacked, `(layers, batch, seq, dim)`), and the KV cache."""
+    `output_hidden_states=True` (stacked, `(layers, batch, seq, dim)`), the KV cache, and
+    a mixture of experts' router logits (`(layers, batch·seq, experts)`)."""
 
     last_hidden_state: Float[Array, "batch seq dim"]
     hidden_states: Float[Array, "layers batch seq dim"] | None = None
     cache: KVCache | None = None
     pooler_output: Float[Array, "batch dim"] | None = None
+    router_logits: Float[Array, "layers tokens experts"] | None = None
 
 
 class CausalLMOutput(eqx.Module):
+    """A language model's logits, and as transformers' `MoeCausalLMOutputWithPast` has
+    them for a mixture of experts, the router logits and the load-balancing `aux_loss`
+    (over the real tokens of `attention_mask`)."""
+
     logits: Float[Array, "batch seq vocab"]
     hidden_states: Float[Array, "layers batch seq dim"] | None = None
     cache: KVCache | None = None
+    router_logits: Float[Array, "layers tokens experts"] | None = None
+    aux_loss: Float[Array, ""] | None = None
 
 
 class SequenceClassifierOutput(eqx.Module):

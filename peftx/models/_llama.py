@@ -1,5 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) in Equinox, named as transformers names
-it (`transformers/models/{llama,mistral,qwen2,qwen3}/modeling_*.py`)."""
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts built on
+them, Mixtral and Qwen3-MoE) in Equinox, named as transformers names it
+(`transformers/models/{llama,mistral,qwen2,qwen3,mixtral,qwen3_moe}/modeling_*.py`)."""
 
 import dataclasses
 import json
@@ -45,6 +46,8 @@ from ._common import (
     strings,
     write_cache,
 )
+from ._hub_keys import HubKeys
+from ._moe import SparseMoeBlock, load_balancing_loss, sparse_moe
 from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_layers, run_layers
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -82,6 +85,11 @@ class LlamaConfig(HFConfig):
     each layer's window (None: full attention), or `()` when no layer has one; `qk_norm`:
     each head's queries and keys are RMS-normalized before the rotary embedding (Qwen3's
     `q_norm` and `k_norm`).
+
+    With `num_experts > 0` (Mixtral, Qwen3-MoE) each block's MLP is a `SparseMoeBlock`:
+    `num_experts_per_tok` experts of `moe_intermediate_size` features per token, their
+    weights renormalized with `norm_topk_prob`; `router_aux_loss_coef` weighs the
+    load-balancing loss that `peftx.train` adds to a causal LM's loss.
     """
 
     # the logical axes of its weights, for `peftx.sharding`'s presets (see `HFConfig`)
@@ -100,6 +108,9 @@ class LlamaConfig(HFConfig):
             ("embed",),
         ),
         (r"down_proj\.bias", ("embed",)),
+        (r"experts\.gate_up_proj", (None, "mlp", "embed")),
+        (r"experts\.down_proj", (None, "embed", "mlp")),
+        (r"mlp\.gate\.weight", (None, "embed")),
     )
 
     model_type: str = "llama"
@@ -120,11 +131,23 @@ class LlamaConfig(HFConfig):
     rope: tuple[tuple[str, Any], ...] = (("rope_theta", 10000.0), ("rope_type", "default"))
     sliding_windows: tuple[int | None, ...] = ()
     qk_norm: bool = False
+    num_experts: int = 0  # 0: a dense MLP in every block
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None  # None: intermediate_size
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001
     num_labels: int = 2
     pad_token_id: int | None = None
     initializer_range: float = 0.02
 
-    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = (
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "mixtral",
+        "qwen3_moe",
+    )
     CHECKS: ClassVar[dict[str, Check]] = {
         **COMMON_CHECKS,
         "hidden_size": integer(1, MAX_WIDTH),
@@ -145,10 +168,26 @@ class LlamaConfig(HFConfig):
         "use_sliding_window": flag(),
         "max_window_layers": integer(0, MAX_POSITIONS),
         "layer_types": strings(),
+        "num_experts": integer(0, MAX_WIDTH, null=True),
+        "num_local_experts": integer(1, MAX_WIDTH),
+        "num_experts_per_tok": integer(1, MAX_WIDTH),
+        "moe_intermediate_size": integer(1, MAX_WIDTH, null=True),
+        "norm_topk_prob": flag(),
+        "router_aux_loss_coef": number(0),
+        "router_jitter_noise": Check(lambda v: v == 0, "0 (peftx does not jitter the router)"),
+        "decoder_sparse_step": integer(1, 1),
+        "mlp_only_layers": Check(lambda v: not v, "empty: every block's MLP is sparse"),
     }
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.moe_intermediate_size is None:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be from 1 to the "
+                f"number of experts ({self.num_experts})."
+            )
         heads, kv = self.num_attention_heads, self.num_key_value_heads
         # named as the config has it: head_dim itself, or the two sizes it comes from
         head_dim = f"head_dim ({self.head_dim})"
@@ -207,7 +246,9 @@ class LlamaConfig(HFConfig):
                 f"num_hidden_layers={layers}; give one per layer."
             )
         head_dim = d.get("head_dim") or None  # None: hidden_size // heads
-        if model_type in ("qwen2", "qwen3"):
+        if model_type == "qwen3_moe":  # one window on every layer, when used
+            windows = (d.get("sliding_window") if d.get("use_sliding_window") else None,) * layers
+        elif model_type in ("qwen2", "qwen3"):
             window = d.get("sliding_window") if d.get("use_sliding_window") else None
             types = d.get("layer_types") or [
                 "sliding_attention" if window and i >= d.get("max_window_layers", 28) else "full"
@@ -216,11 +257,11 @@ class LlamaConfig(HFConfig):
             windows = tuple(window if t == "sliding_attention" else None for t in types)
         if model_type == "qwen2":
             qkv_bias, o_bias, mlp_bias = True, False, False  # as transformers' Qwen2 builds it
-        elif model_type == "qwen3":
+        elif model_type in ("qwen3", "qwen3_moe"):
             qkv_bias = o_bias = bool(d.get("attention_bias", False))
             mlp_bias = False
             head_dim = d.get("head_dim", 128)  # transformers' Qwen3Config default
-        elif model_type == "mistral":
+        elif model_type in ("mistral", "mixtral"):
             windows = (d.get("sliding_window"),) * layers
             qkv_bias = o_bias = mlp_bias = False  # transformers' Mistral has no biases
         else:
@@ -247,7 +288,8 @@ class LlamaConfig(HFConfig):
             mlp_bias=mlp_bias,
             rope=tuple(sorted(rope.items())),
             sliding_windows=tuple(w or None for w in windows) if any(windows) else (),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **_experts(d, model_type),
             num_labels=int(n_labels),
             pad_token_id=d.get("pad_token_id"),
             initializer_range=d.get("initializer_range", 0.02),
@@ -285,7 +327,7 @@ class LlamaConfig(HFConfig):
                 f"{self.model_type} config holds one sliding_window."
             )
         window = windows.pop() if windows else None
-        if self.qk_norm != (self.model_type == "qwen3"):
+        if self.qk_norm != (self.model_type in ("qwen3", "qwen3_moe")):
             self._unwritable(
                 f"qk_norm={self.qk_norm}", "Qwen3 normalizes queries and keys; the others do not"
             )
@@ -295,7 +337,7 @@ class LlamaConfig(HFConfig):
             if self.qkv_bias != self.o_proj_bias:
                 self._unwritable("qkv_bias != o_proj_bias", "attention_bias sets both")
             d.update(attention_bias=self.qkv_bias, mlp_bias=self.mlp_bias)
-        elif self.model_type == "mistral":
+        elif self.model_type in ("mistral", "mixtral"):
             if any(biases):
                 self._unwritable("biases", "transformers' Mistral has none")
             if window is not None and None in self.sliding_windows:
@@ -307,13 +349,17 @@ class LlamaConfig(HFConfig):
                     f"(qkv_bias, o_proj_bias, mlp_bias) = {biases}",
                     "transformers' Qwen2 has (True, False, False)",
                 )
-            if self.model_type == "qwen3" and (self.qkv_bias != self.o_proj_bias or self.mlp_bias):
+            qwen3 = self.model_type in ("qwen3", "qwen3_moe")
+            if qwen3 and (self.qkv_bias != self.o_proj_bias or self.mlp_bias):
                 self._unwritable(
                     f"(qkv_bias, o_proj_bias, mlp_bias) = {biases}",
                     "transformers' Qwen3 has attention_bias on q, k, v and o, none on the MLP",
                 )
-            if self.model_type == "qwen3":
+            if qwen3:
                 d.update(attention_bias=self.qkv_bias)
+            partial = window is not None and None in self.sliding_windows
+            if self.model_type == "qwen3_moe" and partial:
+                self._unwritable("a window on some layers only", "Qwen3-MoE's is on all or none")
             d.update(
                 use_sliding_window=window is not None,
                 sliding_window=window,
@@ -321,6 +367,31 @@ class LlamaConfig(HFConfig):
                     "full_attention" if w is None else "sliding_attention"
                     for w in self.sliding_windows or (None,) * self.num_hidden_layers
                 ],
+            )
+        if (self.num_experts > 0) != (self.model_type in ("mixtral", "qwen3_moe")):
+            self._unwritable(
+                f"num_experts={self.num_experts}", "only Mixtral and Qwen3-MoE have experts"
+            )
+        if self.model_type == "mixtral":
+            if self.moe_intermediate_size != self.intermediate_size or not self.norm_topk_prob:
+                self._unwritable(
+                    "experts unlike Mixtral's",
+                    "Mixtral's experts have intermediate_size features and renormalized weights",
+                )
+            d.update(num_local_experts=self.num_experts)
+        elif self.model_type == "qwen3_moe":
+            d.update(
+                num_experts=self.num_experts,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
+            d.pop("layer_types", None)
+        if self.num_experts:
+            d.update(
+                num_experts_per_tok=self.num_experts_per_tok,
+                router_aux_loss_coef=self.router_aux_loss_coef,
             )
         return d
 
@@ -333,6 +404,28 @@ class LlamaConfig(HFConfig):
     @property
     def rope_parameters(self) -> dict[str, Any]:
         return dict(self.rope)
+
+
+def _experts(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of `LlamaConfig` from a Mixtral or Qwen3-MoE
+    `config.json` dict (none for the dense types)."""
+    # transformers 5 writes either name for either type (an attribute map aliases them)
+    experts = d.get("num_local_experts") or d.get("num_experts")
+    if model_type == "mixtral":
+        experts, inter, normalize = experts or 8, None, True
+    elif model_type == "qwen3_moe":
+        experts = experts or 128
+        inter = d.get("moe_intermediate_size", 768)
+        normalize = bool(d.get("norm_topk_prob", False))
+    else:
+        return {}
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=d.get("num_experts_per_tok", 2 if model_type == "mixtral" else 8),
+        moe_intermediate_size=inter,
+        norm_topk_prob=normalize,
+        router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
+    )
 
 
 def _check_rope_needs(rope: dict[str, Any], source: str) -> None:
@@ -475,14 +568,17 @@ class LlamaMLP(eqx.Module):
 
 class LlamaDecoderLayer(eqx.Module):
     self_attn: LlamaAttention
-    mlp: LlamaMLP
+    mlp: LlamaMLP | SparseMoeBlock
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         ka, km = jax.random.split(key)
         self.self_attn = LlamaAttention(config, key=ka, dtype=dtype)
-        self.mlp = LlamaMLP(config, key=km, dtype=dtype)
+        if config.num_experts:
+            self.mlp = SparseMoeBlock(config, key=km, dtype=dtype)
+        else:
+            self.mlp = LlamaMLP(config, key=km, dtype=dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype
@@ -538,7 +634,8 @@ class LlamaModel(eqx.Module):
         `attention_mask` marks real tokens (1) and padding (0), left or right. Without
         `position_ids`, positions count the real tokens (as `generate` does). With a
         `cache`, the tokens are written at `cache.index` and attend to the cached ones, and
-        their default positions continue the count of the real tokens in the cache.
+        their default positions continue the count of the real tokens in the cache. A
+        mixture of experts also returns each layer's `router_logits`.
         """
         c = self.config
         slots, key_valid, index, position_ids = decoder_positions(
@@ -571,13 +668,16 @@ class LlamaModel(eqx.Module):
             o = dot_product_attention(q, k, v, mask, scale).reshape(b, s, -1)
             h = h + linear(attn.o_proj, o)
             x = layer.post_attention_layernorm(h)
-            mlp = layer.mlp
-            x = act(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x)
-            h = h + linear(mlp.down_proj, x)
-            return h, (h if output_hidden_states else None, new_kv)
+            mlp, router_logits = layer.mlp, None
+            if c.num_experts:
+                x, router_logits = sparse_moe(mlp, x, c.num_experts_per_tok, c.norm_topk_prob, act)
+            else:
+                x = linear(mlp.down_proj, act(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
+            h = h + x
+            return h, (h if output_hidden_states else None, new_kv, router_logits)
 
         kv_in = None if cache is None else (cache.key, cache.value)
-        h, (hidden, kv_out) = run_layers(
+        h, (hidden, kv_out, router_logits) = run_layers(
             self.layers,
             step,
             h,
@@ -588,7 +688,7 @@ class LlamaModel(eqx.Module):
         new_cache = None
         if cache is not None:
             new_cache = KVCache(kv_out[0], kv_out[1], key_valid, cache.index + s)
-        return BaseModelOutput(self.norm(h), hidden, new_cache)
+        return BaseModelOutput(self.norm(h), hidden, new_cache, router_logits=router_logits)
 
 
 def attention_mask_for(slots: Array, key_valid: Array, window: Array) -> Array:
@@ -636,7 +736,11 @@ class LlamaForCausalLM(eqx.Module):
         )
         h = out.last_hidden_state
         logits = lm_logits(self.model.embed_tokens, self.lm_head, h)
-        return CausalLMOutput(logits, out.hidden_states, out.cache)
+        aux_loss = None
+        if out.router_logits is not None:
+            c = self.config
+            aux_loss = load_balancing_loss(out.router_logits, c.num_experts_per_tok, attention_mask)
+        return CausalLMOutput(logits, out.hidden_states, out.cache, out.router_logits, aux_loss)
 
 
 class LlamaForSequenceClassification(eqx.Module):
@@ -685,10 +789,37 @@ class LlamaForSequenceClassification(eqx.Module):
         return SequenceClassifierOutput(pooled, out.hidden_states)
 
 
+# the experts as transformers' save_pretrained writes them by default (the Hub's layout)
+_HUB_KEYS = {
+    "mixtral": (
+        HubKeys(
+            "{m}.mlp.experts.gate_up_proj",
+            (
+                "{m}.block_sparse_moe.experts.{e}.w1.weight",
+                "{m}.block_sparse_moe.experts.{e}.w3.weight",
+            ),
+        ),
+        HubKeys("{m}.mlp.experts.down_proj", ("{m}.block_sparse_moe.experts.{e}.w2.weight",)),
+        HubKeys("{m}.mlp.gate.weight", ("{m}.block_sparse_moe.gate.weight",)),
+    ),
+    "qwen3_moe": (
+        HubKeys(
+            "{m}.mlp.experts.gate_up_proj",
+            ("{m}.mlp.experts.{e}.gate_proj.weight", "{m}.mlp.experts.{e}.up_proj.weight"),
+        ),
+        HubKeys("{m}.mlp.experts.down_proj", ("{m}.mlp.experts.{e}.down_proj.weight",)),
+    ),
+}
+
 for _model_type in LlamaConfig.MODEL_TYPES:
-    _prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[
-        _model_type
-    ]
+    _prefix = {
+        "llama": "Llama",
+        "mistral": "Mistral",
+        "qwen2": "Qwen2",
+        "qwen3": "Qwen3",
+        "mixtral": "Mixtral",
+        "qwen3_moe": "Qwen3Moe",
+    }[_model_type]
     register(
         _model_type,
         Architecture(
@@ -702,5 +833,6 @@ for _model_type in LlamaConfig.MODEL_TYPES:
             prefix="model",
             new_heads=(r"score\.weight",),
             ignored=(r".*rotary_emb\.inv_freq", r"lm_head\.weight"),
+            hub_keys=_HUB_KEYS.get(_model_type, ()),
         ),
     )
