@@ -61,6 +61,21 @@ CONFIGS = {
         attn_logit_softcapping=2.0,
         final_logit_softcapping=3.0,
     ),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=VOCAB,
         n_embd=32,

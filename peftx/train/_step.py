@@ -74,34 +74,43 @@ def init_state(
     return TrainState(trainable, opt_state, step, key), frozen
 
 
-def logits(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Array:
-    """`model(input_ids, attention_mask).logits`, with `key` for the model's own dropout
-    if it takes one. A mixed batch (`batch["adapter_ids"]`, from `adapter_ids`) runs each
-    row through its own adapter; when adapters have `modules_to_save` copies (a
-    classifier), which replace a whole module, one example per call under `jax.vmap`,
-    each with its own dropout keys."""
-    base = model.base_model if isinstance(model, PeftModel) else model
-    takes_key = "key" in inspect.signature(type(base).__call__).parameters
+def model_output(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Any:
+    """`model(input_ids, attention_mask)`, with `key` for the model's own dropout if it
+    takes one. A mixed batch (`batch["adapter_ids"]`, from `adapter_ids`) runs each row
+    through its own adapter; when adapters have `modules_to_save` copies (a classifier),
+    which replace a whole module, one example per call under `jax.vmap`, each with its
+    own dropout keys (each output field then has a leading axis of examples)."""
+    takes_key = "key" in inspect.signature(type(_base(model)).__call__).parameters
     ids, mask = batch["input_ids"], batch["attention_mask"]
 
-    def run(model: Any, ids: Array, mask: Array, key: PRNGKeyArray | None, **kw: Any) -> Array:
+    def run(model: Any, ids: Array, mask: Array, key: PRNGKeyArray | None, **kw: Any) -> Any:
         extra = {"key": key} if takes_key and key is not None else {}
-        return model(ids, mask, **kw, **extra).logits
+        return model(ids, mask, **kw, **extra)
 
     if "adapter_ids" not in batch:
         return run(model, ids, mask, key)
     if not model.saved_modules:
         return run(model, ids, mask, key, adapter_names=batch["adapter_ids"])
 
-    def one(ids: Array, mask: Array, adapter: Array, key: PRNGKeyArray | None) -> Array:
+    def one(ids: Array, mask: Array, adapter: Array, key: PRNGKeyArray | None) -> Any:
         m, k = model, None
         if key is not None:  # training: this example's own dropout masks
             dropout_key, k = jax.random.split(key)
             m = with_dropout(model, dropout_key)
-        return run(m, ids[None], mask[None], k, adapter_names=adapter)[0]
+        out = run(m, ids[None], mask[None], k, adapter_names=adapter)
+        return jax.tree.map(lambda x: x[0] if jnp.ndim(x) else x, out)
 
     keys = None if key is None else jax.random.split(key, ids.shape[0])
     return jax.vmap(one)(ids, mask, batch["adapter_ids"], keys)
+
+
+def logits(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Array:
+    """`model_output(model, batch, key).logits`."""
+    return model_output(model, batch, key).logits
+
+
+def _base(model: Any) -> Any:
+    return model.base_model if isinstance(model, PeftModel) else model
 
 
 def classification_loss(
@@ -127,12 +136,23 @@ def causal_lm_loss(
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Summed next-token cross-entropy: position t predicts `labels[t + 1]`, and labels of
     -100 (prompt and padding tokens) are left out, as in transformers. The sum: `count`
-    (predicted tokens)."""
-    scores = logits(model, batch, key)[:, :-1].astype(jnp.float32)
+    (predicted tokens).
+
+    A mixture of experts' load-balancing `aux_loss` is added, weighted by the config's
+    `router_aux_loss_coef`, as transformers adds it with `output_router_logits=True`: to
+    the mean loss, so here `count` times over."""
+    out = model_output(model, batch, key)
+    scores = out.logits[:, :-1].astype(jnp.float32)
     labels = batch["labels"][:, 1:]
     valid = labels >= 0
     ce = optax.softmax_cross_entropy_with_integer_labels(scores, jnp.where(valid, labels, 0))
-    return jnp.sum(jnp.where(valid, ce, 0.0)), {"count": jnp.sum(valid).astype(jnp.float32)}
+    count = jnp.sum(valid).astype(jnp.float32)
+    total = jnp.sum(jnp.where(valid, ce, 0.0))
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None:
+        coef = _base(model).config.router_aux_loss_coef
+        total = total + coef * jnp.mean(aux) * count
+    return total, {"count": count}
 
 
 def _micro_batches(batch: Batch, n: int) -> Batch:
