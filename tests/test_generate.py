@@ -61,6 +61,17 @@ CONFIGS = {
         attn_logit_softcapping=2.0,
         final_logit_softcapping=3.0,
     ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        sliding_window_pattern=2,  # the first layer slides; the prompts exceed its window
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=10000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=100.0),
+        },
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=VOCAB,
         n_embd=32,
