@@ -38,6 +38,7 @@ LORA_TARGET_MODULES: dict[str, tuple[str, ...]] = {
     "falcon": ("query_key_value",),
     "gemma": ("q_proj", "v_proj"),
     "gemma2": ("q_proj", "v_proj"),
+    "gemma3_text": ("q_proj", "v_proj"),
     "gpt2": ("c_attn",),
     "gpt_neox": ("query_key_value",),
     "gptj": ("q_proj", "v_proj"),
@@ -55,6 +56,7 @@ LORA_TARGET_MODULES: dict[str, tuple[str, ...]] = {
 IA3_TARGET_MODULES: dict[str, tuple[str, ...]] = {
     "bert": ("key", "value", "output.dense"),
     "gemma2": ("q_proj", "v_proj", "down_proj"),
+    "gemma3_text": ("q_proj", "v_proj", "down_proj"),
     "gpt2": ("c_attn", "mlp.c_proj"),
     "gpt_neox": ("query_key_value", "dense_4h_to_h"),
     "llama": ("k_proj", "v_proj", "down_proj"),
@@ -68,6 +70,7 @@ IA3_TARGET_MODULES: dict[str, tuple[str, ...]] = {
 IA3_FEEDFORWARD_MODULES: dict[str, tuple[str, ...]] = {
     "bert": ("output.dense",),
     "gemma2": ("down_proj",),
+    "gemma3_text": ("down_proj",),
     "gpt2": ("mlp.c_proj",),
     "gpt_neox": ("dense_4h_to_h",),
     "llama": ("down_proj",),

@@ -76,6 +76,17 @@ CONFIGS = {
         num_experts_per_tok=2,
         moe_intermediate_size=24,
     ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        sliding_window_pattern=2,  # the first layer slides; the prompts exceed its window
+        rope_parameters={
+            "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=10000.0),
+            "sliding_attention": dict(rope_type="default", rope_theta=100.0),
+        },
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=VOCAB,
         n_embd=32,

@@ -106,6 +106,15 @@ BUILDERS = {
             initializer_range=0.2,  # logits the adapters can move past EFFECT
         )
     ),
+    "gemma3": lambda: transformers.Gemma3ForCausalLM(
+        _llama_config(
+            transformers.Gemma3TextConfig,
+            head_dim=16,
+            sliding_window=4,
+            sliding_window_pattern=2,
+            initializer_range=0.2,  # logits the adapters can move past EFFECT
+        )
+    ),
     "gpt2": lambda: transformers.GPT2LMHeadModel(_gpt2_config()),
     "llama-cls": lambda: transformers.LlamaForSequenceClassification(_llama_config(num_labels=3)),
     "bert-cls": lambda: transformers.BertForSequenceClassification(_bert_config()),
@@ -115,6 +124,7 @@ AUTO = {
     "qwen2": transformers.AutoModelForCausalLM,
     "qwen3": transformers.AutoModelForCausalLM,
     "gemma2": transformers.AutoModelForCausalLM,
+    "gemma3": transformers.AutoModelForCausalLM,
     "gpt2": transformers.AutoModelForCausalLM,
     "llama-cls": transformers.AutoModelForSequenceClassification,
     "bert-cls": transformers.AutoModelForSequenceClassification,
@@ -377,6 +387,12 @@ CASES = {
         "gemma2",
         "LoraConfig",
         dict(r=2, lora_alpha=4, target_modules="all-linear", use_dora=True),
+    ),
+    "gemma3-default": ("gemma3", "LoraConfig", dict(r=4, lora_alpha=8)),
+    "gemma3-all-linear": (
+        "gemma3",
+        "LoraConfig",
+        dict(r=2, lora_alpha=4, target_modules="all-linear"),
     ),
     "qwen2-bias-all": (
         "qwen2",

@@ -21,6 +21,10 @@ from ._gemma import (
     Gemma2ForCausalLM as Gemma2ForCausalLM,
     Gemma2ForSequenceClassification as Gemma2ForSequenceClassification,
     Gemma2Model as Gemma2Model,
+    Gemma3ForCausalLM as Gemma3ForCausalLM,
+    Gemma3TextConfig as Gemma3TextConfig,
+    Gemma3TextForSequenceClassification as Gemma3TextForSequenceClassification,
+    Gemma3TextModel as Gemma3TextModel,
 )
 from ._generate import generate as generate
 from ._gpt2 import (

@@ -50,8 +50,11 @@ class Architecture:
     """How one `model_type` maps onto peftx: its config class, its model classes by
     transformers class name, the prefix its backbone has inside head models, tensors that
     are stored transposed (GPT-2's Conv1D), heads a base checkpoint lacks (initialized
-    fresh, as transformers does), checkpoint keys to ignore, and tensors the Hub stores
-    under other names (`hub_keys`: read in either layout, written in the Hub's)."""
+    fresh, as transformers does), checkpoint keys to ignore (as the checkpoint names
+    them), a prefix before every key the model reads (`stored_under`: a multimodal
+    checkpoint's `"language_model."`, whose other tensors `ignored` names), and tensors
+    the Hub stores under other names (`hub_keys`: read in either layout, written in the
+    Hub's)."""
 
     config_class: Any
     classes: dict[str, Any]
@@ -60,6 +63,7 @@ class Architecture:
     transposed: tuple[str, ...] = ()
     new_heads: tuple[str, ...] = ()
     ignored: tuple[str, ...] = ()
+    stored_under: str = ""
     hub_keys: tuple[HubKeys, ...] = ()
 
 
@@ -406,15 +410,16 @@ def is_transposed(arch: Architecture, template: str) -> bool:
 
 def key_mapper(arch: Architecture, expected: set[str], present: set[str]) -> Callable:
     """Map the model's keys to the checkpoint's: a head model's checkpoint has the
-    backbone under `arch.prefix`, a bare backbone's checkpoint has it at the top."""
-    prefix = arch.prefix + "."
+    backbone under `arch.prefix`, a bare backbone's checkpoint has it at the top; all of
+    it under `arch.stored_under`."""
+    prefix, under = arch.prefix + ".", arch.stored_under
     model_prefixed = any(k.startswith(prefix) for k in expected)
-    ckpt_prefixed = any(k.startswith(prefix) for k in present)
+    ckpt_prefixed = any(k.startswith(under + prefix) for k in present)
     if model_prefixed and not ckpt_prefixed:
-        return lambda k: k.removeprefix(prefix)
+        return lambda k: under + k.removeprefix(prefix)
     if ckpt_prefixed and not model_prefixed:
-        return lambda k: prefix + k
-    return lambda k: k
+        return lambda k: under + prefix + k
+    return lambda k: under + k
 
 
 def _expected_keys(leaf: _Leaf) -> Iterator[str]:

@@ -1,8 +1,17 @@
-"""Gemma 2 in Equinox, named as transformers names it
-(`transformers/models/gemma2/modeling_gemma2.py`): the Llama family's attention with
-norms before and after both attention and the MLP, RMSNorm scaling by `1 + w`, GeGLU,
-attention scaled by `query_pre_attn_scalar`, soft-capped attention and output logits,
-sliding windows on alternate layers and embeddings scaled by √hidden."""
+"""The Gemma family in Equinox, named as transformers names it.
+
+Gemma 2 (`transformers/models/gemma2/modeling_gemma2.py`): the Llama family's attention
+with norms before and after both attention and the MLP, RMSNorm scaling by `1 + w`,
+GeGLU, attention scaled by `query_pre_attn_scalar`, soft-capped attention and output
+logits, sliding windows on alternate layers and embeddings scaled by √hidden.
+
+Gemma 3's text model (`transformers/models/gemma3/modeling_gemma3.py`,
+`configuration_gemma3.py`) is Gemma 2 with each head's queries and keys RMS-normalized
+(`1 + w`) before the rotary embedding, five sliding layers to each global one by
+default, rope parameters of their own on the sliding layers, and no soft-caps by
+default; as transformers' modular file builds Gemma 3 on Gemma 2, its classes here are
+Gemma 2's with those config fields.
+"""
 
 import dataclasses
 import json
@@ -58,6 +67,10 @@ class Gemma2Config(HFConfig):
     `rope_parameters` as sorted pairs (Gemma 2 uses the default rope only).
     """
 
+    # whether each head's queries and keys are RMS-normalized (`q_norm`, `k_norm`)
+    QK_NORM: ClassVar[bool] = False
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default",)
+
     LOGICAL_AXES: ClassVar[LogicalAxesTable] = (
         (r"embed_tokens\.weight|lm_head\.weight", ("vocab", "embed")),
         (r"[qkv]_proj\.weight", ("heads", "embed")),
@@ -66,6 +79,7 @@ class Gemma2Config(HFConfig):
         (r"(gate|up)_proj\.weight", ("mlp", "embed")),
         (r"down_proj\.weight", ("embed", "mlp")),
         (r"score\.weight", (None, "embed")),
+        (r"[qk]_norm\.weight", (None,)),  # over one head's features: kept whole
         (r"(layernorm|norm)\.weight|o_proj\.bias", ("embed",)),
     )
 
@@ -121,12 +135,16 @@ class Gemma2Config(HFConfig):
                 f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
                 f"({kv}): each key/value head serves the same number of query heads."
             )
-        rope = self.rope_parameters
-        check_values(rope, ROPE_CHECKS, "rope_parameters.")
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(
-                f"rope type {rope['rope_type']!r} is not supported for gemma2; it uses 'default'."
-            )
+        for rope in (self.rope_parameters, self.sliding_rope_parameters):
+            check_values(rope, ROPE_CHECKS, "rope_parameters.")
+            kind = rope.get("rope_type", "default")
+            if kind not in self.ROPE_TYPES:
+                raise ValueError(
+                    f"rope type {kind!r} is not supported for {self.model_type}; supported: "
+                    f"{self.ROPE_TYPES}."
+                )
+            if kind == "linear" and rope.get("factor") is None:
+                raise ValueError("linear rope needs a 'factor' (positions are divided by it).")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE turns pairs.")
         if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
@@ -146,45 +164,57 @@ class Gemma2Config(HFConfig):
             raise ValueError(
                 f"Gemma2Config reads model types {cls.MODEL_TYPES}, got {model_type!r}."
             )
-        layers = d.get("num_hidden_layers", 26)
         rope = dict(d.get("rope_parameters") or {})
         rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
         rope.setdefault("rope_type", "default")
         types = d.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(d.get("num_hidden_layers", 26))
         ]
-        if len(types) != layers:
+        return cls._read(d, types, rope=tuple(sorted(rope.items())))
+
+    @classmethod
+    def _read(cls, d: dict[str, Any], layer_types: list[str], **fields: Any) -> "Gemma2Config":
+        """`cls` from the checked `config.json` dict `d`, its `layer_types` resolved and
+        `fields` (the rope) given; a key `d` lacks takes `cls`'s default."""
+        default = {f.name: f.default for f in dataclasses.fields(cls)}
+
+        def get(name: str) -> Any:
+            return d.get(name, default[name])
+
+        layers = get("num_hidden_layers")
+        if len(layer_types) != layers:
             raise ValueError(
-                f"layer_types has {len(types)} entries for num_hidden_layers={layers}; give "
-                "one per layer."
+                f"layer_types has {len(layer_types)} entries for num_hidden_layers={layers}; "
+                "give one per layer."
             )
         window = d.get("sliding_window", 4096)
-        windows = tuple(window if t == "sliding_attention" else None for t in types)
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
         n_labels = len(d["id2label"]) if d.get("id2label") else d.get("num_labels", 2)
-        heads = d.get("num_attention_heads", 8)
+        heads = get("num_attention_heads")
         return cls(
             raw=json.dumps(d, sort_keys=True),
-            model_type=model_type,
-            vocab_size=d.get("vocab_size", 256000),
-            hidden_size=d.get("hidden_size", 2304),
-            intermediate_size=d.get("intermediate_size", 9216),
+            model_type=get("model_type"),
+            vocab_size=get("vocab_size"),
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim", 256),
-            hidden_activation=d.get("hidden_activation", "gelu_pytorch_tanh"),
-            max_position_embeddings=d.get("max_position_embeddings", 8192),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
-            attn_logit_softcapping=_float_or_none(d.get("attn_logit_softcapping", 50.0)),
-            final_logit_softcapping=_float_or_none(d.get("final_logit_softcapping", 30.0)),
-            rope=tuple(sorted(rope.items())),
+            head_dim=get("head_dim"),
+            hidden_activation=get("hidden_activation"),
+            max_position_embeddings=get("max_position_embeddings"),
+            rms_norm_eps=get("rms_norm_eps"),
+            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            attention_bias=bool(get("attention_bias")),
+            query_pre_attn_scalar=get("query_pre_attn_scalar"),
+            attn_logit_softcapping=_float_or_none(get("attn_logit_softcapping")),
+            final_logit_softcapping=_float_or_none(get("final_logit_softcapping")),
             sliding_windows=windows if any(windows) else (),
             num_labels=int(n_labels),
-            pad_token_id=d.get("pad_token_id", 0),
-            initializer_range=d.get("initializer_range", 0.02),
+            pad_token_id=get("pad_token_id"),
+            initializer_range=get("initializer_range"),
+            **fields,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -230,11 +260,140 @@ class Gemma2Config(HFConfig):
 
     @property
     def rope_parameters(self) -> dict[str, Any]:
+        """The rope parameters of the global (full-attention) layers."""
         return dict(self.rope)
+
+    @property
+    def sliding_rope_parameters(self) -> dict[str, Any]:
+        """The rope parameters of the sliding-window layers: Gemma 2's are the global ones."""
+        return self.rope_parameters
 
 
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3TextConfig(Gemma2Config):
+    """A Gemma 3 text `config.json` (`gemma3_text`), as the fields the model uses; also
+    the text part (`text_config`) of a multimodal `gemma3` one.
+
+    Gemma 2's fields, with Gemma 3's defaults, plus `sliding_rope`: the sliding layers'
+    `rope_parameters` as sorted pairs (`rope` holds the global layers'). transformers'
+    older spellings are read as it reads them: `sliding_window_pattern` (every n-th layer
+    global, when there are no `layer_types`), `rope_theta` and `rope_local_base_freq`
+    (the global and sliding layers' bases) and `rope_scaling` (the global layers'). Rope
+    types `default` and `linear` are supported.
+    """
+
+    QK_NORM: ClassVar[bool] = True
+    ROPE_TYPES: ClassVar[tuple[str, ...]] = ("default", "linear")
+
+    model_type: str = "gemma3_text"
+    vocab_size: int = 262208
+    max_position_embeddings: int = 131072
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope: tuple[tuple[str, Any], ...] = (("rope_theta", 1e6), ("rope_type", "default"))
+    sliding_rope: tuple[tuple[str, Any], ...] = (("rope_theta", 1e4), ("rope_type", "default"))
+
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("gemma3_text", "gemma3")
+    CHECKS: ClassVar[dict[str, Check]] = {
+        **Gemma2Config.CHECKS,
+        "rope_scaling": mapping(),
+        "rope_local_base_freq": number(0, open_low=True),
+        "sliding_window_pattern": integer(1, MAX_LAYERS),
+        "use_bidirectional_attention": flag(),
+    }
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model_type != "gemma3_text":
+            raise ValueError(
+                f"Gemma3TextConfig's model_type is 'gemma3_text', got {self.model_type!r} (a "
+                "multimodal 'gemma3' config.json is read with from_hf_config)."
+            )
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "Gemma3TextConfig":
+        """From a `config.json` dict or a `transformers` config object: a `gemma3_text`
+        one, or a multimodal `gemma3` one, whose `text_config` it reads (with the
+        top-level `tie_word_embeddings`, and no final soft-cap: transformers'
+        `Gemma3ForConditionalGeneration` applies none)."""
+        d = config if isinstance(config, dict) else config.to_dict()
+        model_type = d.get("model_type", "gemma3_text")
+        if model_type not in cls.MODEL_TYPES:
+            raise ValueError(
+                f"Gemma3TextConfig reads model types {cls.MODEL_TYPES}, got {model_type!r}."
+            )
+        if model_type == "gemma3":
+            check_values(d, {"text_config": mapping(), "tie_word_embeddings": flag()})
+            d = {
+                **(d.get("text_config") or {}),
+                "model_type": "gemma3_text",
+                "tie_word_embeddings": d.get("tie_word_embeddings", True),
+                "final_logit_softcapping": None,
+            }
+        cls.check_hf(d)
+        if d.get("use_bidirectional_attention"):
+            raise ValueError(
+                "use_bidirectional_attention=True (text tokens attending both ways, as in "
+                "EmbeddingGemma) is not supported: peftx's Gemma 3 attends causally. Set it "
+                "to false."
+            )
+        layers = d.get("num_hidden_layers", 26)
+        pattern = d.get("sliding_window_pattern", 6)
+        types = d.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+        unknown = sorted(set(types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types has {unknown}; each must be one of {LAYER_TYPES}.")
+        rope = dict(d.get("rope_parameters") or {})
+        flat = sorted(set(rope) - set(LAYER_TYPES))
+        if flat:
+            raise ValueError(
+                f"rope_parameters has the keys {flat}; gemma3_text's holds one dict per layer "
+                f"type, {LAYER_TYPES} (transformers ignores other keys)."
+            )
+        check_values(rope, dict.fromkeys(LAYER_TYPES, mapping()), "rope_parameters.")
+        full = dict(rope.get("full_attention") or {"rope_type": "default"})
+        full.update(d.get("rope_scaling") or {})
+        full.setdefault("rope_theta", d.get("rope_theta", 1e6))
+        sliding = dict(rope.get("sliding_attention") or {"rope_type": "default"})
+        sliding.setdefault("rope_theta", d.get("rope_local_base_freq", 1e4))
+        for layer_type, p in (("full_attention", full), ("sliding_attention", sliding)):
+            check_values(p, ROPE_CHECKS, f"rope_parameters.{layer_type}.")
+            p.setdefault("rope_type", p.get("type", "default"))
+            legacy = p.pop("type", p["rope_type"])
+            if legacy != p["rope_type"]:
+                raise ValueError(
+                    f"the {layer_type} rope has 'type' {legacy!r} beside 'rope_type' "
+                    f"{p['rope_type']!r}; transformers' Gemma3TextConfig runs 'rope_type' and "
+                    "ignores the old 'type' key (in rope_scaling too). Write 'rope_type'."
+                )
+        return cls._read(
+            d, types, rope=tuple(sorted(full.items())), sliding_rope=tuple(sorted(sliding.items()))
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The `config.json` dict transformers reads back to this architecture (always a
+        `gemma3_text` one, also for the text part of a multimodal checkpoint)."""
+        d = super().to_hf_config()
+        d["rope_parameters"] = {
+            "full_attention": dict(self.rope),
+            "sliding_attention": dict(self.sliding_rope),
+        }
+        for old in ("rope_scaling", "rope_local_base_freq", "sliding_window_pattern"):
+            d.pop(old, None)  # spelled out by rope_parameters and layer_types
+        return d
+
+    @property
+    def sliding_rope_parameters(self) -> dict[str, Any]:
+        return dict(self.sliding_rope)
 
 
 class Gemma2RMSNorm(eqx.Module):
@@ -260,6 +419,8 @@ class Gemma2Attention(eqx.Module):
     k_proj: eqx.nn.Linear
     v_proj: eqx.nn.Linear
     o_proj: eqx.nn.Linear
+    q_norm: Gemma2RMSNorm | None  # Gemma 3's, over each head's features; None in Gemma 2
+    k_norm: Gemma2RMSNorm | None
 
     def __init__(self, config: Gemma2Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         c, std, bias = config, config.initializer_range, config.attention_bias
@@ -269,6 +430,10 @@ class Gemma2Attention(eqx.Module):
         self.k_proj = normal_linear(d, kvh * hd, bias, kk, std, dtype)
         self.v_proj = normal_linear(d, kvh * hd, bias, kv, std, dtype)
         self.o_proj = normal_linear(h * hd, d, bias, ko, std, dtype)
+        self.q_norm = self.k_norm = None
+        if c.QK_NORM:
+            self.q_norm = Gemma2RMSNorm(hd, c.rms_norm_eps, dtype=dtype)
+            self.k_norm = Gemma2RMSNorm(hd, c.rms_norm_eps, dtype=dtype)
 
 
 class Gemma2MLP(eqx.Module):
@@ -307,6 +472,8 @@ class Gemma2DecoderLayer(eqx.Module):
 class Gemma2Model(eqx.Module):
     """The decoder stack: scaled embeddings, blocks, final norm."""
 
+    CONFIG: ClassVar[type[Gemma2Config]] = Gemma2Config
+
     embed_tokens: eqx.nn.Embedding
     layers: LayerStack | tuple[Gemma2DecoderLayer, ...]
     norm: Gemma2RMSNorm
@@ -324,6 +491,11 @@ class Gemma2Model(eqx.Module):
         gradient_checkpointing: bool = False,
         remat_policy: RematPolicy = None,
     ):
+        if type(config) is not self.CONFIG:
+            raise TypeError(
+                f"{type(self).__name__} is built from a {self.CONFIG.__name__}, got a "
+                f"{type(config).__name__}; use that config's own model class."
+            )
         checkpoint_policy(remat_policy)  # an unknown name fails here, not at a call
         dtype = float_dtype(dtype)
         ke, kl = jax.random.split(key)
@@ -355,21 +527,28 @@ class Gemma2Model(eqx.Module):
         h = embed(self.embed_tokens, input_ids)
         # √hidden rounded to the embeddings' dtype first, as transformers scales them
         h = h * jnp.asarray(c.hidden_size**0.5, jnp.float32).astype(h.dtype)
-        cos, sin = rope_tables(c, position_ids, h.dtype)
+        global_rope = rope_tables(c, position_ids, h.dtype)
+        sliding_rope = global_rope
+        if c.sliding_rope_parameters != c.rope_parameters:  # Gemma 3
+            sliding_rope = rope_tables(c, position_ids, h.dtype, c.sliding_rope_parameters)
         windows = c.sliding_windows or (None,) * c.num_hidden_layers
         window = jnp.asarray([w or 2**30 for w in windows], jnp.int32)
+        slides = jnp.asarray([w is not None for w in windows])
         scale = c.query_pre_attn_scalar**-0.5
         act = activation(c.hidden_activation)
         heads, kv_heads, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
 
         def step(layer: Gemma2DecoderLayer, h: Array, xs: Any) -> tuple[Array, Any]:
-            win, kv = xs
+            win, slide, kv = xs
             mask = attention_mask_for(slots, key_valid, win)
             x = layer.input_layernorm(h)
             attn = layer.self_attn
             q = linear(attn.q_proj, x).reshape(b, s, heads, hd)
             k = linear(attn.k_proj, x).reshape(b, s, kv_heads, hd)
             v = linear(attn.v_proj, x).reshape(b, s, kv_heads, hd)
+            if c.QK_NORM:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            cos, sin = (jnp.where(slide, on, off) for on, off in zip(sliding_rope, global_rope))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             new_kv = None
             if kv is not None:
@@ -387,7 +566,7 @@ class Gemma2Model(eqx.Module):
             self.layers,
             step,
             h,
-            (window, kv_in),
+            (window, slides, kv_in),
             gradient_checkpointing=self.gradient_checkpointing,
             remat_policy=self.remat_policy,
         )
@@ -402,12 +581,14 @@ class Gemma2ForCausalLM(eqx.Module):
     says so, as Gemma's are: then `lm_head` is None), its logits soft-capped at
     `final_logit_softcapping`."""
 
+    BACKBONE: ClassVar[type[Gemma2Model]] = Gemma2Model
+
     model: Gemma2Model
     lm_head: eqx.nn.Linear | None
 
     def __init__(self, config: Gemma2Config, *, key: PRNGKeyArray, **kwargs: Any):
         km, kh = jax.random.split(key)
-        self.model = Gemma2Model(config, key=km, **kwargs)
+        self.model = self.BACKBONE(config, key=km, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
         self.lm_head = (
             None
@@ -449,6 +630,8 @@ class Gemma2ForSequenceClassification(eqx.Module):
     """`Gemma2Model` with `score`, read at each sequence's last non-padding token.
     `num_labels` overrides the config's."""
 
+    BACKBONE: ClassVar[type[Gemma2Model]] = Gemma2Model
+
     model: Gemma2Model
     score: eqx.nn.Linear
 
@@ -463,7 +646,7 @@ class Gemma2ForSequenceClassification(eqx.Module):
         km, kh = jax.random.split(key)
         if num_labels is not None and num_labels != config.num_labels:
             config = dataclasses.replace(config, num_labels=num_labels)
-        self.model = Gemma2Model(config, key=km, **kwargs)
+        self.model = self.BACKBONE(config, key=km, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
         self.score = normal_linear(
             config.hidden_size, config.num_labels, False, kh, config.initializer_range, dtype
@@ -503,5 +686,67 @@ register(
         prefix="model",
         new_heads=(r"score\.weight",),
         ignored=(r".*rotary_emb\.inv_freq", r"lm_head\.weight"),
+    ),
+)
+
+
+class Gemma3TextModel(Gemma2Model):
+    """Gemma 3's decoder stack: `Gemma2Model` run with a `Gemma3TextConfig` (per-head
+    query and key norms, the sliding layers' own rope)."""
+
+    CONFIG: ClassVar[type[Gemma2Config]] = Gemma3TextConfig
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """`Gemma3TextModel` with the language-model head (tied by default), its logits
+    soft-capped when `final_logit_softcapping` is set (Gemma 3 sets none).
+
+    Also the text part of a multimodal `Gemma3ForConditionalGeneration` checkpoint, which
+    `from_pretrained` reads without the vision tower; `save_pretrained` writes it back as
+    a `gemma3_text` checkpoint."""
+
+    BACKBONE: ClassVar[type[Gemma2Model]] = Gemma3TextModel
+
+
+class Gemma3TextForSequenceClassification(Gemma2ForSequenceClassification):
+    """`Gemma3TextModel` with `score`, read at each sequence's last non-padding token."""
+
+    BACKBONE: ClassVar[type[Gemma2Model]] = Gemma3TextModel
+
+
+register(
+    "gemma3_text",
+    Architecture(
+        config_class=Gemma3TextConfig,
+        classes={
+            "Gemma3TextModel": Gemma3TextModel,
+            "Gemma3ForCausalLM": Gemma3ForCausalLM,
+            "Gemma3TextForSequenceClassification": Gemma3TextForSequenceClassification,
+        },
+        default="Gemma3TextModel",
+        prefix="model",
+        new_heads=(r"score\.weight",),
+        ignored=(r".*rotary_emb\..*inv_freq", r"lm_head\.weight"),
+    ),
+)
+# A multimodal checkpoint (`Gemma3ForConditionalGeneration`): its language model, saved
+# under `language_model.`, is read as a `Gemma3ForCausalLM`; the vision tower and the
+# projector are left out.
+register(
+    "gemma3",
+    Architecture(
+        config_class=Gemma3TextConfig,
+        classes={
+            "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
+            "Gemma3ForCausalLM": Gemma3ForCausalLM,
+        },
+        default="Gemma3ForConditionalGeneration",
+        prefix="model",
+        stored_under="language_model.",
+        ignored=(
+            r"vision_tower\..*",
+            r"multi_modal_projector\..*",
+            r"language_model\.lm_head\.weight",
+        ),
     ),
 )

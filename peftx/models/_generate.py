@@ -22,11 +22,11 @@ from jaxtyping import Array, Int, PRNGKeyArray
 from ..implicit import is_implicit, use_implicit_args
 from ..sharding import BATCH_AXES, batch_parts
 from ._common import KVCache
-from ._gemma import Gemma2ForCausalLM
+from ._gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from ._gpt2 import GPT2LMHeadModel
 from ._llama import LlamaForCausalLM
 
-_MODELS = (LlamaForCausalLM, Gemma2ForCausalLM, GPT2LMHeadModel)
+_MODELS = (LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GPT2LMHeadModel)
 
 
 class _Spec(NamedTuple):
@@ -61,9 +61,9 @@ def generate(
 
     **Arguments:**
 
-    - `model`: a `LlamaForCausalLM` (Llama, Mistral, Qwen2, Qwen3), `Gemma2ForCausalLM` or
-      `GPT2LMHeadModel`, or a `PeftModel` around one (adapters unmerged, on a dense or
-      quantized base).
+    - `model`: a `LlamaForCausalLM` (Llama, Mistral, Qwen2, Qwen3), `Gemma2ForCausalLM`,
+      `Gemma3ForCausalLM` or `GPT2LMHeadModel`, or a `PeftModel` around one (adapters
+      unmerged, on a dense or quantized base).
     - `input_ids`: the prompts, `(batch, prompt)`, left-padded when their lengths differ.
     - `max_new_tokens`: how many tokens to add (at least 1).
     - `attention_mask`: 1 for real tokens, 0 for padding (default: all real). Padding

@@ -444,13 +444,16 @@ def _check_rope_needs(rope: dict[str, Any], source: str) -> None:
 
 
 def rope_frequencies(
-    config: HFConfig, seq_len: Int[Array, ""] | None = None
+    config: HFConfig,
+    seq_len: Int[Array, ""] | None = None,
+    parameters: dict[str, Any] | None = None,
 ) -> tuple[Float[Array, " half"], float]:
     """`(inv_freq, attention_scaling)` for the config's rope type, as transformers computes
     them (in float32). `seq_len` (traced) matters only to `dynamic`. `config`: this
     family's, or another with `rope_parameters`, `head_dim` and `max_position_embeddings`
-    (Gemma's)."""
-    p = config.rope_parameters
+    (Gemma's). `parameters` replace `config.rope_parameters` (Gemma 3's sliding layers
+    have rope parameters of their own)."""
+    p = config.rope_parameters if parameters is None else parameters
     kind, base, dim = p["rope_type"], float(p["rope_theta"]), config.head_dim
     dim = int(dim * p.get("partial_rotary_factor", 1.0))
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
@@ -523,9 +526,14 @@ def apply_rope(
 
 
 def rope_tables(
-    config: HFConfig, position_ids: Int[Array, "batch seq"], dtype: Any
+    config: HFConfig,
+    position_ids: Int[Array, "batch seq"],
+    dtype: Any,
+    parameters: dict[str, Any] | None = None,
 ) -> tuple[Array, Array]:
-    inv_freq, scaling = rope_frequencies(config, jnp.max(position_ids) + 1)
+    """`(cos, sin)` at `position_ids`, `(batch, seq, 1, rotary)`, from `parameters` (by
+    default the config's rope parameters)."""
+    inv_freq, scaling = rope_frequencies(config, jnp.max(position_ids) + 1, parameters)
     freqs = position_ids[..., None].astype(jnp.float32) * inv_freq[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos = (jnp.cos(emb) * scaling).astype(dtype)[:, :, None, :]
