@@ -535,7 +535,7 @@ def _check(
     hf: dict,
     arch: Architecture,
     cls: Any,
-    reader: Reader,
+    reader: Reader | HubLayout,
     leaves: list[_Leaf],
     to_ckpt: Callable,
     strict: bool,
@@ -640,7 +640,7 @@ def _empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 
 def _load_leaf(
-    reader: Reader,
+    reader: Reader | HubLayout,
     leaf: _Leaf,
     to_ckpt: Callable,
     arch: Architecture,
