@@ -138,8 +138,8 @@ def quantize_model(model: Any, config: QuantizationConfig) -> Any:
     """`model` with every `eqx.nn.Linear` weight and every stack of expert weights (a
     mixture of experts' `gate_up_proj`, `down_proj`; each expert on its own) quantized as
     `config` says (biases, norms, embeddings and the skipped modules stay dense; a
-    quantized layer's bias is cast to `bnb_4bit_compute_dtype`, as bitsandbytes does). The result runs under
-    `use_implicit_args`; `get_peft_model` puts adapters on top of it (QLoRA)."""
+    quantized layer's bias is cast to `bnb_4bit_compute_dtype`, as bitsandbytes does). The
+    result runs under `use_implicit_args`; `get_peft_model` puts adapters on top of it (QLoRA)."""
     skip = config.llm_int8_skip_modules
     if skip is None:
         head = output_head(model)
