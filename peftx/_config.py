@@ -33,8 +33,9 @@ from ._targets import (
     IA3_TARGET_MODULES,
     LORA_TARGET_MODULES,
     AdaptedLayer,
+    AdaptedParameter,
 )
-from .adapters import AbstractAdapter, IA3Array, dora, ia3, lora, lora_embedding
+from .adapters import AbstractAdapter, IA3Array, dora, expert_lora, ia3, lora, lora_embedding
 
 CONFIG_NAME = "adapter_config.json"
 
@@ -69,7 +70,6 @@ _PEFT_ONLY_LORA: dict[str, Any] = {
     "monteclora_config": None,
     "layer_replication": None,
     "lora_bias": False,
-    "target_parameters": None,
     "use_bdlora": None,
     "arrow_config": None,
     "kasa_config": None,
@@ -205,6 +205,10 @@ _TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rank_pattern": (_is_map(_is_int), "a dict from module-name patterns to int ranks"),
     "alpha_pattern": (_is_map(_is_number), "a dict from module-name patterns to numbers"),
     "init_ia3_weights": (lambda v: isinstance(v, bool), "a bool"),
+    "target_parameters": (
+        lambda v: v is None or _is_str_list(v),
+        "None or a list of parameter names (e.g. ['mlp.experts.gate_up_proj'])",
+    ),
 }
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -685,6 +689,13 @@ class LoraConfig(AbstractAdapterConfig):
       `layers_to_transform`.
     - `rank_pattern`, `alpha_pattern`: per-module `r`/`lora_alpha`, keyed by regex.
     - `use_dora`: weight-decomposed LoRA (a learned magnitude vector).
+    - `target_parameters`: stacks of expert weights to adapt directly, by parameter name
+      (`["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`: a path equal to an entry or
+      ending in `"." + entry`), each expert with its own rank-`r` update
+      (`ExpertLoraArray`, PEFT's `ParamWrapper`). With `target_modules=None`, only these
+      are adapted (as PEFT 0.21 does, whatever the architecture's default). Needs
+      `lora_dropout=0`, no DoRA and no `fan_in_fan_out`, as in PEFT. An entry naming a
+      layer's weight (`"gate.weight"`) adapts that layer.
     - `task_type`, `base_model_name_or_path`, `revision`, `inference_mode`, `peft_version`:
       PEFT's bookkeeping, written to and read from `adapter_config.json` as is.
 
@@ -705,6 +716,7 @@ class LoraConfig(AbstractAdapterConfig):
     rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
     alpha_pattern: dict[str, int | float] = dataclasses.field(default_factory=dict)
     use_dora: bool = False
+    target_parameters: list[str] | tuple[str, ...] | None = None
 
     toml_table: ClassVar[str | None] = "lora"
     combination_types: ClassVar[tuple[str, ...]] = ("svd", "linear", "cat")
@@ -717,6 +729,39 @@ class LoraConfig(AbstractAdapterConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "lora_dropout", float(self.lora_dropout))
+        if self.target_parameters:
+            # PEFT's `ParamWrapper` refuses the same
+            refused = {
+                "lora_dropout": self.lora_dropout != 0.0,
+                "use_dora": self.use_dora,
+                "fan_in_fan_out": self.fan_in_fan_out,
+                "init_lora_weights='pissa'": self.init_lora_weights == "pissa",
+            }
+            bad = [name for name, on in refused.items() if on]
+            if bad:
+                raise ValueError(
+                    f"target_parameters {list(self.target_parameters)} cannot be combined with "
+                    f"{', '.join(bad)}: an expert stack's LoRA has no dropout (its input cannot "
+                    "be factored out), no DoRA, no PiSSA and no transposed layout (as in PEFT). "
+                    "Set lora_dropout=0, use_dora=False, fan_in_fan_out=False, or drop "
+                    "target_parameters."
+                )
+
+    def build_experts(
+        self, base: Any, parameter: AdaptedParameter, *, key: PRNGKeyArray
+    ) -> AbstractAdapter:
+        """The adapter on one expert stack `base (experts, out, in)` of `target_parameters`."""
+        init = {True: "default", False: "random"}.get(
+            self.init_lora_weights, self.init_lora_weights
+        )
+        return expert_lora(
+            base,
+            r=parameter.rank,
+            lora_alpha=parameter.alpha,
+            init=init,
+            use_rslora=self.use_rslora,
+            key=key,
+        )
 
     def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
         init = {True: "default", False: "random"}.get(

@@ -19,7 +19,13 @@ from ._config import CONFIG_NAME, load_config
 from ._errors import CheckpointError, TargetNotFoundError
 from ._files import replaced_directory
 from ._select import Predicate, Selection, dotted, select
-from ._targets import layer_paths, model_type_of, name_or_path_of, stored_transposed
+from ._targets import (
+    expert_fields,
+    layer_paths,
+    model_type_of,
+    name_or_path_of,
+    stored_transposed,
+)
 from .adapters import AbstractAdapter, AdapterSet
 from .models._checkpoint import (
     ARCHITECTURES,
@@ -142,6 +148,25 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
                 layer.weight.weight,
                 embedding="targeted" if embedding_targeted else "untargeted",
             )
+    stacks = _adapted_stacks(peft_model, name)
+    get_owners = stacks.where_fn()
+    for k, (path, owner) in enumerate(zip(stacks.paths(), stacks.get())):
+        module = path.removeprefix("base_model.")
+        fields = [f for f in expert_fields(owner) if _carries(getattr(owner, f), name)]
+        for depth, field in enumerate(fields):
+            # PEFT nests one wrapper per parameter, the first innermost
+            nesting = "base_layer." * (len(fields) - 1 - depth)
+            adapter = getattr(owner, field).adapters[name]
+            for attr, key in type(adapter).peft_keys.items():
+                add(
+                    module,
+                    nesting + key,
+                    lambda m, c, k=k, f=field, a=attr: getattr(
+                        getattr(_memo(c, get_owners, m)[k], f).adapters[name], a
+                    ),
+                    getattr(adapter, attr),
+                    flip=False,
+                )
     saved = peft_model.saved_modules.get(name, {})
     embeddings = select(peft_model).at(
         Predicate(
@@ -199,6 +224,23 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
                     leaf,
                 )
     return out
+
+
+def _carries(x: Any, name: str) -> bool:
+    return isinstance(x, AdapterSet) and name in x.adapters
+
+
+def _adapted_stacks(peft_model: Any, name: str) -> Selection:
+    """The modules holding expert stacks that carry adapter `name` (`target_parameters`)."""
+    return select(peft_model).at(
+        Predicate(
+            lambda p, n: (
+                p.startswith("base_model.")
+                and any(_carries(getattr(n, f), name) for f in expert_fields(n))
+            ),
+            f"expert stacks with adapter {name!r}",
+        )
+    )
 
 
 def _memo(memo: dict, where: Callable[[Any], Any], model: Any) -> Any:
@@ -465,7 +507,10 @@ def _module_of(key: str, names: list[str]) -> str:
     for name in names:
         suffix = "." + name
         if key.endswith(suffix):
-            return key.removesuffix(suffix)
+            module = key.removesuffix(suffix)
+            while module.endswith(".base_layer"):  # PEFT's nested wrappers of parameters
+                module = module.removesuffix(".base_layer")
+            return module
     # a `modules_to_save` copy's array, or a bias saved with `bias="all"`
     key = key.replace(".original_module.", ".").replace(".modules_to_save.", ".")
     return key.rsplit(".", 1)[0]

@@ -16,7 +16,15 @@ from jaxtyping import Array, Int, PRNGKeyArray
 from ._errors import UnknownAdapterError
 from ._peft_io import load_adapter_into, save_adapters
 from ._select import Predicate, dotted, of_type, peft_targets, require_matches, select
-from ._targets import ADAPTABLE, AdaptedLayer, layer_paths, name_or_path_of, targets
+from ._targets import (
+    ADAPTABLE,
+    AdaptedLayer,
+    AdaptedParameter,
+    layer_paths,
+    name_or_path_of,
+    parameter_targets,
+    targets,
+)
 from .adapters import AdapterSet, detach, merge
 from .adapters._kind import count_parameters, trained_fields
 from .implicit import use_implicit_args
@@ -457,6 +465,25 @@ class PeftModel(eqx.Module):
             self.base_model,
             is_leaf=_is_adapted_layer,
         )
+
+        def merged_stack(path: str, s: AdapterSet) -> Any:
+            # what is left: expert stacks (`target_parameters`), merged the same way
+            weight = s.weight
+            for name in names:
+                if name in s.adapters:
+                    weight = merge(AdapterSet(weight, {name: s.adapters[name]}, None, (name,)))
+                    if safe_merge and not bool(jnp.all(jnp.isfinite(weight))):
+                        raise ValueError(
+                            f"merging adapter {name!r} into {path} gives NaN or infinite "
+                            "values: the adapter is broken, so nothing was merged."
+                        )
+            return weight
+
+        merged_model = jax.tree_util.tree_map_with_path(
+            lambda keypath, x: merged_stack(dotted(keypath), x) if _is_set(x) else x,
+            merged_model,
+            is_leaf=_is_set,
+        )
         return self._with_saved(merged_model, (self.active_adapter,), None)
 
     def unload(self) -> Any:
@@ -504,7 +531,8 @@ class PeftModel(eqx.Module):
                 f"this model's adapters are {self.peft_type}; a {config.peft_type} adapter "
                 "cannot join them (as in PEFT). Start from the base model (`unload()`)."
             )
-        found = targets(self.base_model, with_classifier(config), model_type=model_type)
+        split, parameters = parameter_targets(self.base_model, config)
+        found = targets(split, with_classifier(config), model_type=model_type)
         config = found.config
         if config.base_model_name_or_path is None:
             # PEFT's record of the base model, which `AutoPeftModel` loads the adapter on
@@ -521,7 +549,7 @@ class PeftModel(eqx.Module):
                 UserWarning,
                 stacklevel=3,
             )
-        keys = jax.random.split(key, len(found.layers))
+        keys = jax.random.split(key, len(found.layers) + len(parameters))
         active = self.active_adapter if self.configs else adapter_name
         placed = []
         for target, k in zip(found.layers, keys):
@@ -535,8 +563,12 @@ class PeftModel(eqx.Module):
                 s = AdapterSet(base, {adapter_name: adapter}, None, (active,))
             placed.append(eqx.tree_at(lambda m: m.weight, target.layer, s))
         # on the model with its stacks split where the chosen modules change
+        model = eqx.tree_at(found.where_fn(), found.model, placed) if placed else found.model
+        model = _with_expert_adapters(
+            model, config, parameters, keys[len(found.layers) :], adapter_name, active
+        )
         return PeftModel(
-            eqx.tree_at(found.where_fn(), found.model, placed),
+            model,
             {**self.saved_modules, **_saved_copies(found.model, config, adapter_name)},
             (*self.configs, (adapter_name, config)),
             active,
@@ -610,6 +642,45 @@ def get_peft_model(
             "`peft_model.add_adapter(name, config, key=...)`."
         )
     return PeftModel(model, {}, (), adapter_name)._add(adapter_name, config, key, model_type)
+
+
+def _with_expert_adapters(
+    model: Any,
+    config: Any,
+    parameters: Sequence[AdaptedParameter],
+    keys: Array,
+    adapter_name: str,
+    active: str,
+) -> Any:
+    """`model` with adapter `adapter_name` on each expert stack of `parameters` (an
+    `AdapterSet` in the stack's field, as a layer's weight gets one)."""
+    if not parameters:
+        return model
+    owners = select(model).at(Predicate(lambda p, n: p in {t.path for t in parameters}, "owners"))
+    where = owners.where_fn()
+    modules = dict(zip(owners.paths(), owners.get()))
+    for target, key in zip(parameters, keys):
+        current = getattr(modules[target.path], target.name)
+        base = current.weight if _is_set(current) else current
+        stack = len(base.shape) - 3
+
+        def build(b: Any, k: PRNGKeyArray, target: AdaptedParameter = target) -> Any:
+            return config.build_experts(b, target, key=k)
+
+        for _ in range(stack):
+            build = eqx.filter_vmap(build)
+        adapter = detach(build(base, jax.random.split(key, base.shape[:stack]) if stack else key))
+        adapter = placed_like(adapter, base, stack)
+        adapters = (
+            {**current.adapters, adapter_name: adapter}
+            if _is_set(current)
+            else {adapter_name: adapter}
+        )
+        s = AdapterSet(base, adapters, None, (active,))
+        modules[target.path] = eqx.tree_at(
+            lambda m, name=target.name: getattr(m, name), modules[target.path], s
+        )
+    return eqx.tree_at(where, model, [modules[p] for p in owners.paths()])
 
 
 def _stack_axes(layer: Any, weight: Any) -> int:

@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
 from ._files import read_toml
 from ._select import Predicate, of_type, peft_targets, select
-from ._targets import output_head
+from ._targets import expert_fields, output_head
 from .adapters import quantize_int8, quantize_nf4
 
 _COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -134,10 +135,11 @@ class QuantizationConfig:
 
 
 def quantize_model(model: Any, config: QuantizationConfig) -> Any:
-    """`model` with every `eqx.nn.Linear` weight quantized as `config` says (biases, norms,
-    embeddings and the skipped modules stay dense; a quantized layer's bias is cast to
-    `bnb_4bit_compute_dtype`, as bitsandbytes does). The result runs under
-    `use_implicit_args`; `get_peft_model` puts adapters on top of it (QLoRA)."""
+    """`model` with every `eqx.nn.Linear` weight and every stack of expert weights (a
+    mixture of experts' `gate_up_proj`, `down_proj`; each expert on its own) quantized as
+    `config` says (biases, norms, embeddings and the skipped modules stay dense; a
+    quantized layer's bias is cast to `bnb_4bit_compute_dtype`, as bitsandbytes does). The
+    result runs under `use_implicit_args`; `get_peft_model` puts adapters on top of it (QLoRA)."""
     skip = config.llm_int8_skip_modules
     if skip is None:
         head = output_head(model)
@@ -145,8 +147,6 @@ def quantize_model(model: Any, config: QuantizationConfig) -> Any:
     else:
         kept = peft_targets(list(skip)) if skip else Predicate(lambda p, n: False, "nothing")
     layers = select(model).at(of_type(eqx.nn.Linear) & ~kept)
-    if not len(layers):
-        return model
     dtype = config.bnb_4bit_compute_dtype
 
     def quantized(weight: Any) -> Any:
@@ -165,4 +165,21 @@ def quantize_model(model: Any, config: QuantizationConfig) -> Any:
             layer = eqx.tree_at(lambda m: m.bias, layer, layer.bias.astype(jnp.dtype(dtype)))
         return layer
 
-    return layers.apply(quantize)
+    def quantize_experts(module: Any) -> Any:
+        fields = expert_fields(module)
+        return eqx.tree_at(
+            lambda m: [getattr(m, f) for f in fields],
+            module,
+            [quantized(getattr(module, f)) for f in fields],
+        )
+
+    model = layers.apply(quantize) if len(layers) else model
+    # stacks of experts (`MoeExperts`), each expert quantized on its own
+    stacks = select(model).at(
+        Predicate(
+            lambda p, n: any(isinstance(getattr(n, f), jax.Array) for f in expert_fields(n)),
+            "expert stacks",
+        )
+        & ~kept
+    )
+    return stacks.apply(quantize_experts) if len(stacks) else model

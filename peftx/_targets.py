@@ -7,13 +7,13 @@ import dataclasses
 import os
 import sys
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
 
-from ._errors import UnsupportedTargetError
+from ._errors import TargetNotFoundError, UnsupportedTargetError
 from ._select import (
     Predicate,
     Selection,
@@ -25,6 +25,8 @@ from ._select import (
     suggest_names,
 )
 from ._spans import find_span, parse_span
+from .adapters import AbstractWeight
+from .implicit import ImplicitArray
 from .models._checkpoint import ARCHITECTURES, is_transposed
 from .models._stack import LayerStack, split_stack
 
@@ -61,6 +63,7 @@ IA3_TARGET_MODULES: dict[str, tuple[str, ...]] = {
     "gpt_neox": ("query_key_value", "dense_4h_to_h"),
     "llama": ("k_proj", "v_proj", "down_proj"),
     "mistral": ("k_proj", "v_proj", "down_proj"),
+    "mixtral": ("k_proj", "v_proj", "w2"),
     "opt": ("q_proj", "k_proj", "fc2"),
     "qwen2": ("q_proj", "v_proj", "down_proj"),
     "qwen3": ("q_proj", "v_proj", "down_proj"),
@@ -75,6 +78,7 @@ IA3_FEEDFORWARD_MODULES: dict[str, tuple[str, ...]] = {
     "gpt_neox": ("dense_4h_to_h",),
     "llama": ("down_proj",),
     "mistral": ("down_proj",),
+    "mixtral": ("w2",),
     "opt": ("fc2",),
     "qwen2": ("down_proj",),
     "qwen3": ("down_proj",),
@@ -111,6 +115,9 @@ def with_defaults(config: Any, model: Any, model_type: str | None) -> Any:
     """`config` with PEFT's per-architecture `target_modules` when it has none."""
     if config.target_modules is not None:
         return config
+    if getattr(config, "target_parameters", None):
+        # PEFT 0.21 adapts the parameters alone then (and writes `target_modules: []`)
+        return dataclasses.replace(config, target_modules=())
     return config.with_model_defaults(model_type or model_type_of(model))
 
 
@@ -208,7 +215,15 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Target
     """
     config = with_defaults(config, model, model_type)
     check_layers(config, model)
+    parameters = getattr(config, "target_parameters", None)
     predicate = target_predicate(config, model)
+    if parameters:
+        # PEFT wraps a targeted parameter of a plain layer (`gate.weight`, a router) as it
+        # wraps the layer: peftx adapts the layer
+        predicate = predicate | Predicate(
+            lambda p, n: isinstance(n, ADAPTABLE) and names_parameter(parameters, f"{p}.weight"),
+            f"layers whose weight is in {list(parameters)}",
+        )
 
     def settings(path: str, node: Any) -> tuple[Any, ...]:
         return (*config.rank_and_alpha(path), config.is_feedforward(path, node))
@@ -224,6 +239,8 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Target
         else []
     )
     modules = select(model).at(~of_type(jax.Array))
+    if parameters and not len(modules.at(per_layer(predicate))):
+        return Targets(model, (), config, ())  # only expert stacks, placed by `parameter_targets`
     chosen = require_matches(
         modules, per_layer(predicate), wanted=[w for w in wanted if isinstance(w, str)]
     )
@@ -241,6 +258,87 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Target
         for path, node in zip(chosen.paths(), chosen.get())
     )
     return Targets(chosen.model, chosen.matches, config, layers)
+
+
+def names_parameter(target_parameters: Sequence[str], path: str) -> bool:
+    """PEFT's rule for `target_parameters`: the parameter's dotted path equals an entry or
+    ends in `"." + entry`."""
+    return any(path == t or path.endswith("." + t) for t in target_parameters)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedParameter:
+    """One stack of expert weights a config's `target_parameters` adapts.
+
+    - `path`: the dotted path of the module holding it (`layers.0-1.mlp.experts` in a
+      `LayerStack` segment).
+    - `name`: its field in that module (`gate_up_proj`).
+    - `rank`, `alpha`: LoRA's `r` and `lora_alpha` for it, the patterns applied.
+    """
+
+    path: str
+    name: str
+    rank: int
+    alpha: int | float
+
+
+def expert_fields(module: Any) -> list[str]:
+    """The fields of `module` that hold expert stacks: weights of three or more axes (an
+    `AdapterSet` over one counts) in a module that is not a Linear, Conv or Embedding, in
+    definition order (PEFT nests its wrappers in this order)."""
+    if not isinstance(module, eqx.Module) or isinstance(module, (*ADAPTABLE, ImplicitArray)):
+        return []
+    return [
+        f.name
+        for f in dataclasses.fields(module)
+        if isinstance(getattr(module, f.name, None), jax.Array | AbstractWeight)
+        and len(getattr(module, f.name).shape) >= 3
+    ]
+
+
+def parameter_targets(model: Any, config: Any) -> tuple[Any, tuple[AdaptedParameter, ...]]:
+    """The expert stacks `config.target_parameters` adapts, and `model` with its stacks
+    split where the adapted stacks change (none without `target_parameters`). Raises
+    `TargetNotFoundError` when the entries match nothing, as PEFT raises."""
+    wanted = getattr(config, "target_parameters", None)
+    if not wanted:
+        return model, ()
+
+    def chosen(path: str, module: Any) -> tuple[tuple[str, Any], ...]:
+        return tuple(
+            (name, config.rank_and_alpha(f"{path}.{name}"))
+            for name in expert_fields(module)
+            if names_parameter(wanted, f"{path}.{name}")
+        )
+
+    model = split_stacks(model, lambda p, n: chosen(p, n) or None)
+    owners = select(model).at(~of_type(jax.Array))
+    found = []
+    for path, module in zip(owners.paths(), owners.get()):
+        per_layer_choice = {chosen(q, module) for q in layer_paths(path)}
+        (choice,) = per_layer_choice  # a stack is split where the choice changes
+        found += [AdaptedParameter(path, name, *settings) for name, settings in choice]
+    linear_weights = [
+        f"{p}.weight" for p, n in zip(owners.paths(), owners.get()) if isinstance(n, ADAPTABLE)
+    ]
+    stray = [
+        t
+        for t in wanted
+        if not any(
+            names_parameter([t], f"{q}.{p.name}") for p in found for q in layer_paths(p.path)
+        )
+        and not any(names_parameter([t], q) for w in linear_weights for q in layer_paths(w))
+    ]
+    if stray:
+        fields = sorted(
+            {f"{p}.{n}" for p, m in zip(owners.paths(), owners.get()) for n in expert_fields(m)}
+        )
+        raise TargetNotFoundError(
+            f"target_parameters entries {stray} match no expert stack or layer weight of "
+            f"this model; its expert stacks are {fields or 'none'} (an entry matches a "
+            "parameter's path or its end after a dot, e.g. 'mlp.experts.gate_up_proj')."
+        )
+    return model, tuple(found)
 
 
 def _warn_unmatched(modules: Selection, target: tuple[str, ...]) -> None:

@@ -19,10 +19,15 @@ import safetensors.numpy
 import peftx
 
 
+class Experts(eqx.Module):
+    gate_up_proj: jax.Array  # a stack of 2 experts' (out, in) weights
+
+
 class Block(eqx.Module):
     q: eqx.nn.Linear
     v: eqx.nn.Linear
     fc: eqx.nn.Linear
+    experts: Experts
 
 
 class Group(eqx.Module):
@@ -45,7 +50,8 @@ class Tiny(eqx.Module):
         k = iter(jax.random.split(key, 13))
 
         def block():
-            return Block(*(eqx.nn.Linear(4, 4, key=next(k)) for _ in range(3)))
+            linears = (eqx.nn.Linear(4, 4, key=next(k)) for _ in range(3))
+            return Block(*linears, Experts(jax.numpy.ones((2, 6, 4))))
 
         self.body = Body([Group([block(), block()]) for _ in range(2)])
         self.classifier = eqx.nn.Linear(4, 2, key=next(k))
@@ -84,6 +90,7 @@ CASES = {
             "rank_pattern": ({"q": 3}, "builds"),
             "alpha_pattern": ({"q": 8}, "builds"),
             "use_dora": (True, "builds"),
+            "target_parameters": (("experts.gate_up_proj",), "builds"),
         },
     ),
     peftx.IA3Config: (

@@ -5,6 +5,11 @@ from ._embedding import (
     LoraEmbeddingArray as LoraEmbeddingArray,
     lora_embedding as lora_embedding,
 )
+from ._experts import (
+    ExpertLoraArray as ExpertLoraArray,
+    ExpertLoraInit as ExpertLoraInit,
+    expert_lora as expert_lora,
+)
 from ._ia3 import IA3Array as IA3Array, ia3 as ia3
 from ._kind import AbstractAdapter as AbstractAdapter, AbstractWeight as AbstractWeight
 from ._lora import (

@@ -292,3 +292,39 @@ def cast_base_on_astype(cls: type) -> None:
 
     astype.__qualname__ = f"astype[{cls.__name__}]"
     primitive_handler("convert_element_type")(astype)
+
+
+def taken_rows(shape: tuple[int, ...], indices: Array, params: dict[str, Any]) -> bool:
+    """Whether a `gather` from an operand of `shape` takes whole slices along axis 0 with
+    one index each, for a list of indices (what `jnp.take(w, idx, axis=0)` emits), so that
+    it can be applied to each array a weight is made of (`take_rows`)."""
+    dims = params["dimension_numbers"]
+    return (
+        indices.ndim == 2
+        and indices.shape[-1] == 1
+        and tuple(dims.offset_dims) == tuple(range(1, len(shape)))
+        and tuple(dims.collapsed_slice_dims) == (0,)
+        and tuple(dims.start_index_map) == (0,)
+        and not dims.operand_batching_dims
+        and not dims.start_indices_batching_dims
+        and tuple(params["slice_sizes"]) == (1, *shape[1:])
+    )
+
+
+def take_rows(primitive: Any, array: Any, indices: Array, params: dict[str, Any]) -> Any:
+    """The `gather` that `taken_rows` recognized, applied to `array` (any number of axes
+    after the taken one)."""
+    dims = lax.GatherDimensionNumbers(
+        offset_dims=tuple(range(1, array.ndim)),
+        collapsed_slice_dims=(0,),
+        start_index_map=(0,),
+    )
+    slices = (1, *array.shape[1:])
+    # an index out of range fills with the gather's own value (NaN for `jnp.take`) where
+    # the dtype has it, with 0 in integer codes
+    fill = params["fill_value"] if jnp.issubdtype(array.dtype, jnp.inexact) else 0
+    return primitive.bind(
+        array,
+        indices,
+        **{**params, "dimension_numbers": dims, "slice_sizes": slices, "fill_value": fill},
+    )

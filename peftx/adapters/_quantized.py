@@ -24,6 +24,7 @@ from jaxtyping import Array, ArrayLike, Float32, Int8, Shaped, UInt8
 from .._dtypes import float_dtype
 from ..implicit import primitive_handler
 from ._kind import AbstractWeight
+from ._products import take_rows, taken_rows
 
 # bitsandbytes' NF4 code (`get_4bit_type("nf4")`), indexed by the 4-bit value.
 _NF4_CODE = np.array(
@@ -723,4 +724,40 @@ def _astype(primitive: Any, x: _Quantized, *, new_dtype: Any, **params: Any) -> 
         nested_offset=x.nested_offset,
         nested_blocksize=x.nested_blocksize,
         stored_dtype=x.stored_dtype,
+    )
+
+
+@primitive_handler("ragged_dot_general")
+def _grouped(primitive: Any, x: jax.Array, w: _Quantized, group_sizes: jax.Array, **params: Any):
+    # a stack of experts: dequantized inside `jax.checkpoint`, as for `dot_general`
+    def product(x: Array, w: _Quantized, group_sizes: Array) -> Array:
+        return primitive.bind(x, w.materialize(), group_sizes, **params)
+
+    return jax.checkpoint(product)(x, w, group_sizes)
+
+
+@primitive_handler("gather")
+def _take(primitive: Any, w: _Quantized, indices: jax.Array, **params: Any) -> Any:
+    """Whole slices along axis 0 (`jnp.take(w, idx, axis=0)`) of a weight quantized slice
+    by slice (a stack of experts, each its own weight): the codes and scales of the
+    taken slices, nothing dequantized."""
+    if not taken_rows(w.shape, indices, params):
+        return NotImplemented
+    if isinstance(w, Int8Array):
+        take = functools.partial(take_rows, primitive, indices=indices, params=params)
+        return Int8Array(take(w.codes), take(w.scale), w.dtype)
+    if w.packed.ndim < 2 or w.packed.shape[0] != w.shape[0]:
+        return NotImplemented
+    take = functools.partial(take_rows, primitive, indices=indices, params=params)
+    nested = w.double_quant
+    return NF4Array(
+        take(w.packed),
+        take(w.absmax),
+        shape=w._shape,
+        dtype=w.dtype,
+        blocksize=w.blocksize,
+        nested_absmax=take(w.nested_absmax) if nested else None,
+        nested_offset=take(w.nested_offset[..., None])[..., 0] if nested else None,
+        nested_blocksize=w.nested_blocksize,
+        stored_dtype=w.stored_dtype,
     )

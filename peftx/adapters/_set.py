@@ -174,6 +174,7 @@ weight_dot_handlers(AdapterSet, _set_dot)
 # Any other primitive meets the set as the one array it reduces to, when it does.
 _REDUCIBLE = (
     "conv_general_dilated",
+    "ragged_dot_general",
     "gather",
     "dynamic_slice",
     "transpose",
@@ -189,7 +190,9 @@ _REDUCIBLE = (
 )
 # Primitives linear in the weight: with one gate row, `f(W + Σ g_k Δ_k)` is
 # `f(W) + Σ g_k (f(W + Δ_k) - f(W))`, each term through the adapter's own handlers.
-_LINEAR_IN_WEIGHT = frozenset({"conv_general_dilated", "gather", "dynamic_slice"})
+_LINEAR_IN_WEIGHT = frozenset(
+    {"conv_general_dilated", "ragged_dot_general", "gather", "dynamic_slice"}
+)
 
 
 def _reduced(primitive: Any, args: tuple[Any, ...], params: dict[str, Any]) -> Any:

@@ -48,6 +48,7 @@ import equinox as eqx
 import jax
 import jax.extend.core as jexc
 import jax.extend.core.primitives as jprims
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import quax
 from jaxtyping import ArrayLike
@@ -117,6 +118,23 @@ _PRIMITIVES: dict[str, jexc.Primitive] = {
     for p in (getattr(jprims, n) for n in dir(jprims) if n.endswith("_p"))
     if isinstance(p, jexc.Primitive)
 }
+
+
+def _traced_primitive(fn: Callable[..., Any], *args: Any) -> jexc.Primitive:
+    """The primitive a one-primitive call binds, read off its public jaxpr: for those
+    `jax.extend.core.primitives` does not list (jax 0.10.2 lacks `ragged_dot_general`)."""
+    return jax.make_jaxpr(fn)(*args).jaxpr.eqns[0].primitive
+
+
+_PRIMITIVES.setdefault(
+    "ragged_dot_general",
+    _traced_primitive(
+        lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes),
+        jax.ShapeDtypeStruct((2, 2), jnp.float32),
+        jax.ShapeDtypeStruct((1, 2, 2), jnp.float32),
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+    ),
+)
 # Primitives that carry sub-computations: the engine interprets their bodies, so
 # handlers for them would bypass that.
 _HIGHER_ORDER = frozenset(

@@ -1,0 +1,405 @@
+"""LoRA on the experts of Mixtral and Qwen3-MoE (`target_parameters`, PEFT's
+`ParamWrapper`): files and logits against PEFT on tiny random transformers models, the
+grouped products against every expert run densely on every token (written here), no dense
+update ever built, merging, QLoRA over quantized experts, and PEFT's defaults."""
+
+import json
+import types
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+from test_llama import BF16_U, TOL, real_diff, torch_forward
+
+import peftx
+import peftx.models as pm
+from peftx import LoraConfig, QuantizationConfig, get_peft_model, partition, quantize_model
+from peftx.adapters import ExpertLoraArray, NF4Array, expert_lora
+from peftx.implicit import assert_no_dense, materialize, strict, use_implicit_args
+from peftx.models._moe import SparseMoeBlock, sparse_moe
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# batch 2 x 7 tokens: no activation axis has a weight's length (for assert_no_dense)
+IDS = np.array([[0, 0, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7]])
+MASK = np.array([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    num_experts_per_tok=2,
+    initializer_range=0.2,
+    attn_implementation="eager",
+)
+BUILD = {
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(intermediate_size=24, num_local_experts=4, **COMMON)
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            intermediate_size=40,
+            moe_intermediate_size=12,
+            num_experts=4,
+            head_dim=8,
+            norm_topk_prob=True,
+            **COMMON,
+        )
+    ),
+}
+# PEFT wraps Mixtral's router (not an nn.Linear in transformers) as a parameter too
+MODULES = {"mixtral": ["q_proj", "gate"], "qwen3_moe": ["v_proj"]}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (directory of the saved random model, its base logits)."""
+    out = {}
+    for name, build in BUILD.items():
+        torch.manual_seed(0)
+        model = build().eval()
+        path = tmp_path_factory.mktemp(name)
+        model.save_pretrained(path)
+        out[name] = (path, torch_forward(model, IDS, MASK).logits.numpy())
+    return out
+
+
+def _torch_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager"
+    ).eval()
+
+
+def _peft_config(name, **kwargs):
+    return dict(
+        r=2,
+        lora_alpha=3,
+        target_modules=MODULES[name],
+        target_parameters=EXPERTS,
+        init_lora_weights=False,
+        **kwargs,
+    )
+
+
+def _run(model):
+    return np.asarray(model(jnp.asarray(IDS), jnp.asarray(MASK)).logits)
+
+
+@pytest.fixture(scope="module")
+def peft_files(checkpoints, tmp_path_factory):
+    """name -> (PEFT's adapter directory, PEFT's logits, PEFT's trainable count)."""
+    out = {}
+    for name, (path, _) in checkpoints.items():
+        torch.manual_seed(1)
+        model = peft.get_peft_model(_torch_model(path), peft.LoraConfig(**_peft_config(name)))
+        model.eval()
+        directory = tmp_path_factory.mktemp(f"{name}_peft")
+        model.save_pretrained(directory)
+        trainable, _ = model.get_nb_trainable_parameters()
+        out[name] = (directory, torch_forward(model, IDS, MASK).logits.numpy(), trainable)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+@pytest.mark.parametrize("name", sorted(BUILD))
+def test_peft_to_peftx(checkpoints, peft_files, name, layout):
+    path, base_logits = checkpoints[name]
+    directory, theirs, trainable = peft_files[name]
+    ours = peftx.PeftModel.from_pretrained(
+        pm.from_pretrained(path, layout=layout), directory, is_trainable=True
+    )
+    assert real_diff(_run(ours), theirs, MASK) < TOL
+    assert real_diff(base_logits, theirs, MASK) > 100 * TOL  # the adapters matter
+    assert ours.get_nb_trainable_parameters()[0] == trainable
+    stacks = [x for x in jax.tree.leaves(ours, is_leaf=_is_expert) if _is_expert(x)]
+    assert len(stacks) == (2 if layout == "stacked" else 4)
+
+
+def _is_expert(x):
+    return isinstance(x, ExpertLoraArray)
+
+
+def _randomized(model, seed):
+    trainable, frozen = partition(model)
+    leaves, tree = jax.tree.flatten(trainable)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [0.3 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    return eqx.combine(jax.tree.unflatten(tree, leaves), frozen)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_peftx_to_peft(checkpoints, peft_files, layout, tmp_path):
+    path, _ = checkpoints["mixtral"]
+    config = LoraConfig(**_peft_config("mixtral"))
+    ours = get_peft_model(pm.from_pretrained(path, layout=layout), config, key=jax.random.key(2))
+    ours = _randomized(ours, 3)
+    ours.save_pretrained(tmp_path)
+    theirs = peft.PeftModel.from_pretrained(_torch_model(path), tmp_path).eval()
+    assert real_diff(_run(ours), torch_forward(theirs, IDS, MASK).logits, MASK) < TOL
+    # the file as PEFT writes it for the same config: keys, shapes, dtypes
+    mine, peft_file = (
+        load_file(tmp_path / "adapter_model.safetensors"),
+        load_file(peft_files["mixtral"][0] / "adapter_model.safetensors"),
+    )
+    assert {k: (v.shape, v.dtype) for k, v in mine.items()} == {
+        k: (v.shape, v.dtype) for k, v in peft_file.items()
+    }
+    assert "model.layers.0.mlp.experts.base_layer.lora_A.weight" in "".join(mine)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert sorted(saved["target_parameters"]) == sorted(EXPERTS)
+
+
+# ---------------------------------------------------------------- grouped vs dense
+
+
+def _block(dtype, key):
+    """A Mixtral-like block (4 experts, top 2) with random LoRA on both expert stacks."""
+    c = types.SimpleNamespace(
+        hidden_size=16, num_experts=4, moe_intermediate_size=6, initializer_range=0.3
+    )
+    k = jax.random.split(key, 3)
+    block = SparseMoeBlock(c, key=k[0], dtype=dtype)
+
+    def adapted(w, key):
+        a = expert_lora(w, r=2, lora_alpha=3, init="random", key=key)
+        return eqx.tree_at(lambda a: a.lora_B, a, 3 * a.lora_B)  # an update as large as W
+
+    return eqx.tree_at(
+        lambda b: (b.experts.gate_up_proj, b.experts.down_proj),
+        block,
+        (adapted(block.experts.gate_up_proj, k[1]), adapted(block.experts.down_proj, k[2])),
+    )
+
+
+def _dense_reference(router, a_gu, b_gu, a_d, b_d, block, x, adapted=True):
+    """Every expert on every token, `W_e + s·B_e·A_e` formed from PEFT's layouts, weighted
+    by the renormalized top-2 router weights (zero for the other experts)."""
+    gu, d = block.experts.gate_up_proj, block.experts.down_proj
+    experts = gu.weight.shape[0]
+
+    def full(base, a, b, s):
+        if not adapted:
+            return base.astype(jnp.float32)
+        a_e = a.reshape(experts, -1, a.shape[-1])  # (E, r, in): expert-major
+        b_e = b.reshape(b.shape[0], -1, experts)  # (out, r, E): expert-minor
+        return base.astype(jnp.float32) + s * jnp.einsum("ore,eri->eoi", b_e, a_e)
+
+    w_gu = full(materialize(gu.weight), a_gu, b_gu, gu.scaling)
+    w_d = full(materialize(d.weight), a_d, b_d, d.scaling)
+    xf = x.astype(jnp.float32)
+    probs = jax.nn.softmax(xf @ router.astype(jnp.float32).T, axis=-1)
+    top = jnp.sort(probs, axis=-1)[:, -2:-1]  # the second largest
+    weights = jnp.where(probs >= top, probs, 0.0)
+    weights = weights / weights.sum(-1, keepdims=True)
+    gate, up = jnp.split(jnp.einsum("ti,eoi->teo", xf, w_gu), 2, axis=-1)
+    y = jnp.einsum("tei,eoi->teo", jax.nn.silu(gate) * up, w_d)
+    return jnp.einsum("te,teo->to", weights, y)
+
+
+def _ours(router, a_gu, b_gu, a_d, b_d, block, x):
+    block = eqx.tree_at(
+        lambda b: (
+            b.gate.weight,
+            b.experts.gate_up_proj.lora_A,
+            b.experts.gate_up_proj.lora_B,
+            b.experts.down_proj.lora_A,
+            b.experts.down_proj.lora_B,
+        ),
+        block,
+        (router, a_gu, b_gu, a_d, b_d),
+    )
+    out, _ = use_implicit_args(lambda b, x: sparse_moe(b, x, 2, True, jax.nn.silu))(block, x)
+    return out.astype(jnp.float32)
+
+
+@pytest.mark.parametrize("path", ["blocked", "ragged"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_products_equal_dense_experts(path, dtype, monkeypatch):
+    """Values and gradients (input, router, every factor) of the block with adapted
+    experts, by the CPU's expert-blocked products and by `ragged_dot_general` (what GPUs
+    and TPUs run), against the dense formula."""
+    if path == "ragged":
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    block = _block(jnp.dtype(dtype), jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (13, 16), dtype)
+    gu, d = block.experts.gate_up_proj, block.experts.down_proj
+    args = (block.gate.weight, gu.lora_A, gu.lora_B, d.lora_A, d.lora_B)
+
+    def loss(fn):
+        cot = jax.random.normal(jax.random.key(2), (13, 16))
+        return lambda *a: jnp.sum(fn(*a[:5], block, a[5]) * cot)
+
+    with strict():
+        got = jax.jit(lambda *a: _ours(*a, block, x))(*args)
+        got_grads = jax.grad(loss(_ours), argnums=range(6))(*args, x)
+    want = _dense_reference(*args, block, x)
+    want_grads = jax.grad(loss(_dense_reference), argnums=range(6))(*args, x)
+    # fp32: a few roundings; bf16: each product and activation rounds its output (u each)
+    rel = TOL if dtype == "float32" else 64 * BF16_U
+    scale = float(jnp.abs(want).max())
+    np.testing.assert_allclose(got, want, atol=rel * scale)
+    base_only = _dense_reference(*args, block, x, adapted=False)
+    assert float(jnp.abs(base_only - want).max()) > 0.3 * scale  # the adapter matters
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(w, np.float32), atol=rel * float(jnp.abs(w).max())
+        )
+        assert float(jnp.abs(w).max()) > 0
+
+
+# ---------------------------------------------------------------- whole models
+
+
+@pytest.fixture(scope="module")
+def adapted(checkpoints):
+    """layout -> the Mixtral with random LoRA on its experts (and q_proj, the router)."""
+    path, _ = checkpoints["mixtral"]
+    config = LoraConfig(**_peft_config("mixtral"))
+    return {
+        layout: _randomized(
+            get_peft_model(pm.from_pretrained(path, layout=layout), config, key=jax.random.key(4)),
+            5,
+        )
+        for layout in ("stacked", "unrolled")
+    }
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_no_dense_update_in_a_training_step(checkpoints, layout, monkeypatch):
+    """A training step builds no dense update: checked on the traced program of the
+    grouped products GPUs run (`ragged_dot_general`; the CPU's blocked products gather a
+    copy of the base experts per block, adapter or not), and run on both paths under
+    `strict()`. The router is left out: its weight `(experts, hidden)` has the shape of
+    a factor's expert slices."""
+    path, _ = checkpoints["mixtral"]
+    config = LoraConfig(r=2, target_modules=["q_proj"], target_parameters=EXPERTS)
+    model = get_peft_model(pm.from_pretrained(path, layout=layout), config, key=jax.random.key(4))
+    trainable, frozen = partition(_randomized(model, 5))
+    ids, mask = jnp.asarray(IDS), jnp.asarray(MASK)
+
+    def step(trainable, frozen):
+        def loss(t):
+            return jnp.mean(eqx.combine(t, frozen)(ids, mask).logits ** 2)
+
+        return jax.grad(loss)(trainable)
+
+    with strict():
+        grads = eqx.filter_jit(step)(trainable, frozen)
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+        assert_no_dense(step, trainable, frozen)
+        eqx.filter_jit(step)(trainable, frozen)
+    experts = [x for x in jax.tree.leaves(grads, is_leaf=_is_expert) if _is_expert(x)]
+    assert experts and all(
+        float(jnp.abs(g).max()) > 0 for e in experts for g in (e.lora_A, e.lora_B)
+    )
+
+
+def test_merge_and_unload(adapted, checkpoints):
+    model = adapted["stacked"]
+    merged = model.merge_and_unload()
+    assert not any(
+        isinstance(x, ExpertLoraArray) for x in jax.tree.leaves(merged, is_leaf=_is_expert)
+    )
+    logits = _run(model)
+    assert real_diff(_run(merged), logits, MASK) < TOL
+    base = model.unload()
+    assert real_diff(_run(base), checkpoints["mixtral"][1], MASK) < TOL
+    assert real_diff(logits, checkpoints["mixtral"][1], MASK) > 100 * TOL
+
+
+def test_qlora_on_the_experts(checkpoints):
+    """NF4 experts (each expert quantized on its own) under LoRA: no weight made dense,
+    the logits of the same adapters over the dequantized weights, and a gradient at
+    every factor."""
+    path, _ = checkpoints["mixtral"]
+    q = quantize_model(pm.from_pretrained(path), QuantizationConfig(load_in_4bit=True))
+    is_nf4 = lambda w: isinstance(w, NF4Array)  # noqa: E731
+    stacks = [w for w in jax.tree.leaves(q, is_leaf=is_nf4) if is_nf4(w) and w.ndim == 4]
+    assert len(stacks) == 2  # gate_up_proj and down_proj, (layers, experts, out, in)
+    config = LoraConfig(r=2, target_modules=["q_proj"], target_parameters=EXPERTS)
+    model = _randomized(get_peft_model(q, config, key=jax.random.key(6)), 7)
+    with strict():
+        got = _run(model)
+    dense = jax.tree.map(lambda w: materialize(w) if is_nf4(w) else w, model, is_leaf=is_nf4)
+    assert real_diff(got, _run(dense), MASK) < TOL
+    trainable, frozen = partition(model)
+
+    @eqx.filter_jit
+    def grads(trainable):
+        return jax.grad(lambda t: jnp.sum(_run_traced(eqx.combine(t, frozen)) ** 2))(trainable)
+
+    with strict():
+        leaves = jax.tree.leaves(grads(trainable))
+    assert len(leaves) == 2 * 3  # A and B of q_proj and both expert stacks (stacked)
+    assert all(float(jnp.abs(g).max()) > 0 for g in leaves)
+
+
+def _run_traced(model):
+    return model(jnp.asarray(IDS), jnp.asarray(MASK)).logits[:, -1]
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_peft_defaults_with_target_parameters(checkpoints, tmp_path):
+    """`target_modules=None` beside `target_parameters`: PEFT adapts the experts alone,
+    also for Mixtral, which has a default (q_proj, v_proj) without them; Qwen3-MoE has no
+    default at all."""
+    for name in ("mixtral", "qwen3_moe"):
+        model = pm.from_pretrained(checkpoints[name][0], layout="unrolled")
+        config = LoraConfig(r=2, target_parameters=EXPERTS)
+        ours = get_peft_model(model, config, key=jax.random.key(0))
+        torch_model = peft.get_peft_model(
+            _torch_model(checkpoints[name][0]), peft.LoraConfig(r=2, target_parameters=EXPERTS)
+        )
+        theirs = {
+            k.removeprefix("base_model.model.") for k in peft.get_peft_model_state_dict(torch_model)
+        }
+        assert ours.get_nb_trainable_parameters()[0] == torch_model.get_nb_trainable_parameters()[0]
+        assert _adapted_linears(ours) == []
+        assert theirs == {
+            f"model.layers.{i}.mlp.experts.{nest}lora_{f}.weight"
+            for i in range(2)
+            for nest in ("", "base_layer.")
+            for f in "AB"
+        }
+        ours.save_pretrained(tmp_path / name)
+        saved = json.loads((tmp_path / name / "adapter_config.json").read_text())
+        assert saved["target_modules"] == []
+    mixtral = pm.from_pretrained(checkpoints["mixtral"][0], layout="unrolled")
+    without = get_peft_model(mixtral, LoraConfig(r=2), key=jax.random.key(0))
+    assert {p.rsplit(".", 1)[-1] for p in _adapted_linears(without)} == {"q_proj", "v_proj"}
+    with pytest.raises(ValueError, match="no LORA default for model type 'qwen3_moe'"):
+        get_peft_model(model, LoraConfig(r=2), key=jax.random.key(0))
+
+
+def _adapted_linears(model):
+    layers = peftx.select(model.base_model).at(peftx.of_type(eqx.nn.Linear))
+    return [p for p, n in zip(layers.paths(), layers.get()) if not isinstance(n.weight, jax.Array)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lora_dropout=0.1), "lora_dropout"),
+        (dict(use_dora=True), "use_dora"),
+        (dict(fan_in_fan_out=True), "fan_in_fan_out"),
+        (dict(target_parameters="mlp.experts.down_proj"), "target_parameters"),
+    ],
+)
+def test_refused_with_target_parameters(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        LoraConfig(**{"target_parameters": EXPERTS, **kwargs})
+
+
+def test_unmatched_parameter_names_its_stacks(checkpoints):
+    model = pm.from_pretrained(checkpoints["qwen3_moe"][0])
+    config = LoraConfig(target_parameters=["mlp.experts.up_proj"])
+    with pytest.raises(KeyError, match=r"mlp\.experts\.gate_up_proj"):
+        get_peft_model(model, config, key=jax.random.key(0))
