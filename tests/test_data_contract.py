@@ -112,11 +112,12 @@ def test_packed_rows_start_each_example_the_same_way(name, examples, with_prompt
     tok = TOKENIZERS[name]
     prompts = [p for p, _ in examples] if with_prompt else None
     text_list = [t for _, t in examples]
-    flat_ids, flat_labels = [], []
+    flat_ids, flat_labels, flat_positions = [], [], []
     for p, t in examples:
         ids, labels = _expected(tok, t, p if with_prompt else None)
         flat_ids += ids
-        flat_labels += labels
+        flat_labels += [-100] + labels[1:]  # packed, nothing before an example predicts it
+        flat_positions += range(len(ids))
     rows = len(flat_ids) // max_length
     hypothesis.assume(rows >= 1)
     with warnings.catch_warnings():
@@ -130,6 +131,9 @@ def test_packed_rows_start_each_example_the_same_way(name, examples, with_prompt
     assert data["input_ids"].ravel().tolist() == flat_ids[: rows * max_length]
     assert data["labels"].ravel().tolist() == flat_labels[: rows * max_length]
     assert (data["attention_mask"] == 1).all()
+    # positions count from each example's start, and from 0 again where a row cuts one
+    positions = np.asarray(flat_positions[: rows * max_length]).reshape(rows, max_length)
+    np.testing.assert_array_equal(data["position_ids"], np.minimum(positions, range(max_length)))
 
 
 def test_without_a_prompt_a_row_starts_as_tokenizer_text_does():

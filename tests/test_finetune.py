@@ -207,21 +207,28 @@ def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
     assert f"perplexity {after['perplexity']:.4g}" in out
     assert not (out_dir / "labels.json").exists()
     # the loss before fine-tuning, recomputed with transformers: examples packed into rows
-    # of 16 tokens, each its prompt (not scored) then its answer and EOS (scored)
+    # of 16 tokens, each its prompt (not scored) then its answer and EOS (scored), its
+    # positions from 0 (and from 0 again where a row cuts it), so that it sees no other
     tok = transformers.AutoTokenizer.from_pretrained(llama / "base", local_files_only=True)
     rows = [json.loads(line) for line in (llama / "eval.jsonl").read_text().splitlines()]
-    ids, scored = [], []
+    ids, scored, positions = [], [], []
     for r in rows:
         prompt = tok(r["question"], add_special_tokens=False)["input_ids"]
         answer = tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         ids += prompt + answer
         scored += [False] * len(prompt) + [True] * len(answer)
+        positions += range(len(prompt + answer))
     n = len(ids) // 16 * 16
     ids = torch.tensor(ids[:n]).reshape(-1, 16)
     scored = torch.tensor(scored[:n]).reshape(-1, 16)[:, 1:]
+    positions = torch.tensor(positions[:n]).reshape(-1, 16)
+    for row in positions:
+        # before the first example starting in the row: the rest of one cut by the row above
+        cut = int(torch.nonzero(row == 0)[0]) if (row == 0).any() else 16
+        row[:cut] = torch.arange(cut)
     base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
     with torch.no_grad():
-        logits = base(ids, attention_mask=torch.ones_like(ids)).logits[:, :-1]
+        logits = base(ids, position_ids=positions, use_cache=False).logits[:, :-1]
     ce = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
     ).reshape(scored.shape)

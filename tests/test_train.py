@@ -357,7 +357,8 @@ def test_encode_causal_lm_packs_examples_in_order():
     flat_ids, flat_labels = [], []
     for prompt, text in zip(prompts, texts, strict=True):
         flat_ids += _ids(prompt) + _ids(text) + [EOS]
-        flat_labels += [-100] * len(_ids(prompt)) + _ids(text) + [EOS]
+        labels = [-100] * len(_ids(prompt)) + _ids(text) + [EOS]
+        flat_labels += [-100] + labels[1:]  # packed: nothing seen predicts the first token
     rows = len(flat_ids) // 8
     assert len(flat_ids) % 8 and rows >= 3  # a remainder to drop
     assert data["input_ids"].shape == (rows, 8)

@@ -178,14 +178,31 @@ def positions_from_mask(
     return jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def packed_segments(
+    position_ids: Int[Array, "batch seq"] | None, attention_mask: Any, cache: Any
+) -> Int[Array, "batch seq"] | None:
+    """Which example of a packed row each token belongs to: a new one starts wherever a
+    position is not the one before plus 1 (`0 1 2 0 1` is two examples), and tokens attend
+    only within their own. transformers' rule (`find_packed_sequence_indices`): only for
+    `position_ids` given with neither an `attention_mask` nor a `cache`; else None, one
+    example per row."""
+    if position_ids is None or attention_mask is not None or cache is not None:
+        return None
+    starts = jnp.diff(position_ids, axis=-1) != 1
+    first = jnp.zeros((position_ids.shape[0], 1), jnp.int32)
+    return jnp.concatenate([first, jnp.cumsum(starts, axis=-1, dtype=jnp.int32)], axis=-1)
+
+
 class DecoderPositions(NamedTuple):
     """Where a decoder call's tokens go: each token's cache slot, which keys are real
-    tokens, the cache slot written first (None without a cache) and the positions."""
+    tokens, the cache slot written first (None without a cache), the positions, and each
+    token's example in a packed row (`packed_segments`; None: one example per row)."""
 
     slots: Int[Array, "batch seq"]
     key_valid: Bool[Array, "batch keys"]
     index: Int[Array, ""] | None
     position_ids: Int[Array, "batch seq"]
+    segments: Int[Array, "batch seq"] | None
 
 
 def decoder_positions(
@@ -193,20 +210,22 @@ def decoder_positions(
 ) -> DecoderPositions:
     """A decoder call's `DecoderPositions`, its inputs checked. Without `position_ids`,
     positions count the real tokens (as `generate` does); with a `cache`, the tokens are
-    written at `cache.index` and their positions continue the count of real tokens there."""
+    written at `cache.index` and their positions continue the count of real tokens there.
+    `position_ids` that restart without a mask or cache pack several examples in a row."""
     b, s = check_inputs(input_ids, attention_mask=attention_mask, position_ids=position_ids)
     valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
     if cache is None:
         slots = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        segments = packed_segments(position_ids, attention_mask, cache)
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask, b, s)
-        return DecoderPositions(slots, valid, None, position_ids)
+        return DecoderPositions(slots, valid, None, position_ids, segments)
     slots = cache.index + jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     key_valid = lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, 1)
     if position_ids is None:
         every = positions_from_mask(key_valid.astype(jnp.int32), b, key_valid.shape[1])
         position_ids = lax.dynamic_slice_in_dim(every, cache.index, s, axis=1)
-    return DecoderPositions(slots, key_valid, cache.index, position_ids)
+    return DecoderPositions(slots, key_valid, cache.index, position_ids, None)
 
 
 def attention_mask(
@@ -215,9 +234,11 @@ def attention_mask(
     *,
     causal: bool,
     window: Int[Array, ""] | int | None = None,
+    segments: Int[Array, "batch q"] | None = None,
 ) -> Bool[Array, "batch 1 q k"]:
     """Which keys each query sees: valid keys, and with `causal` only those at or before
-    the query's slot (within `window` slots when a sliding window is set)."""
+    the query's slot (within `window` slots when a sliding window is set); with `segments`
+    (no cache: as many keys as queries), only keys of the query's own example."""
     key_slots = jnp.arange(key_valid.shape[-1], dtype=jnp.int32)
     shape = (key_valid.shape[0], query_slots.shape[-1], key_valid.shape[-1])
     mask = jnp.broadcast_to(key_valid[:, None, :], shape)  # (batch, q, k) even when not causal
@@ -226,6 +247,8 @@ def attention_mask(
         mask = mask & (distance >= 0)
         if window is not None:
             mask = mask & (distance < window)
+    if segments is not None:
+        mask = mask & (segments[:, :, None] == segments[:, None, :])
     return mask[:, None, :, :]
 
 

@@ -520,7 +520,7 @@ class Gemma2Model(eqx.Module):
     ) -> BaseModelOutput:
         """Hidden states for `input_ids`, as `LlamaModel`'s (padding, positions, cache)."""
         c = self.config
-        slots, key_valid, index, position_ids = decoder_positions(
+        slots, key_valid, index, position_ids, segments = decoder_positions(
             input_ids, attention_mask, position_ids, cache
         )
         b, s = input_ids.shape
@@ -540,7 +540,7 @@ class Gemma2Model(eqx.Module):
 
         def step(layer: Gemma2DecoderLayer, h: Array, xs: Any) -> tuple[Array, Any]:
             win, slide, kv = xs
-            mask = attention_mask_for(slots, key_valid, win)
+            mask = attention_mask_for(slots, key_valid, win, segments)
             x = layer.input_layernorm(h)
             attn = layer.self_attn
             q = linear(attn.q_proj, x).reshape(b, s, heads, hd)

@@ -40,6 +40,7 @@ from ._common import (
     linear,
     lm_logits,
     number,
+    packed_segments,
     write_cache,
 )
 from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_layers, run_layers
@@ -324,6 +325,9 @@ class GPT2Model(eqx.Module):
         `position_ids`, positions count the real tokens (as `generate` does), those in
         the cache included. With a `cache`, the tokens are written at `cache.index` and
         attend to the cached ones; the returned cache has `index` moved past them.
+        `position_ids` that restart (`0 1 2 0 1`), given with neither a mask nor a cache,
+        pack several examples in a row, each attending only to its own tokens (as in
+        transformers: see `packed_segments`).
         """
         c = self.config
         b, s = check_inputs(input_ids, attention_mask=attention_mask, position_ids=position_ids)
@@ -335,10 +339,11 @@ class GPT2Model(eqx.Module):
             slots = cache.index + steps
             key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, 1)
             index = cache.index
+        segments = packed_segments(position_ids, attention_mask, cache)
         if position_ids is None:
             position_ids = _positions(key_valid, slots)
         h = embed(self.wte, input_ids) + embed(self.wpe, position_ids)
-        mask = visible_keys(slots, key_valid, causal=True)
+        mask = visible_keys(slots, key_valid, causal=True, segments=segments)
         scales = jnp.asarray(c.attention_scales(), jnp.float32)
         heads, head_dim = c.n_head, c.head_dim
         act = activation(c.activation_function)

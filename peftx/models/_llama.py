@@ -642,11 +642,14 @@ class LlamaModel(eqx.Module):
         `attention_mask` marks real tokens (1) and padding (0), left or right. Without
         `position_ids`, positions count the real tokens (as `generate` does). With a
         `cache`, the tokens are written at `cache.index` and attend to the cached ones, and
-        their default positions continue the count of the real tokens in the cache. A
-        mixture of experts also returns each layer's `router_logits`.
+        their default positions continue the count of the real tokens in the cache.
+        `position_ids` that restart (`0 1 2 0 1`), given with neither a mask nor a cache,
+        pack several examples in a row, each attending only to its own tokens (as in
+        transformers: see `packed_segments`). A mixture of experts also returns each
+        layer's `router_logits`.
         """
         c = self.config
-        slots, key_valid, index, position_ids = decoder_positions(
+        slots, key_valid, index, position_ids, segments = decoder_positions(
             input_ids, attention_mask, position_ids, cache
         )
         b, s = input_ids.shape
@@ -659,7 +662,7 @@ class LlamaModel(eqx.Module):
 
         def step(layer: LlamaDecoderLayer, h: Array, xs: Any) -> tuple[Array, Any]:
             win, kv = xs
-            mask = attention_mask_for(slots, key_valid, win)
+            mask = attention_mask_for(slots, key_valid, win, segments)
             x = layer.input_layernorm(h)
             attn = layer.self_attn
             q = linear(attn.q_proj, x).reshape(b, s, c.num_attention_heads, c.head_dim)
@@ -699,8 +702,10 @@ class LlamaModel(eqx.Module):
         return BaseModelOutput(self.norm(h), hidden, new_cache, router_logits=router_logits)
 
 
-def attention_mask_for(slots: Array, key_valid: Array, window: Array) -> Array:
-    return attention_mask(slots, key_valid, causal=True, window=window)
+def attention_mask_for(
+    slots: Array, key_valid: Array, window: Array, segments: Array | None
+) -> Array:
+    return attention_mask(slots, key_valid, causal=True, window=window, segments=segments)
 
 
 class LlamaForCausalLM(eqx.Module):

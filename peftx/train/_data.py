@@ -202,8 +202,13 @@ def encode_causal_lm(
     puts in front of the text.
 
     With `pack`, examples are concatenated and cut into rows of exactly `max_length`
-    tokens (the last partial row is dropped), so no compute goes to padding; else each
-    example is one right-padded row, truncated to `max_length`.
+    tokens (the last partial row is dropped), so no compute goes to padding, and the data
+    gets `position_ids` that restart at 0 at each example (and at each row: an example
+    cut in two continues in the next row as one of its own). Passed to the model without
+    an attention mask (as `peftx.train.logits` does), they keep each example from seeing
+    the others, as transformers' packed rows (TRL's `padding_free`) do; and each
+    example's first token is labelled -100, since nothing before it is seen to predict
+    it. Else each example is one right-padded row, truncated to `max_length`.
 
     **Arguments:**
 
@@ -359,8 +364,10 @@ def _turns_by_prefixes(tokenizer: Any, messages: list[dict], row: int) -> tuple[
 def _pack(
     rows_ids: list[list[int]], rows_labels: list[list[int]], max_length: int
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The packed rows, and which examples give the loss no label (those reaching into
-    the dropped last partial row aside: dropping it is documented)."""
+    """The packed rows, with `position_ids` that restart at each example (and at each
+    row, for an example cut in two), and which examples give the loss no label (those
+    reaching into the dropped last partial row aside: dropping it is documented)."""
+    lengths = [len(r) for r in rows_ids]
     flat_ids = np.concatenate([np.asarray(r, np.int32) for r in rows_ids])
     flat_labels = np.concatenate([np.asarray(r, np.int32) for r in rows_labels])
     rows = len(flat_ids) // max_length
@@ -370,17 +377,23 @@ def _pack(
             f"max_length={max_length}"
         )
     kept_tokens = rows * max_length
-    example = np.repeat(np.arange(len(rows_ids)), [len(r) for r in rows_ids])
-    # the loss predicts every label but each packed row's first
-    position = np.arange(kept_tokens)
-    predicted = (flat_labels[:kept_tokens] != IGNORE) & (position % max_length != 0)
-    kept = np.bincount(example[:kept_tokens][predicted], minlength=len(rows_ids))
-    ends = np.cumsum([len(r) for r in rows_ids])
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    example = np.repeat(np.arange(len(rows_ids)), lengths)
+    within = np.arange(len(flat_ids)) - starts[example]  # each token's place in its example
+    # no example sees the one before it, so none predicts the first token of the next
+    flat_labels[starts[np.asarray(lengths) > 0]] = IGNORE
     shape = (rows, max_length)
+    positions = np.minimum(within[:kept_tokens].reshape(shape), np.arange(max_length))
+    # the loss predicts every label but each packed row's first
+    column = np.arange(kept_tokens) % max_length
+    predicted = (flat_labels[:kept_tokens] != IGNORE) & (column != 0)
+    kept = np.bincount(example[:kept_tokens][predicted], minlength=len(rows_ids))
     data = {
         "input_ids": flat_ids[:kept_tokens].reshape(shape),
         "attention_mask": np.ones(shape, np.int32),
         "labels": flat_labels[:kept_tokens].reshape(shape),
+        "position_ids": positions.astype(np.int32),
     }
     return data, (kept == 0) & (ends <= kept_tokens)
 
@@ -492,11 +505,11 @@ def mixed_batches(
 def pad_to(data: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
     """`data` (from `encode_causal_lm` or `encode_classification`) with its rows
     right-padded to `length` tokens, the padding masked and labelled -100 (left out of
-    the loss)."""
+    the loss); in packed rows each padding token is at position 0, an example of its own."""
     short = length - data["input_ids"].shape[1]
     if short < 0:
         raise ValueError(f"rows of {data['input_ids'].shape[1]} tokens exceed length {length}")
-    fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE}
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE, "position_ids": 0}
     return {
         k: np.pad(v, ((0, 0), (0, short)), constant_values=fill[k]) if v.ndim == 2 else v
         for k, v in data.items()

@@ -76,32 +76,39 @@ def init_state(
 
 def model_output(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Any:
     """`model(input_ids, attention_mask)`, with `key` for the model's own dropout if it
-    takes one. A mixed batch (`batch["adapter_ids"]`, from `adapter_ids`) runs each row
-    through its own adapter; when adapters have `modules_to_save` copies (a classifier),
-    which replace a whole module, one example per call under `jax.vmap`, each with its
-    own dropout keys (each output field then has a leading axis of examples)."""
+    takes one. Packed rows (`batch["position_ids"]`, from `encode_causal_lm(...,
+    pack=True)`) run as `model(input_ids, position_ids=position_ids)`: without a mask, the
+    positions' restarts keep each example from seeing the others (transformers' rule);
+    their only padding is at the rows' ends (`pad_to`, `eval_batches`), after every real
+    token, so no real token sees it. A mixed batch (`batch["adapter_ids"]`, from
+    `adapter_ids`) runs each row through its own adapter; when adapters have
+    `modules_to_save` copies (a classifier), which replace a whole module, one example
+    per call under `jax.vmap`, each with its own dropout keys (each output field then has
+    a leading axis of examples)."""
     takes_key = "key" in inspect.signature(type(_base(model)).__call__).parameters
-    ids, mask = batch["input_ids"], batch["attention_mask"]
+    ids, mask, packed = batch["input_ids"], batch["attention_mask"], {}
+    if "position_ids" in batch:
+        mask, packed = None, {"position_ids": batch["position_ids"]}
 
-    def run(model: Any, ids: Array, mask: Array, key: PRNGKeyArray | None, **kw: Any) -> Any:
+    def run(model: Any, ids: Array, mask: Any, packed: dict, key: Any, **kw: Any) -> Any:
         extra = {"key": key} if takes_key and key is not None else {}
-        return model(ids, mask, **kw, **extra)
+        return model(ids, mask, **packed, **kw, **extra)
 
     if "adapter_ids" not in batch:
-        return run(model, ids, mask, key)
+        return run(model, ids, mask, packed, key)
     if not model.saved_modules:
-        return run(model, ids, mask, key, adapter_names=batch["adapter_ids"])
+        return run(model, ids, mask, packed, key, adapter_names=batch["adapter_ids"])
 
-    def one(ids: Array, mask: Array, adapter: Array, key: PRNGKeyArray | None) -> Any:
+    def one(row: tuple, adapter: Array, key: PRNGKeyArray | None) -> Any:
         m, k = model, None
         if key is not None:  # training: this example's own dropout masks
             dropout_key, k = jax.random.split(key)
             m = with_dropout(model, dropout_key)
-        out = run(m, ids[None], mask[None], k, adapter_names=adapter)
+        out = run(m, *jax.tree.map(lambda x: x[None], row), k, adapter_names=adapter)
         return jax.tree.map(lambda x: x[0] if jnp.ndim(x) else x, out)
 
     keys = None if key is None else jax.random.split(key, ids.shape[0])
-    return jax.vmap(one)(ids, mask, batch["adapter_ids"], keys)
+    return jax.vmap(one)((ids, mask, packed), batch["adapter_ids"], keys)
 
 
 def logits(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Array:
