@@ -43,6 +43,7 @@ import peftx
 import peftx.models as pm
 from peftx.adapters import AdapterSet
 from peftx.models import Phi3Config
+from peftx.sharding._rules import logical_axes
 
 LAYERS = 3
 ORIGINAL = 8  # original_max_position_embeddings: between the short batch and the long one
@@ -177,7 +178,7 @@ def test_each_feature_changes_the_output(phi3, feature):
 
 def test_kv_cache_steps_match_full_forward(phi3):
     """Default rope: a prefilled prompt, then one token at a time, as the full forward."""
-    ours = pm.from_pretrained(phi3("default")[1], layout="unrolled")
+    ours = pm.from_pretrained(phi3("default")[1])
     full = ours(jnp.asarray(DECODE_IDS), jnp.asarray(DECODE_MASK)).logits
     got = cached_decode(ours, DECODE_IDS, DECODE_MASK)
     assert real_diff(got, np.asarray(full), DECODE_MASK) <= TOL
@@ -339,3 +340,18 @@ def test_no_default_targets_as_in_peft(phi3):
         if isinstance(layer.weight, AdapterSet)
     }
     assert names == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}  # not lm_head
+
+
+def test_every_weight_has_logical_axes():
+    """The sharding presets place every Phi-3 weight: each array's path has logical axes,
+    one per dimension (the fused projections as the separate ones)."""
+    config = Phi3Config.from_hf_config(transformers.Phi3Config(**CONFIG))
+    model = eqx.filter_eval_shape(
+        pm.Phi3ForCausalLM, config, key=jax.random.key(0), layout="unrolled"
+    )
+    leaves = jax.tree_util.tree_leaves_with_path(model)
+    assert len(leaves) == 3 + 6 * LAYERS  # embeddings, final norm, head; 6 per block
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        axes = logical_axes(Phi3Config.LOGICAL_AXES, name)
+        assert axes is not None and len(axes) == leaf.ndim, name

@@ -67,7 +67,7 @@ class Phi3Config(HFConfig):
         (r"gate_up_proj\.weight", ("mlp", "embed")),
         (r"down_proj\.weight", ("embed", "mlp")),
         (r"score\.weight", (None, "embed")),
-        (r"(layernorm|norm)\.weight", ("embed",)),
+        (r"(input_layernorm|post_attention_layernorm|norm)\.weight", ("embed",)),
     )
 
     model_type: str = "phi3"
