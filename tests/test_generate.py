@@ -25,6 +25,7 @@ from peftx.implicit import materialize
 VOCAB = 128
 NEW = 6
 PAD = 0
+PHI3_ORIGINAL = 8
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=32,
@@ -86,6 +87,22 @@ CONFIGS = {
             "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=10000.0),
             "sliding_attention": dict(rope_type="default", rope_theta=100.0),
         },
+    ),
+    "phi3": lambda: transformers.Phi3Config(
+        **COMMON,
+        num_key_value_heads=2,
+        sliding_window=4,
+        # LongRoPE whose original length the generation crosses (the prompts are 6 wide)
+        original_max_position_embeddings=PHI3_ORIGINAL,
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.5,
+            short_factor=[1.0, 1.7],
+            long_factor=[3.0, 11.0],
+        ),
+        eos_token_id=2,
+        pad_token_id=PAD,
     ),
     "gpt2": lambda: transformers.GPT2Config(
         vocab_size=VOCAB,
@@ -181,6 +198,37 @@ def test_greedy_matches_transformers(checkpoints, name):
     )
     assert_same_generation(got, want, PAD)
     assert (np.asarray(got) != free).any()  # the EOS changed something
+
+
+def test_phi3_longrope_recomputes_the_cache_where_the_sequence_crosses_over(checkpoints):
+    """Where a LongRoPE Phi-3's sequence first grows past original_max_position_embeddings,
+    transformers runs it whole again, so the cached keys turn with the long factors too
+    (test_greedy_matches_transformers: peftx does the same). Decoding on with the keys of
+    the short factors would choose other tokens."""
+    theirs, _, ours = checkpoints("phi3")
+    ids, mask = _prompts()
+    assert ids.shape[1] <= PHI3_ORIGINAL < ids.shape[1] + NEW
+    want = hf_generate(theirs, ids, mask, pad_token_id=PAD, eos_token_id=None)
+    got = peftx.generate(ours, ids, NEW, attention_mask=mask, eos_token_id=[])
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert (want[:, ids.shape[1] :] != _greedy_on_the_cache(theirs, ids, mask)).any()
+
+
+def _greedy_on_the_cache(model, ids, mask):
+    """transformers' model decoding greedily on its cache, never computed again (what
+    `generate` does but for the restart)."""
+    ids, mask = torch.tensor(ids), torch.tensor(mask)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        tokens = [out.logits[:, -1].argmax(-1)]
+        for _ in range(NEW - 1):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            position = mask.sum(-1, keepdim=True) - 1
+            out = model(
+                tokens[-1][:, None], attention_mask=mask, position_ids=position, cache=out.cache
+            )
+            tokens.append(out.logits[:, -1].argmax(-1))
+    return torch.stack(tokens, dim=1).numpy()
 
 
 def test_eos_and_pad_default_to_the_config(checkpoints, tmp_path):

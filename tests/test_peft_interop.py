@@ -115,6 +115,21 @@ BUILDERS = {
             initializer_range=0.2,  # logits the adapters can move past EFFECT
         )
     ),
+    "phi3": lambda: transformers.Phi3ForCausalLM(
+        _llama_config(
+            transformers.Phi3Config,
+            sliding_window=4,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                short_factor=[1.0, 1.7],
+                long_factor=[3.0, 11.0],
+            ),
+            original_max_position_embeddings=4,  # the batch is longer: the long factors
+            initializer_range=0.2,  # logits the adapters can move past EFFECT
+        )
+    ),
     "gpt2": lambda: transformers.GPT2LMHeadModel(_gpt2_config()),
     "llama-cls": lambda: transformers.LlamaForSequenceClassification(_llama_config(num_labels=3)),
     "bert-cls": lambda: transformers.BertForSequenceClassification(_bert_config()),
@@ -125,6 +140,7 @@ AUTO = {
     "qwen3": transformers.AutoModelForCausalLM,
     "gemma2": transformers.AutoModelForCausalLM,
     "gemma3": transformers.AutoModelForCausalLM,
+    "phi3": transformers.AutoModelForCausalLM,
     "gpt2": transformers.AutoModelForCausalLM,
     "llama-cls": transformers.AutoModelForSequenceClassification,
     "bert-cls": transformers.AutoModelForSequenceClassification,
@@ -394,6 +410,19 @@ CASES = {
         "LoraConfig",
         dict(r=2, lora_alpha=4, target_modules="all-linear"),
     ),
+    # Phi-3's fused projections, one module each to PEFT (which has no phi3 defaults:
+    # test_phi3 checks both refuse target_modules=None)
+    "phi3-fused-dora": (
+        "phi3",
+        "LoraConfig",
+        dict(r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"], use_dora=True),
+    ),
+    "phi3-ia3": (
+        "phi3",
+        "IA3Config",
+        dict(target_modules=["qkv_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    ),
+    "phi3-all-linear": ("phi3", "LoraConfig", dict(r=2, lora_alpha=4, target_modules="all-linear")),
     "qwen2-bias-all": (
         "qwen2",
         "LoraConfig",

@@ -206,7 +206,24 @@ ZOO = {
         ),
         key=jax.random.key(0),
     ),
+    "phi3": lambda: peftx.models.Phi3ForCausalLM(
+        peftx.models.Phi3Config(
+            rope=(
+                ("long_factor", (3.0, 11.0, 2.0, 5.0)),
+                ("partial_rotary_factor", 0.5),
+                ("rope_theta", 10000.0),
+                ("rope_type", "longrope"),
+                ("short_factor", (1.0, 1.7, 1.2, 1.1)),
+            ),
+            original_max_position_embeddings=4,  # the ids are longer: the long factors
+            sliding_window=4,
+            **_SIZES,
+        ),
+        key=jax.random.key(0),
+    ),
 }
+# the Linear layers of a block: q, k, v, o, gate, up, down; Phi-3 fuses q, k, v and gate, up
+LINEARS = {"qwen3": 7, "gemma2": 7, "phi3": 4}
 _SIZES = dict(
     vocab_size=64,
     hidden_size=64,
@@ -220,7 +237,7 @@ _SIZES = dict(
 
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_qlora_on_each_new_architecture(name):
-    """QLoRA on every linear layer of a stacked Qwen3 and Gemma 2: no weight is made
+    """QLoRA on every linear layer of a stacked Qwen3, Gemma 2 and Phi-3: no weight is made
     dense (`strict`), the logits equal the same adapters over the dequantized weights
     (whose NF4 codes equal bitsandbytes' above), and a gradient reaches every adapter
     factor and nothing else."""
@@ -245,5 +262,5 @@ def test_qlora_on_each_new_architecture(name):
 
     with strict():
         leaves = jax.tree.leaves(grads(trainable))
-    assert len(leaves) == 2 * 7  # A and B of q, k, v, o, gate, up, down (stacked)
+    assert len(leaves) == 2 * LINEARS[name]  # A and B of each (stacked)
     assert all(float(jnp.abs(g).max()) > 0 for g in leaves)

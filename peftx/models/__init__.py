@@ -42,6 +42,12 @@ from ._llama import (
     LlamaForSequenceClassification as LlamaForSequenceClassification,
     LlamaModel as LlamaModel,
 )
+from ._phi3 import (
+    Phi3Config as Phi3Config,
+    Phi3ForCausalLM as Phi3ForCausalLM,
+    Phi3ForSequenceClassification as Phi3ForSequenceClassification,
+    Phi3Model as Phi3Model,
+)
 from ._stack import (
     LayerStack as LayerStack,
     gradient_checkpointing as gradient_checkpointing,

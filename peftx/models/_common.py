@@ -424,6 +424,17 @@ def strings(*, null: bool = True) -> Check:
     )
 
 
+def positive_numbers(*, null: bool = True) -> Check:
+    """A list of finite numbers > 0 (LongRoPE's per-frequency factors)."""
+    return _or_null(
+        Check(
+            lambda v: isinstance(v, list | tuple) and all(_is_number(x) and x > 0 for x in v),
+            "a list of finite numbers > 0",
+        ),
+        null,
+    )
+
+
 def _shown(value: Any) -> str:
     try:
         text = json.dumps(value)

@@ -25,8 +25,15 @@ from ._common import KVCache
 from ._gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from ._gpt2 import GPT2LMHeadModel
 from ._llama import LlamaForCausalLM
+from ._phi3 import Phi3ForCausalLM
 
-_MODELS = (LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, GPT2LMHeadModel)
+_MODELS = (
+    LlamaForCausalLM,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Phi3ForCausalLM,
+    GPT2LMHeadModel,
+)
 
 
 class _Spec(NamedTuple):
@@ -40,6 +47,7 @@ class _Spec(NamedTuple):
     top_k: int | None
     use_top_p: bool
     cache_sharding: NamedSharding | None  # where the model's weights lie on a mesh
+    restart_step: int | None  # the step that recomputes the cache from the whole sequence
 
 
 def generate(
@@ -62,8 +70,11 @@ def generate(
     **Arguments:**
 
     - `model`: a `LlamaForCausalLM` (Llama, Mistral, Qwen2, Qwen3), `Gemma2ForCausalLM`,
-      `Gemma3ForCausalLM` or `GPT2LMHeadModel`, or a `PeftModel` around one (adapters
-      unmerged, on a dense or quantized base).
+      `Gemma3ForCausalLM`, `Phi3ForCausalLM` or `GPT2LMHeadModel`, or a `PeftModel` around
+      one (adapters unmerged, on a dense or quantized base). A Phi-3 with LongRoPE runs
+      the whole sequence again when it first grows past `original_max_position_embeddings`,
+      so that every cached key turns with the long factors, as transformers' `generate`
+      does.
     - `input_ids`: the prompts, `(batch, prompt)`, left-padded when their lengths differ.
     - `max_new_tokens`: how many tokens to add (at least 1).
     - `attention_mask`: 1 for real tokens, 0 for padding (default: all real). Padding
@@ -172,7 +183,15 @@ def generate(
 
     placed = _cache_sharding(model, batch, kv_heads)
     spec = _Spec(
-        max_new_tokens, layers, kv_heads, head_dim, bool(do_sample), top_k, use_top_p, placed
+        max_new_tokens,
+        layers,
+        kv_heads,
+        head_dim,
+        bool(do_sample),
+        top_k,
+        use_top_p,
+        placed,
+        _restart_step(base, prompt, max_new_tokens),
     )
     sampling = jnp.asarray([temperature, 1.0 if top_p is None else top_p], jnp.float32)
     # traced, so other special ids reuse the compiled program: the pad id, then the EOS
@@ -235,6 +254,17 @@ def _cache_dims(config: Any) -> tuple[int, int, int, int | None]:
     if config.model_type == "gpt2":
         return config.n_layer, config.n_head, config.n_embd // config.n_head, config.n_positions
     return config.num_hidden_layers, config.num_key_value_heads, config.head_dim, None
+
+
+def _restart_step(model: Any, prompt: int, max_new_tokens: int) -> int | None:
+    """The decode step whose sequence (`prompt + step` columns) is the first longer than a
+    LongRoPE Phi-3's `original_max_position_embeddings`, where transformers drops the
+    cache and runs the whole sequence (`Phi3ForCausalLM.prepare_inputs_for_generation`);
+    None when no step crosses, or the rope does not depend on the length."""
+    if not isinstance(model, Phi3ForCausalLM) or model.config.longrope_switch is None:
+        return None
+    step = model.config.longrope_switch + 1 - prompt
+    return step if 1 <= step < max_new_tokens else None
 
 
 def _eos_ids(config: Any, eos_token_id: int | Sequence[int] | None) -> tuple[int, ...]:
@@ -312,7 +342,7 @@ def _generate(
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
 
     first = jax.eval_shape(lambda: forward(input_ids[:, :1], mask[:, :1], positions[:, :1]))
-    cache = KVCache.empty(
+    empty = KVCache.empty(
         spec.layers,
         batch,
         prompt + spec.max_new_tokens,
@@ -320,7 +350,7 @@ def _generate(
         spec.head_dim,
         first.logits.dtype,
     )
-    out = forward(input_ids, mask, positions, cache=_placed(cache, spec.cache_sharding))
+    out = forward(input_ids, mask, positions, cache=_placed(empty, spec.cache_sharding))
 
     def pick(logits: Array, step: Array, done: Array) -> tuple[Array, Array]:
         token = _choose(logits[:, -1].astype(jnp.float32), step, key, sampling, spec)
@@ -335,13 +365,29 @@ def _generate(
         step, _, _, _, done = state
         return (step < spec.max_new_tokens) & ~jnp.all(done)
 
-    def body(state: tuple) -> tuple:
-        step, cache, tokens, token, done = state
+    def advance(step: Array, cache: KVCache, tokens: Array, token: Array) -> tuple:
         ones = jnp.ones((batch, 1), jnp.int32)
         out = forward(token[:, None], ones, (real + step - 1)[:, None], cache=cache)
-        token, done = pick(out.logits, step, done)
+        return out.logits, out.cache
+
+    def restart(step: Array, cache: KVCache, tokens: Array, token: Array) -> tuple:
+        # the prompt and every token so far (a static width), into a fresh cache
+        ids = jnp.concatenate([input_ids, tokens[:, : spec.restart_step]], axis=1)
+        ids_mask = jnp.concatenate([mask, jnp.ones((batch, spec.restart_step), jnp.int32)], 1)
+        every = jnp.maximum(jnp.cumsum(ids_mask, axis=-1) - 1, 0)
+        out = forward(ids, ids_mask, every, cache=_placed(empty, spec.cache_sharding))
+        return out.logits[:, -1:], out.cache
+
+    def body(state: tuple) -> tuple:
+        step, cache, tokens, token, done = state
+        if spec.restart_step is None:
+            logits, cache = advance(step, cache, tokens, token)
+        else:
+            restarts = step == spec.restart_step
+            logits, cache = lax.cond(restarts, restart, advance, step, cache, tokens, token)
+        token, done = pick(logits, step, done)
         tokens = lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
-        return step + 1, _placed(out.cache, spec.cache_sharding), tokens, token, done
+        return step + 1, _placed(cache, spec.cache_sharding), tokens, token, done
 
     state = (jnp.ones((), jnp.int32), out.cache, tokens, token, done)
     tokens = lax.while_loop(cond, body, state)[2]

@@ -43,6 +43,7 @@ from ._common import (
     mapping,
     normal_linear,
     number,
+    positive_numbers,
     strings,
     write_cache,
 )
@@ -67,6 +68,8 @@ ROPE_CHECKS: dict[str, Check] = {
     "mscale": number(null=True),
     "mscale_all_dim": number(null=True),
     "truncate": flag(),
+    "short_factor": positive_numbers(),
+    "long_factor": positive_numbers(),
 }
 # the parameters each rope type reads without a default
 ROPE_REQUIRED = {
@@ -449,15 +452,16 @@ def rope_frequencies(
     parameters: dict[str, Any] | None = None,
 ) -> tuple[Float[Array, " half"], float]:
     """`(inv_freq, attention_scaling)` for the config's rope type, as transformers computes
-    them (in float32). `seq_len` (traced) matters only to `dynamic`. `config`: this
-    family's, or another with `rope_parameters`, `head_dim` and `max_position_embeddings`
-    (Gemma's). `parameters` replace `config.rope_parameters` (Gemma 3's sliding layers
-    have rope parameters of their own)."""
+    them (in float32). `seq_len` (traced) matters only to `dynamic` and `longrope`.
+    `config`: this family's, or another with `rope_parameters`, `head_dim` and
+    `max_position_embeddings` (Gemma's, Phi-3's). `parameters` replace
+    `config.rope_parameters` (Gemma 3's sliding layers have rope parameters of their own)."""
     p = config.rope_parameters if parameters is None else parameters
     kind, base, dim = p["rope_type"], float(p["rope_theta"]), config.head_dim
     dim = int(dim * p.get("partial_rotary_factor", 1.0))
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
-    inv_freq = 1.0 / (np.float32(base) ** exponents)
+    powers = np.float32(base) ** exponents
+    inv_freq = 1.0 / powers
     scaling = 1.0
     if kind == "linear":
         inv_freq = inv_freq / np.float32(p["factor"])
@@ -472,7 +476,16 @@ def rope_frequencies(
         inv_freq = np.where(medium, smoothed, scaled).astype(np.float32)
     elif kind == "yarn":
         inv_freq, scaling = _yarn(p, dim, base, config.max_position_embeddings)
+    elif kind == "longrope":
+        inv_freq = 1.0 / (np.asarray(p["short_factor"], np.float32) * powers)
+        scaling = _longrope_scaling(p, config.max_position_embeddings)
     inv = jnp.asarray(inv_freq, jnp.float32)
+    if kind == "longrope" and seq_len is not None:
+        # one set for the whole call: the long factors once any position is past the
+        # original length (transformers' `longrope_frequency_update`)
+        long = 1.0 / (np.asarray(p["long_factor"], np.float32) * powers)
+        original = p["original_max_position_embeddings"]
+        inv = jnp.where(seq_len > original, jnp.asarray(long, jnp.float32), inv)
     if kind == "dynamic" and seq_len is not None:
         max_pos = config.max_position_embeddings
         factor = p["factor"]
@@ -481,6 +494,17 @@ def rope_frequencies(
         exps = jnp.asarray(exponents)
         inv = jnp.where(seq_len > max_pos, 1.0 / (new_base**exps), inv)
     return inv, scaling
+
+
+def _longrope_scaling(p: dict, max_pos: int) -> float:
+    """LongRoPE's scale of cos and sin, the same for short and long factors: the given
+    `attention_factor`, else `sqrt(1 + ln(factor) / ln(original))` for a `factor`
+    (default: how far `max_position_embeddings` extends the original length) above 1."""
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+    original = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_pos / original
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _yarn(p: dict, dim: int, base: float, max_pos: int) -> tuple[np.ndarray, float]:
