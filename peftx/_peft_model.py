@@ -24,6 +24,7 @@ from ._targets import (
     name_or_path_of,
     parameter_targets,
     targets,
+    with_expert_names,
 )
 from .adapters import AdapterSet, detach, merge
 from .adapters._kind import count_parameters, trained_fields
@@ -531,6 +532,7 @@ class PeftModel(eqx.Module):
                 f"this model's adapters are {self.peft_type}; a {config.peft_type} adapter "
                 "cannot join them (as in PEFT). Start from the base model (`unload()`)."
             )
+        config = with_expert_names(config, self.base_model, model_type)
         split, parameters = parameter_targets(self.base_model, config)
         found = targets(split, with_classifier(config), model_type=model_type)
         config = found.config

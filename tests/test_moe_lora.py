@@ -403,3 +403,41 @@ def test_unmatched_parameter_names_its_stacks(checkpoints):
     config = LoraConfig(target_parameters=["mlp.experts.up_proj"])
     with pytest.raises(KeyError, match=r"mlp\.experts\.gate_up_proj"):
         get_peft_model(model, config, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    "name, target",
+    [
+        ("mixtral", "all-linear"),
+        ("mixtral", ["q_proj", "w1", "w3", "w2"]),
+        ("qwen3_moe", ["q_proj", "gate_proj", "up_proj", "down_proj"]),
+    ],
+)
+def test_transformers_4_expert_names_select_what_peft_selects(checkpoints, name, target, tmp_path):
+    """PEFT reads the expert and router names of transformers 4 (and `all-linear`, which
+    meant them) as `target_parameters` on transformers 5's fused experts, `gate_up_proj`
+    at twice the rank: the same file keys, shapes and config as PEFT's."""
+    path = checkpoints[name][0]
+    kwargs = dict(r=2, lora_alpha=3, target_modules=target)
+    theirs = peft.get_peft_model(_torch_model(path), peft.LoraConfig(**kwargs))
+    theirs.save_pretrained(tmp_path / "peft")
+    ours = get_peft_model(pm.from_pretrained(path), LoraConfig(**kwargs), key=jax.random.key(0))
+    ours.save_pretrained(tmp_path / "ours")
+    files = [load_file(tmp_path / d / "adapter_model.safetensors") for d in ("peft", "ours")]
+    assert [{k: v.shape for k, v in f.items()} for f in files][0] == {
+        k: v.shape for k, v in files[1].items()
+    }
+    assert any("experts.base_layer.lora_A" in k for k in files[1])
+    configs = [
+        json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("peft", "ours")
+    ]
+    for field in ("target_parameters", "target_modules"):
+        assert sorted(configs[0][field]) == sorted(configs[1][field]), field
+    for field in ("rank_pattern", "alpha_pattern"):
+        assert configs[0][field] == configs[1][field], field
+
+
+def test_half_of_a_fused_pair_is_refused(checkpoints):
+    model = pm.from_pretrained(checkpoints["qwen3_moe"][0])
+    with pytest.raises(ValueError, match="fused into one `gate_up_proj`"):
+        get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj"]), key=jax.random.key(0))
