@@ -19,6 +19,7 @@ from peftx.adapters import (
     AdapterSet,
     adapter_set,
     dora,
+    expert_lora,
     ia3,
     lora,
     lora_embedding,
@@ -27,6 +28,7 @@ from peftx.adapters import (
 )
 
 OUT, IN, R = 6, 8, 3
+EXPERTS = 4
 
 
 def _weight(key, shape=(OUT, IN)):
@@ -48,7 +50,7 @@ def _random(adapter, key):
 def _kinds():
     """name -> (array, stacking axes, dense formula of `merged(W)`, PEFT's parameter count:
     an adapter's trained arrays and its base weight's count)."""
-    k = iter(jax.random.split(jax.random.key(0), 16))
+    k = iter(jax.random.split(jax.random.key(0), 20))
     w = _weight(next(k))
     low = _random(lora(w, r=R, lora_alpha=5, key=next(k)), next(k))
     conv_w = _weight(next(k), (OUT, IN, 3, 3))
@@ -58,12 +60,20 @@ def _kinds():
     in_scale = _random(ia3(w, feedforward=True), next(k))
     table = _random(lora_embedding(w, r=R, lora_alpha=5, key=next(k)), next(k))
     stacked_w = _weight(next(k), (2, OUT, IN))
+    experts_w = _weight(next(k), (EXPERTS, OUT, IN))
+    experts = _random(expert_lora(experts_w, r=R, lora_alpha=5, key=next(k)), next(k))
     stacked = eqx.filter_vmap(lambda v, key: lora(v, r=R, lora_alpha=5, init="random", key=key))(
         stacked_w, jax.random.split(next(k), 2)
     )
 
     def low_rank(a):
         return a.scaling * a.lora_B @ a.lora_A
+
+    def expert_formula(v):
+        # PEFT's layouts: lora_A (R·E, in) expert-major, lora_B (out, R·E) expert-minor
+        a = experts.lora_A.reshape(EXPERTS, R, IN)
+        b = experts.lora_B.reshape(OUT, R, EXPERTS)
+        return v + experts.scaling * jnp.einsum("ore,eri->eoi", b, a)
 
     def dora_formula(v):
         dense = v + low_rank(decomposed)
@@ -98,6 +108,12 @@ def _kinds():
             lambda v: v + stacked.scaling * stacked.lora_B @ stacked.lora_A,
             2 * (OUT * IN + R * (IN + OUT)),
         ),
+        "expert lora": (
+            experts,
+            0,
+            expert_formula,
+            EXPERTS * OUT * IN + EXPERTS * R * (IN + OUT),
+        ),
         "nf4": (quantize_nf4(w), 0, None, OUT * IN),
         "int8": (quantize_int8(w), 0, None, OUT * IN),
         "adapter set": (adapter_set(w, {"a": low}, ("a",)), 0, None, OUT * IN + R * (IN + OUT)),
@@ -112,6 +128,7 @@ KINDS = [
     "ia3 in",
     "lora embedding",
     "stacked lora",
+    "expert lora",
     "nf4",
     "int8",
     "adapter set",
@@ -140,7 +157,8 @@ def test_weight_axes_follow_the_weight(name):
             if j is not None:
                 assert own[i] in (shape[j], 1), (field, i, j, own, shape)
             else:
-                assert own[i] == R, (field, i, own)  # the only own axis here: the rank
+                # the only own axis here: the rank (times the experts, for an expert stack)
+                assert own[i] in (R, R * EXPERTS), (field, i, own)
 
 
 @pytest.mark.parametrize("name", [n for n in KINDS if n not in ("nf4", "int8", "adapter set")])

@@ -80,7 +80,7 @@ class Gemma2Config(HFConfig):
         (r"down_proj\.weight", ("embed", "mlp")),
         (r"score\.weight", (None, "embed")),
         (r"[qk]_norm\.weight", (None,)),  # over one head's features: kept whole
-        (r"(layernorm|norm)\.weight|o_proj\.bias", ("embed",)),
+        (r"(\w*layernorm|norm)\.weight|o_proj\.bias", ("embed",)),
     )
 
     model_type: str = "gemma2"
