@@ -206,6 +206,18 @@ ZOO = {
         ),
         key=jax.random.key(0),
     ),
+    "gemma3": lambda: peftx.models.Gemma3ForCausalLM(
+        peftx.models.Gemma3TextConfig(
+            head_dim=16, query_pre_attn_scalar=24, sliding_windows=(4, None), **_SIZES
+        ),
+        key=jax.random.key(0),
+    ),
+    "mixtral": lambda: peftx.models.LlamaForCausalLM(
+        peftx.models.LlamaConfig(
+            model_type="mixtral", num_experts=4, num_experts_per_tok=2, **_SIZES
+        ),
+        key=jax.random.key(0),
+    ),
     "phi3": lambda: peftx.models.Phi3ForCausalLM(
         peftx.models.Phi3Config(
             rope=(
@@ -222,8 +234,9 @@ ZOO = {
         key=jax.random.key(0),
     ),
 }
-# the Linear layers of a block: q, k, v, o, gate, up, down; Phi-3 fuses q, k, v and gate, up
-LINEARS = {"qwen3": 7, "gemma2": 7, "phi3": 4}
+# the adapted weights of a block: q, k, v, o, gate, up, down; Phi-3 fuses q, k, v and gate,
+# up; Mixtral's all-linear is q, k, v, o, the router and the two expert stacks
+LINEARS = {"qwen3": 7, "gemma2": 7, "gemma3": 7, "mixtral": 7, "phi3": 4}
 _SIZES = dict(
     vocab_size=64,
     hidden_size=64,
@@ -237,7 +250,7 @@ _SIZES = dict(
 
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_qlora_on_each_new_architecture(name):
-    """QLoRA on every linear layer of a stacked Qwen3, Gemma 2 and Phi-3: no weight is made
+    """QLoRA on every linear layer (and expert stack) of each newer stacked model: none is made
     dense (`strict`), the logits equal the same adapters over the dequantized weights
     (whose NF4 codes equal bitsandbytes' above), and a gradient reaches every adapter
     factor and nothing else."""
