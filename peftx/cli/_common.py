@@ -75,7 +75,28 @@ def model_class_for(task: str, model_dir: Path) -> str:
 
 # -- the fine-tune job's TOML ---------------------------------------------------------------
 
-JOB_TABLES = ("model", "data", "lora", "ia3", "adapters", "quantization", "train", "output", "mesh")
+
+def adapter_tables() -> tuple[str, ...]:
+    """The adapter kinds' TOML tables (`[lora]`, `[ia3]`, ...), as each config class
+    registers its own."""
+    from .._config import TOML_TABLES
+
+    return tuple(TOML_TABLES)
+
+
+def job_tables() -> tuple[str, ...]:
+    return (
+        "model",
+        "data",
+        *adapter_tables(),
+        "adapters",
+        "quantization",
+        "train",
+        "output",
+        "mesh",
+    )
+
+
 MODEL_KEYS = {
     "path": None,
     "task": tuple(TASKS),
@@ -129,9 +150,10 @@ def job_model(job: dict[str, Any], toml_path: str | Path) -> ModelSettings:
     """The `[model]` table of a fine-tune job read by `read_toml`, checked; a relative
     `path` is relative to the TOML file. Unknown top-level tables are refused too."""
     toml_path = Path(toml_path)
+    tables = job_tables()
     for name in job:
-        if name not in JOB_TABLES:
-            raise unknown_key(f"{toml_path} (top level)", name, JOB_TABLES)
+        if name not in tables:
+            raise unknown_key(f"{toml_path} (top level)", name, tables)
     table = job.get("model", {})
     if not isinstance(table, dict):
         raise UsageError(f"{toml_path}: 'model' must be a table ([model]), got {table!r}")

@@ -25,6 +25,7 @@ from ._common import (
     ModelSettings,
     RunFailed,
     UsageError,
+    adapter_tables,
     hf_config,
     job_model,
     model_class_for,
@@ -67,7 +68,6 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
 PATHS = {("model", "path"), ("data", "train"), ("data", "eval")}
 TASK_TYPES = {"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
-ADAPTER_KEYS = ("name", "train", "eval", "lora", "ia3")
 # a name is a folder of the output (PEFT saves an adapter in a subfolder of its name)
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
@@ -279,9 +279,10 @@ class Job:
         adapters: list[Adapter] = []
         for n, entry in enumerate(entries, 1):
             where = f"{path}: [[adapters]][{n}]"
+            keys = ("name", "train", "eval", *adapter_tables())
             for key in entry:
-                if key not in ADAPTER_KEYS:
-                    raise unknown_key(f"[[adapters]][{n}] of {path}", key, ADAPTER_KEYS)
+                if key not in keys:
+                    raise unknown_key(f"[[adapters]][{n}] of {path}", key, keys)
             for key in ("name", "train", "eval"):
                 if key not in entry:
                     raise UsageError(f"{where}: missing {key!r}")

@@ -16,14 +16,13 @@ from ._common import (
     TASKS,
     UsageError,
     adapter_config,
+    adapter_tables,
     hf_config,
     model_class_for,
     model_dir,
     read_toml,
 )
 
-# The adapters' config tables; a TOML holding any other table is a fine-tune job.
-ADAPTER_TABLES = ("lora", "ia3")
 PEFT_TASKS = {"SEQ_CLS": "classification", "CAUSAL_LM": "causal-lm"}
 
 
@@ -73,7 +72,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
     if toml is None:
         return _Plan(path, _default_class(path), "float32", "stacked")
     tables = read_toml(toml)
-    if set(tables) <= set(ADAPTER_TABLES):  # a bare adapter config
+    if set(tables) <= set(adapter_tables()):  # a bare adapter config: else a fine-tune job
         if path is None:
             raise UsageError(
                 f"{toml} holds only an adapter table; name the model: "
