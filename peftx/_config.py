@@ -35,7 +35,16 @@ from ._targets import (
     AdaptedLayer,
     AdaptedParameter,
 )
-from .adapters import AbstractAdapter, IA3Array, dora, expert_lora, ia3, lora, lora_embedding
+from .adapters import (
+    AbstractAdapter,
+    IA3Array,
+    dora,
+    expert_lora,
+    ia3,
+    lora,
+    lora_embedding,
+    oft,
+)
 
 CONFIG_NAME = "adapter_config.json"
 
@@ -151,6 +160,29 @@ _IA3_KEYS = (
     "modules_to_save",
     "init_ia3_weights",
 )
+_OFT_KEYS = (
+    *_PEFT_BASE_KEYS,
+    "r",
+    "oft_block_size",
+    "module_dropout",
+    "target_modules",
+    "fan_in_fan_out",
+    "bias",
+    "exclude_modules",
+    "init_weights",
+    "layers_to_transform",
+    "layers_pattern",
+    "modules_to_save",
+    "coft",
+    "eps",
+    "block_share",
+    "use_cayley_neumann",
+    "num_cayley_neumann_terms",
+)
+
+# The PEFT version whose Cayley-Neumann series `OFTArray` computes, written to a saved
+# OFT config that names none (PEFT refuses such a file).
+_OFT_SERIES_VERSION = "0.21.2"
 
 
 # -- per-field checks, shared by `__post_init__` and `from_dict` ----------------------------
@@ -282,21 +314,25 @@ _RANGES: dict[str, tuple[Callable[[Any], Any], str]] = {
 }
 
 
-def _check_field(name: str, value: Any) -> None:
-    """A `TypeError`/`ValueError` naming the field if `value` is not valid for it alone."""
-    if name in _TYPES:
-        check, expected = _TYPES[name]
+def _check_field(name: str, value: Any, own: type["AbstractAdapterConfig"] | None = None) -> None:
+    """A `TypeError`/`ValueError` naming the field if `value` is not valid for it alone
+    (by `own` config class's checks of its fields, where it has them, else the shared ones)."""
+    types = {**_TYPES, **own._OWN_TYPES} if own else _TYPES
+    ranges = {**_RANGES, **own._OWN_RANGES} if own else _RANGES
+    choices_of = {**_CHOICES, **own._OWN_CHOICES} if own else _CHOICES
+    if name in types:
+        check, expected = types[name]
         if not check(value):
             raise TypeError(
                 f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
             )
-    if name in _RANGES:
-        at_fault, expected = _RANGES[name]
+    if name in ranges:
+        at_fault, expected = ranges[name]
         bad = at_fault(value)
         if bad is not None:
             raise ValueError(f"{expected}; got {_frozen(bad)!r}.")
-    if name in _CHOICES:
-        choices = _CHOICES[name]
+    if name in choices_of:
+        choices = choices_of[name]
         # Compare types too, so that `1` is not taken for `True`.
         if not any(type(value) is type(c) and value == c for c in choices):
             words = {c.lower(): c for c in choices if isinstance(c, str)}
@@ -410,6 +446,11 @@ class AbstractAdapterConfig:
     _PEFT_TYPE: ClassVar[str]
     _KEYS: ClassVar[tuple[str, ...] | None] = None  # PEFT's key order (default: fields')
     _PEFT_ONLY: ClassVar[dict[str, Any]] = {}
+    # a kind's own checks of a field, where they differ from the shared `_TYPES`,
+    # `_RANGES` and `_CHOICES` (OFT's `r` may be 0, its `bias` is "oft_only")
+    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+    _OWN_RANGES: ClassVar[dict[str, tuple[Callable[[Any], Any], str]]] = {}
+    _OWN_CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -515,7 +556,7 @@ class AbstractAdapterConfig:
             )
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            _check_field(field.name, value)
+            _check_field(field.name, value, type(self))
             object.__setattr__(self, field.name, _frozen(value))
         # PEFT's own checks (`LoraConfig.__post_init__`).
         target = self.target_modules
@@ -610,7 +651,7 @@ class AbstractAdapterConfig:
         unknown: list[str] = []
         for key, value in values.items():
             if key in own:
-                _check_field(key, value)
+                _check_field(key, value, cls)
                 kwargs[key] = value
             elif key in cls._PEFT_ONLY:
                 if key in _SILENT or _is_default(value, cls._PEFT_ONLY[key]):
@@ -915,6 +956,170 @@ class IA3Config(AbstractAdapterConfig):
                 f"{sorted(set(ff) - set(target))} are not in `target_modules` {list(target)}. "
                 "Add them to `target_modules`, or remove them from `feedforward_modules`."
             )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OFTConfig(AbstractAdapterConfig):
+    """HF PEFT's `OFTConfig` (orthogonal fine-tuning): the same field names, meanings and
+    defaults. Each adapted `Linear` gets an `OFTArray`: its input features split into
+    blocks, each rotated by the Cayley transform of a learned skew-symmetric matrix.
+
+    **Arguments:**
+
+    - `oft_block_size`: the size of each block (default 32); or
+    - `r`: the number of blocks per layer. Exactly one of the two is non-zero (PEFT's rule;
+      the default is `r=0`). A value that does not divide a layer's input features is
+      moved to the nearest one that does, with PEFT's warning.
+    - `module_dropout`: PEFT's multiplicative dropout of whole blocks. PEFT 0.21.2 builds
+      its dropout layer but never calls it, so the value has no effect there; peftx matches
+      that and says so with a warning.
+    - `bias`: which biases train: `"none"`, `"all"` or `"oft_only"` (of adapted layers).
+    - `init_weights`: `True` starts every rotation at the identity (`oft_R = 0`); `False`
+      draws `oft_R` from `N(0, 0.1²)`, as PEFT does (for tests).
+    - `coft`, `eps`: constrained OFT: each block's skew matrix is kept within Frobenius
+      norm `eps / sqrt(blocks)` of zero.
+    - `block_share`: one rotation shared by all blocks of a layer.
+    - `use_cayley_neumann`, `num_cayley_neumann_terms`: the Cayley transform by PEFT's
+      truncated Neumann series (default, 5 terms) instead of a matrix inverse.
+    - `target_modules`, `exclude_modules`, `fan_in_fan_out`, `modules_to_save`,
+      `layers_to_transform`, `layers_pattern`, and PEFT's bookkeeping fields: as for
+      `LoraConfig`.
+    """
+
+    peft_type: Literal["OFT"] = "OFT"
+    r: int = 0
+    oft_block_size: int = 32
+    module_dropout: int | float = 0.0
+    bias: Literal["none", "all", "oft_only"] = "none"
+    init_weights: bool = True
+    coft: bool = False
+    eps: int | float = 6e-5
+    block_share: bool = False
+    use_cayley_neumann: bool = True
+    num_cayley_neumann_terms: int = 5
+
+    toml_table: ClassVar[str | None] = "oft"
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
+    _KEYS: ClassVar[tuple[str, ...] | None] = _OFT_KEYS
+    _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
+    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "oft_block_size": (_is_int, "an int"),
+        "module_dropout": (_is_number, "a number"),
+        "init_weights": (lambda v: isinstance(v, bool), "a bool"),
+        "coft": (lambda v: isinstance(v, bool), "a bool"),
+        "eps": (_is_number, "a number"),
+        "block_share": (lambda v: isinstance(v, bool), "a bool"),
+        "use_cayley_neumann": (lambda v: isinstance(v, bool), "a bool"),
+        "num_cayley_neumann_terms": (_is_int, "an int"),
+    }
+    _OWN_RANGES: ClassVar[dict[str, tuple[Callable[[Any], Any], str]]] = {
+        "r": (
+            _at_fault(lambda v: 0 <= v <= _MAX_RANK),
+            (
+                "`r` (OFT's number of blocks per layer, 0 to use oft_block_size) must be an "
+                f"integer in [0, {_MAX_RANK}]"
+            ),
+        ),
+        "oft_block_size": (
+            _at_fault(lambda v: 0 <= v <= _MAX_RANK),
+            f"`oft_block_size` (0 to use r) must be an integer in [0, {_MAX_RANK}]",
+        ),
+        "module_dropout": (
+            _at_fault(_is_probability),
+            "`module_dropout` must be a probability in [0, 1)",
+        ),
+        "eps": (
+            _at_fault(lambda v: 0 < v <= _FLOAT32_MAX),
+            "`eps` (COFT's radius) must be a positive finite number",
+        ),
+        "num_cayley_neumann_terms": (
+            _at_fault(lambda v: 2 <= v <= 64),
+            (
+                "`num_cayley_neumann_terms` must be an integer in [2, 64] (fewer than 2 terms "
+                "leave every rotation the identity, whatever oft_R holds)"
+            ),
+        ),
+    }
+    _OWN_CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {"bias": ("none", "all", "oft_only")}
+
+    __hash__ = AbstractAdapterConfig.__hash__
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "module_dropout", float(self.module_dropout))
+        object.__setattr__(self, "eps", float(self.eps))
+        if (self.r == 0) == (self.oft_block_size == 0):
+            raise ValueError(
+                f"Set exactly one of `r` ({self.r}) and `oft_block_size` "
+                f"({self.oft_block_size}) to a non-zero value (the other to 0): r x "
+                "oft_block_size is each layer's number of input features, so one gives the "
+                "other. For example OFTConfig(r=0, oft_block_size=32)."
+            )
+
+    def block_size(self, in_features: int, path: str) -> int:
+        """The block size for a layer with `in_features` inputs, adjusted as PEFT does
+        (with its warning) when `oft_block_size` or `r` does not divide them."""
+        asked = self.oft_block_size or self.r
+        fits = in_features % asked == 0 and asked <= in_features
+        value = asked if fits else _nearest_divisor(in_features, asked)
+        if not fits:
+            name = "oft_block_size" if self.oft_block_size else "r"
+            warnings.warn(
+                f"Invalid `{name}` ({asked}) for {path} with {in_features} input features! "
+                f"Adjusted `{name}` to ({value}).",
+                UserWarning,
+                stacklevel=3,
+            )
+        return value if self.oft_block_size else in_features // value
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        if self.module_dropout:
+            warnings.warn(
+                f"module_dropout={self.module_dropout} has no effect: PEFT 0.21.2 never "
+                "applies OFT's multiplicative dropout, and peftx computes what PEFT does.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return oft(
+            base,
+            block_size=self.block_size(base.shape[-1], layer.path),
+            coft=self.coft,
+            eps=self.eps,
+            block_share=self.block_share,
+            use_cayley_neumann=self.use_cayley_neumann,
+            num_cayley_neumann_terms=self.num_cayley_neumann_terms,
+            key=None if self.init_weights else key,
+        )
+
+    def as_saved(self, placed: Sequence[tuple[str, AbstractAdapter]]) -> dict[str, Any]:
+        changes = super().as_saved(placed)
+        if self.use_cayley_neumann and self.peft_version is None:
+            # PEFT refuses a Cayley-Neumann adapter without a version (its series changed
+            # in 0.18); this one computes PEFT 0.21.2's
+            changes["peft_version"] = _OFT_SERIES_VERSION
+        return changes
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if not isinstance(layer, eqx.nn.Linear):
+            return (
+                f"OFT in peftx adapts Linear layers only; {path!r} is an "
+                f"eqx.nn.{type(layer).__name__}. Exclude it (exclude_modules)."
+            )
+        return None
+
+
+def _nearest_divisor(n: int, asked: int) -> int:
+    """PEFT's `adjust_oft_parameters`: the divisor of `n` nearest `asked` (the lower one
+    on a tie), or `n` when `asked` exceeds it."""
+    if asked >= n:
+        return n
+    higher = asked
+    while higher <= n and n % higher:
+        higher += 1
+    lower = asked
+    while lower > 1 and n % lower:
+        lower -= 1
+    return lower if asked - lower <= higher - asked else higher
 
 
 # -- files ----------------------------------------------------------------------------------

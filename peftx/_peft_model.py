@@ -228,7 +228,7 @@ class PeftModel(eqx.Module):
                     and (
                         self.bias == "all"
                         or (
-                            self.bias == "lora_only"
+                            self.bias.endswith("_only")
                             and _is_set(n.weight)
                             and any(name in n.weight.adapters for name in names)
                         )

@@ -74,6 +74,7 @@ COMMON = {  # field: (changed value, what it does)
 STARTS = {
     "layers_to_transform": {"layers_to_transform": (0, 1)},
     "layers_pattern": {"layers_to_transform": (0,)},  # group 0 vs layer 0 of each group
+    "eps": {"coft": True},  # COFT's radius
 }
 CASES = {
     peftx.LoraConfig: (
@@ -101,6 +102,24 @@ CASES = {
             "target_modules": (("q", "fc"), "builds"),  # a superset of feedforward_modules
             "feedforward_modules": (("v",), "builds"),
             "init_ia3_weights": (False, "builds"),
+        },
+    ),
+    peftx.OFTConfig: (
+        {"oft_block_size": 2, "target_modules": ("q", "v", "fc"), "init_weights": False},
+        {
+            **COMMON,
+            "peft_type": ("LORA", "refused"),
+            "r": (2, "refused"),  # only with oft_block_size=0: r x oft_block_size = in
+            "oft_block_size": (4, "builds"),
+            # PEFT 0.21.2 never applies it, and says nothing; peftx warns
+            "module_dropout": (0.1, "warns"),
+            "bias": ("all", "builds"),
+            "init_weights": (True, "builds"),
+            "coft": (True, "builds"),
+            "eps": (1e-3, "builds"),
+            "block_share": (True, "builds"),
+            "use_cayley_neumann": (False, "builds"),
+            "num_cayley_neumann_terms": (3, "builds"),
         },
     ),
 }

@@ -23,6 +23,7 @@ from peftx.adapters import (
     ia3,
     lora,
     lora_embedding,
+    oft,
     quantize_int8,
     quantize_nf4,
 )
@@ -65,6 +66,18 @@ def _kinds():
     stacked = eqx.filter_vmap(lambda v, key: lora(v, r=R, lora_alpha=5, init="random", key=key))(
         stacked_w, jax.random.split(next(k), 2)
     )
+
+    rotated = _random(oft(w, block_size=4), next(k))
+
+    def oft_formula(v):
+        # each block of 4 input features rotated by PEFT's 5-term Cayley-Neumann series
+        rows, cols = np.triu_indices(4, 1)
+        blocks = []
+        for vec in rotated.oft_R:
+            q = jnp.zeros((4, 4)).at[rows, cols].set(vec)
+            q = q - q.T
+            blocks.append(jnp.eye(4) + 2 * (q + q @ q + q @ q @ q) + q @ q @ q @ q)
+        return v @ jax.scipy.linalg.block_diag(*blocks).T
 
     def low_rank(a):
         return a.scaling * a.lora_B @ a.lora_A
@@ -114,6 +127,7 @@ def _kinds():
             expert_formula,
             EXPERTS * OUT * IN + EXPERTS * R * (IN + OUT),
         ),
+        "oft": (rotated, 0, oft_formula, OUT * IN + (IN // 4) * 6),
         "nf4": (quantize_nf4(w), 0, None, OUT * IN),
         "int8": (quantize_int8(w), 0, None, OUT * IN),
         "adapter set": (adapter_set(w, {"a": low}, ("a",)), 0, None, OUT * IN + R * (IN + OUT)),
@@ -129,6 +143,7 @@ KINDS = [
     "lora embedding",
     "stacked lora",
     "expert lora",
+    "oft",
     "nf4",
     "int8",
     "adapter set",

@@ -22,6 +22,7 @@ from ._lora import (
     without_dropout as without_dropout,
 )
 from ._merge import merge as merge
+from ._oft import OFTArray as OFTArray, oft as oft
 from ._quantized import (
     Int8Array as Int8Array,
     NF4Array as NF4Array,
