@@ -248,6 +248,11 @@ ADAPTERS = {
             target_modules=("key", "value", "output.dense"), feedforward_modules=("output.dense",)
         ),
     ),
+    "oft": (
+        'oft_block_size = 8\nblock_share = true\ntarget_modules = ["query", "value"]',
+        peft.OFTConfig(oft_block_size=8, block_share=True, target_modules=["query", "value"]),
+        peftx.OFTConfig(oft_block_size=8, block_share=True, target_modules=("query", "value")),
+    ),
     # PEFT's defaults for BERT: key, value and output.dense, the last one feed-forward
     "ia3_defaults": ("init_ia3_weights = true", peft.IA3Config(), peftx.IA3Config()),
 }
@@ -256,7 +261,7 @@ ADAPTERS = {
 @pytest.mark.parametrize("name", sorted(ADAPTERS))
 def test_inspect_counts_match_get_peft_model_and_peft(name, tmp_path, capsys):
     text, peft_config, peftx_config = ADAPTERS[name]
-    table = "ia3" if name.startswith("ia3") else "lora"
+    table = {"dora": "lora", "ia3_defaults": "ia3"}.get(name, name)
     job = tmp_path / "job.toml"
     job.write_text(
         f'[model]\npath = "all-MiniLM-L6-v2"\ntask = "classification"\n\n'
