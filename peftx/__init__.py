@@ -5,6 +5,7 @@ from ._config import (
     AbstractAdapterConfig as AbstractAdapterConfig,
     IA3Config as IA3Config,
     LoraConfig as LoraConfig,
+    VeraConfig as VeraConfig,
     from_toml as from_toml,
     load_config as load_config,
     save_config as save_config,

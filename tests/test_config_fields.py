@@ -103,6 +103,20 @@ CASES = {
             "init_ia3_weights": (False, "builds"),
         },
     ),
+    peftx.VeraConfig: (
+        {"r": 2, "target_modules": ("q", "v", "fc")},
+        {
+            **COMMON,
+            "peft_type": ("LORA", "refused"),
+            "r": (3, "builds"),
+            "projection_prng_key": (1, "builds"),
+            "save_projection": (False, "builds"),  # the projections leave the file
+            "vera_dropout": (0.1, "builds"),
+            "d_initial": (0.5, "builds"),
+            "bias": ("all", "builds"),
+            "init_weights": (False, "builds"),
+        },
+    ),
 }
 
 

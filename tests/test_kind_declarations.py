@@ -25,6 +25,8 @@ from peftx.adapters import (
     lora_embedding,
     quantize_int8,
     quantize_nf4,
+    vera,
+    vera_projections,
 )
 
 OUT, IN, R = 6, 8, 3
@@ -65,6 +67,13 @@ def _kinds():
     stacked = eqx.filter_vmap(lambda v, key: lora(v, r=R, lora_alpha=5, init="random", key=key))(
         stacked_w, jax.random.split(next(k), 2)
     )
+
+    vera_A, vera_B = map(jnp.asarray, vera_projections(3, R, IN + 2, OUT + 1))
+    shared = _random(vera(w, vera_A, vera_B), next(k))
+
+    def vera_formula(v):
+        a, b = shared.vera_A[:, :IN], shared.vera_B[:OUT]
+        return v + shared.vera_lambda_b[:, None] * (b @ (shared.vera_lambda_d[:, None] * a))
 
     def low_rank(a):
         return a.scaling * a.lora_B @ a.lora_A
@@ -114,6 +123,8 @@ def _kinds():
             expert_formula,
             EXPERTS * OUT * IN + EXPERTS * R * (IN + OUT),
         ),
+        # the shared projections are buffers to PEFT, not parameters
+        "vera": (shared, 0, vera_formula, OUT * IN + OUT + R),
         "nf4": (quantize_nf4(w), 0, None, OUT * IN),
         "int8": (quantize_int8(w), 0, None, OUT * IN),
         "adapter set": (adapter_set(w, {"a": low}, ("a",)), 0, None, OUT * IN + R * (IN + OUT)),
@@ -129,6 +140,7 @@ KINDS = [
     "lora embedding",
     "stacked lora",
     "expert lora",
+    "vera",
     "nf4",
     "int8",
     "adapter set",
