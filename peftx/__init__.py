@@ -6,6 +6,7 @@ from ._config import (
     IA3Config as IA3Config,
     LoraConfig as LoraConfig,
     OFTConfig as OFTConfig,
+    VeraConfig as VeraConfig,
     from_toml as from_toml,
     load_config as load_config,
     save_config as save_config,

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import equinox as eqx
+import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
 from ._files import read_json, read_toml, write_text
@@ -44,6 +45,8 @@ from .adapters import (
     lora,
     lora_embedding,
     oft,
+    vera,
+    vera_projections,
 )
 
 CONFIG_NAME = "adapter_config.json"
@@ -184,6 +187,22 @@ _OFT_KEYS = (
 # OFT config that names none (PEFT refuses such a file).
 _OFT_SERIES_VERSION = "0.21.2"
 
+_VERA_KEYS = (
+    *_PEFT_BASE_KEYS,
+    "r",
+    "target_modules",
+    "projection_prng_key",
+    "save_projection",
+    "vera_dropout",
+    "d_initial",
+    "fan_in_fan_out",
+    "bias",
+    "modules_to_save",
+    "init_weights",
+    "layers_to_transform",
+    "layers_pattern",
+)
+
 
 # -- per-field checks, shared by `__post_init__` and `from_dict` ----------------------------
 
@@ -237,6 +256,11 @@ _TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "rank_pattern": (_is_map(_is_int), "a dict from module-name patterns to int ranks"),
     "alpha_pattern": (_is_map(_is_number), "a dict from module-name patterns to numbers"),
     "init_ia3_weights": (lambda v: isinstance(v, bool), "a bool"),
+    "projection_prng_key": (_is_int, "an int"),
+    "save_projection": (lambda v: isinstance(v, bool), "a bool"),
+    "vera_dropout": (_is_number, "a number"),
+    "d_initial": (_is_number, "a number"),
+    "init_weights": (lambda v: isinstance(v, bool), "a bool"),
     "target_parameters": (
         lambda v: v is None or _is_str_list(v),
         "None or a list of parameter names (e.g. ['mlp.experts.gate_up_proj'])",
@@ -306,6 +330,18 @@ _RANGES: dict[str, tuple[Callable[[Any], Any], str]] = {
     "alpha_pattern": (
         _at_fault(_is_scale),
         "`alpha_pattern` values must be finite numbers (within float32's range, ±3.4e38)",
+    ),
+    "vera_dropout": (
+        _at_fault(_is_probability),
+        "`vera_dropout` must be a probability in [0, 1)",
+    ),
+    "d_initial": (
+        _at_fault(_is_scale),
+        "`d_initial` must be a finite number (within float32's range, ±3.4e38)",
+    ),
+    "projection_prng_key": (
+        _at_fault(lambda v: 0 <= v < 2**64),
+        "`projection_prng_key` seeds torch's generator: an integer in [0, 2**64)",
     ),
     "layers_to_transform": (
         _at_fault(lambda v: v >= 0),
@@ -475,6 +511,16 @@ class AbstractAdapterConfig:
         """The adapter this config places on `layer`: an implicit array over `base`, the
         layer's weight (one layer's slice of it in a stack; dense or implicit)."""
         raise NotImplementedError
+
+    def planned(self, layers: tuple[AdaptedLayer, ...]) -> tuple[AdaptedLayer, ...]:
+        """The records `build` receives, given every layer this config adapts (as they
+        are; VeRA adds the projections all its layers share)."""
+        return layers
+
+    @property
+    def saves_shared(self) -> bool:
+        """Whether the adapter file holds the arrays its layers share (`shared_keys`)."""
+        return True
 
     def rank_and_alpha(self, path: str) -> tuple[int | None, int | float | None]:
         """The rank and alpha of the layer at `path` (a layer's own path): `(None, None)`
@@ -1120,6 +1166,89 @@ def _nearest_divisor(n: int, asked: int) -> int:
     while lower > 1 and n % lower:
         lower -= 1
     return lower if asked - lower <= higher - asked else higher
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VeraConfig(AbstractAdapterConfig):
+    """HF PEFT's `VeraConfig`: the same field names, meanings and defaults.
+
+    **Arguments:**
+
+    - `r`: the projections' rank (VeRA's `r` is larger than LoRA's: it trains only `r`
+      values per layer besides one per output feature).
+    - `projection_prng_key`: the seed of the shared frozen projections `vera_A`
+      `(r, in_max)` and `vera_B` `(out_max, r)`, drawn as PEFT draws them (a torch CPU
+      generator, Kaiming-uniform), so a file without them loads to the same weights.
+    - `save_projection`: write the projections into the adapter file
+      (`base_model.vera_A`, `base_model.vera_B`); otherwise they are drawn again from
+      `projection_prng_key` on loading.
+    - `vera_dropout`: dropout probability on the VeRA input, in `[0, 1)`.
+    - `d_initial`: the initial value of every `vera_lambda_d` (`vera_lambda_b` starts at
+      zeros: a no-op at start).
+    - `init_weights`: `False` starts `vera_lambda_b` at ones and `vera_lambda_d` standard
+      normal, as PEFT does (for tests of a non-identity adapter).
+    - `bias`: which biases train: `"none"`, `"all"` or `"vera_only"` (of adapted layers).
+    - `target_modules`, `exclude_modules`, `fan_in_fan_out`, `modules_to_save`,
+      `layers_to_transform`, `layers_pattern`: as for `LoraConfig`; Linear layers only.
+      PEFT's `VeraConfig` has no `exclude_modules`: it is written to JSON only when set.
+    - `task_type`, `base_model_name_or_path`, `revision`, `inference_mode`, `peft_version`:
+      PEFT's bookkeeping.
+    """
+
+    peft_type: Literal["VERA"] = "VERA"
+    r: int = 256
+    projection_prng_key: int = 0
+    save_projection: bool = True
+    vera_dropout: int | float = 0.0
+    d_initial: int | float = 0.1
+    bias: Literal["none", "all", "vera_only"] = "none"
+    init_weights: bool = True
+
+    toml_table: ClassVar[str | None] = "vera"
+    # PEFT's VeRA defaults are LoRA's, but Phi's attention only
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        **LORA_TARGET_MODULES,
+        "phi": ("q_proj", "v_proj"),
+    }
+    _KEYS: ClassVar[tuple[str, ...] | None] = _VERA_KEYS
+    _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
+    _OWN_CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {"bias": ("none", "all", "vera_only")}
+
+    __hash__ = AbstractAdapterConfig.__hash__
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "vera_dropout", float(self.vera_dropout))
+        object.__setattr__(self, "d_initial", float(self.d_initial))
+
+    def planned(self, layers: tuple[AdaptedLayer, ...]) -> tuple[AdaptedLayer, ...]:
+        """Every layer with the adapter's projections, sized for the largest (PEFT's
+        `_find_dim`): one pair of arrays, shared."""
+        out_max = max(t.layer.weight.shape[-2] for t in layers)
+        in_max = max(t.layer.weight.shape[-1] for t in layers)
+        vera_A, vera_B = vera_projections(self.projection_prng_key, self.r, in_max, out_max)
+        shared = (jnp.asarray(vera_A), jnp.asarray(vera_B))
+        return tuple(dataclasses.replace(t, shared=shared) for t in layers)
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        vera_A, vera_B = layer.shared
+        return vera(
+            base,
+            vera_A,
+            vera_B,
+            d_initial=self.d_initial,
+            vera_dropout=self.vera_dropout,
+            key=None if self.init_weights else key,
+        )
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if not isinstance(layer, eqx.nn.Linear):
+            return f"VeRA adapts Linear layers only; {path!r} is an eqx.nn.{type(layer).__name__}."
+        return None
+
+    @property
+    def saves_shared(self) -> bool:
+        return self.save_projection
 
 
 # -- files ----------------------------------------------------------------------------------

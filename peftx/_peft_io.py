@@ -69,6 +69,12 @@ class _Tensor:
     # "untargeted" (written when True, as for a resized vocabulary). All are read when
     # present, and replace the base model's weights, as in PEFT.
     embedding: str | None = None
+    # an array every layer of the adapter holds alike (`shared_keys`), saved once under
+    # `base_model.` rather than under each layer's module path
+    shared: bool = False
+
+    def file_key(self, key: str) -> str:
+        return ("base_model." if self.shared else PREFIX) + key
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
@@ -107,14 +113,16 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
         value: Any,
         embedding: str | None = None,
         flip: bool | None = None,
+        shared: bool = False,
     ) -> None:
         """One tensor; `flip` says whether the file stores it transposed (by default, as
-        the architecture's checkpoints store a base layer's weight)."""
+        the architecture's checkpoints store a base layer's weight); a `shared` one has
+        the key `suffix` for every layer."""
         paths = layer_paths(path)
-        keys = tuple(f"{p}.{suffix}" for p in paths)
+        keys = tuple(suffix if shared else f"{p}.{suffix}" for p in paths)
         if flip is None:
             flip = arch is not None and is_transposed(arch, keys[0])
-        out.append(_Tensor(keys, where, value, paths != [path], flip, embedding))
+        out.append(_Tensor(keys, where, value, paths != [path], flip, embedding, shared))
 
     layers = _adapted(peft_model, name)
     get_layers = layers.where_fn()
@@ -132,6 +140,17 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
                 ),
                 getattr(adapter, field),
                 flip=field in kind.file_transposed,
+            )
+        for field, key in kind.shared_keys.items() if config.saves_shared else ():
+            add(
+                module,
+                key,
+                lambda m, c, k=k, f=field: getattr(
+                    _memo(c, get_layers, m)[k].weight.adapters[name], f
+                ),
+                getattr(adapter, field),
+                flip=False,
+                shared=True,
             )
         if getattr(layer, "bias", None) is not None and config_bias(config) != "none":
             add(
@@ -330,7 +349,7 @@ def save_adapters(
             value = to_host(t.value)
             rows = value if t.stacked else [value]
             for key, row in zip(t.keys, rows, strict=True):
-                arrays[PREFIX + key] = np.ascontiguousarray(row.T if t.transposed else row)
+                arrays[t.file_key(key)] = np.ascontiguousarray(row.T if t.transposed else row)
         text = json.dumps(_saved_config(peft_model, name), indent=2, sort_keys=True) + "\n"
         planned.append(("" if name == "default" else name, arrays, text))
     if writes_files():  # of several processes, process 0
@@ -556,12 +575,14 @@ def _match(
     """The value of each tensor from the file's arrays, after checking that the file has
     exactly the keys and shapes the adapter needs."""
     unprefixed = {k.removeprefix(PREFIX): k for k in stored if k.startswith(PREFIX)}
-    expected = {k for t in tensors for k in t.keys}
-    required = {k for t in tensors if t.embedding is None for k in t.keys}
+    expected = {k for t in tensors if not t.shared for k in t.keys}
+    required = {k for t in tensors if t.embedding is None and not t.shared for k in t.keys}
     to_file = key_mapper(arch, expected, set(unprefixed)) if arch else lambda k: k
     present = {to_file(k) for k in expected} & set(unprefixed)
     missing = sorted(PREFIX + k for k in required if to_file(k) not in unprefixed)
-    unexpected = sorted(set(stored) - {unprefixed[k] for k in present})
+    shared = {t.file_key(k) for t in tensors if t.shared for k in t.keys}
+    missing += sorted(shared - set(stored))
+    unexpected = sorted(set(stored) - {unprefixed[k] for k in present} - shared)
     if missing or unexpected:
         hint = ""
         if stored and not unprefixed:
@@ -576,24 +597,34 @@ def _match(
             f"{listing(unexpected) or 'none'}.{hint}"
         )
     out = []
+    # a shared array is placed once for all the layers that hold it
+    placed: dict[tuple[str, ...], Any] = {}
     for t in tensors:
-        keys = [to_file(k) for k in t.keys]
+        keys = list(t.keys) if t.shared else [to_file(k) for k in t.keys]
         if t.embedding and keys[0] not in unprefixed:
+            continue
+        if t.shared and tuple(keys) in placed:
+            out.append((t, placed[tuple(keys)]))
             continue
         want = t.layer_shape
         rows = []
         for key in keys:
-            value = stored[unprefixed[key]]
+            file_key = t.file_key(key) if t.shared else unprefixed[key]
+            value = stored[file_key]
             value = value.T if t.transposed else value
             if tuple(value.shape) != want:
+                owner = "adapter" if t.shared else f"module {key.rsplit('.', 1)[0]!r}"
                 raise CheckpointError(
-                    f"{unprefixed[key]!r} in {file} has shape {tuple(value.shape)}, but the "
-                    f"module {key.rsplit('.', 1)[0]!r} of this model needs {want}"
+                    f"{file_key!r} in {file} has shape {tuple(value.shape)}, but the "
+                    f"{owner} of this model needs {want}"
                     f"{' (transposed from the file)' if t.transposed else ''}. Was the "
                     f"adapter made for another model or config? {origin}"
                 )
             rows.append(value)
         array = np.stack(rows) if t.stacked else rows[0]
         # placed as the skeleton's array is (split over a mesh, for a sharded model)
-        out.append((t, jax.device_put(array.astype(t.value.dtype), t.value.sharding)))
+        value = jax.device_put(array.astype(t.value.dtype), t.value.sharding)
+        if t.shared:
+            placed[tuple(keys)] = value
+        out.append((t, value))
     return out

@@ -228,6 +228,7 @@ class PeftModel(eqx.Module):
                     and (
                         self.bias == "all"
                         or (
+                            # each kind's `<kind>_only` (PEFT's rule)
                             self.bias.endswith("_only")
                             and _is_set(n.weight)
                             and any(name in n.weight.adapters for name in names)
@@ -554,7 +555,7 @@ class PeftModel(eqx.Module):
         keys = jax.random.split(key, len(found.layers) + len(parameters))
         active = self.active_adapter if self.configs else adapter_name
         placed = []
-        for target, k in zip(found.layers, keys):
+        for target, k in zip(config.planned(found.layers), keys):
             current = target.layer.weight
             base = current.weight if _is_set(current) else current
             adapter = detach(_stacked(config, target, base, k))

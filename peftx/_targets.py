@@ -209,6 +209,8 @@ class AdaptedLayer:
     - `feedforward`: IA3's choice to scale the input features (`feedforward_modules`).
     - `transposed`: its checkpoints store the weight `(in, out)` (GPT-2's Conv1D); ours
       is `(out, in)` all the same.
+    - `shared`: what the config's `planned` gives every layer it adapts alike (VeRA's
+      projections), else None.
     """
 
     path: str
@@ -217,6 +219,7 @@ class AdaptedLayer:
     alpha: int | float | None
     feedforward: bool
     transposed: bool
+    shared: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

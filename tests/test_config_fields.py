@@ -122,6 +122,20 @@ CASES = {
             "num_cayley_neumann_terms": (3, "builds"),
         },
     ),
+    peftx.VeraConfig: (
+        {"r": 2, "target_modules": ("q", "v", "fc")},
+        {
+            **COMMON,
+            "peft_type": ("LORA", "refused"),
+            "r": (3, "builds"),
+            "projection_prng_key": (1, "builds"),
+            "save_projection": (False, "builds"),  # the projections leave the file
+            "vera_dropout": (0.1, "builds"),
+            "d_initial": (0.5, "builds"),
+            "bias": ("all", "builds"),
+            "init_weights": (False, "builds"),
+        },
+    ),
 }
 
 

@@ -26,6 +26,8 @@ from peftx.adapters import (
     oft,
     quantize_int8,
     quantize_nf4,
+    vera,
+    vera_projections,
 )
 
 OUT, IN, R = 6, 8, 3
@@ -79,6 +81,13 @@ def _kinds():
             blocks.append(jnp.eye(4) + 2 * (q + q @ q + q @ q @ q) + q @ q @ q @ q)
         return v @ jax.scipy.linalg.block_diag(*blocks).T
 
+    vera_A, vera_B = map(jnp.asarray, vera_projections(3, R, IN + 2, OUT + 1))
+    shared = _random(vera(w, vera_A, vera_B), next(k))
+
+    def vera_formula(v):
+        a, b = shared.vera_A[:, :IN], shared.vera_B[:OUT]
+        return v + shared.vera_lambda_b[:, None] * (b @ (shared.vera_lambda_d[:, None] * a))
+
     def low_rank(a):
         return a.scaling * a.lora_B @ a.lora_A
 
@@ -128,6 +137,8 @@ def _kinds():
             EXPERTS * OUT * IN + EXPERTS * R * (IN + OUT),
         ),
         "oft": (rotated, 0, oft_formula, OUT * IN + (IN // 4) * 6),
+        # the shared projections are buffers to PEFT, not parameters
+        "vera": (shared, 0, vera_formula, OUT * IN + OUT + R),
         "nf4": (quantize_nf4(w), 0, None, OUT * IN),
         "int8": (quantize_int8(w), 0, None, OUT * IN),
         "adapter set": (adapter_set(w, {"a": low}, ("a",)), 0, None, OUT * IN + R * (IN + OUT)),
@@ -144,6 +155,7 @@ KINDS = [
     "stacked lora",
     "expert lora",
     "oft",
+    "vera",
     "nf4",
     "int8",
     "adapter set",

@@ -34,4 +34,9 @@ from ._set import (
     adapter_set as adapter_set,
     detach as detach,
 )
+from ._vera import (
+    VeraArray as VeraArray,
+    vera as vera,
+    vera_projections as vera_projections,
+)
 from ._zeros import Zeros as Zeros

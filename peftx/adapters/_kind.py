@@ -45,6 +45,9 @@ class AbstractAdapter(AbstractWeight):
       writes, in this order;
     - `file_transposed`: the trained fields PEFT stores transposed relative to ours (none
       of the kinds here: their layouts are PEFT's);
+    - `shared_keys`: frozen fields that every layer of one adapter holds alike (VeRA's
+      projections), and PEFT's names for them, saved once beside the layers' tensors
+      (`base_model.vera_A`) where the config asks (`saves_shared`);
     - `weight_axes` (see `AbstractWeight`);
 
     and implement `merged(weight)`, the dense weight the adapter stands for on a dense
@@ -56,6 +59,7 @@ class AbstractAdapter(AbstractWeight):
     weight: eqx.AbstractVar[Any]
     peft_keys: eqx.AbstractClassVar[Mapping[str, str]]
     file_transposed: ClassVar[frozenset[str]] = frozenset()
+    shared_keys: ClassVar[Mapping[str, str]] = {}
 
     @abc.abstractmethod
     def merged(self, weight: Array) -> Array:

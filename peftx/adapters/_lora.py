@@ -32,6 +32,7 @@ from ._products import (
     fused_low_rank,
     low_rank,
 )
+from ._vera import VeraArray
 
 LoraInit = Literal["default", "gaussian", "pissa", "random"]
 
@@ -549,7 +550,7 @@ def with_dropout(tree: Any, key: PRNGKeyArray) -> Any:
     adapters = [x for x in jax.tree.leaves(tree, is_leaf=_has_dropout) if _has_dropout(x)]
     keys = list(jax.random.split(key, max(len(adapters), 1)))
 
-    def keyed(x: AbstractLowRank) -> AbstractLowRank:
+    def keyed(x: AbstractLowRank | VeraArray) -> AbstractLowRank | VeraArray:
         # a stack of layers gets a key per layer: `lax.scan` and `jax.vmap` slice one each
         return _set_key(x, jax.random.split(keys.pop(), x.weight.shape[: x.stack_ndim]))
 
@@ -573,9 +574,9 @@ def with_compute_dtype(tree: Any, dtype: Any) -> Any:
     """
     dtype = _checked_compute_dtype(dtype)
     return jax.tree.map(
-        lambda x: _with_static(x, compute_dtype=dtype) if _has_dropout(x) else x,
+        lambda x: _with_static(x, compute_dtype=dtype) if _is_low_rank(x) else x,
         tree,
-        is_leaf=_has_dropout,
+        is_leaf=_is_low_rank,
     )
 
 
@@ -587,11 +588,15 @@ def _with_static(module: eqx.Module, **changes: Any) -> Any:
     return new
 
 
-def _has_dropout(x: Any) -> bool:
+def _is_low_rank(x: Any) -> bool:
     return isinstance(x, AbstractLowRank)
 
 
-def _set_key(x: AbstractLowRank, key: LayerKeys | None) -> AbstractLowRank:
+def _has_dropout(x: Any) -> bool:
+    return isinstance(x, AbstractLowRank | VeraArray)
+
+
+def _set_key(x: AbstractLowRank | VeraArray, key: LayerKeys | None) -> AbstractLowRank | VeraArray:
     return eqx.tree_at(lambda m: m.dropout_key, x, key, is_leaf=lambda n: n is None)
 
 
