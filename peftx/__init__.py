@@ -4,6 +4,8 @@ from . import adapters as adapters, implicit as implicit, models as models, trai
 from ._config import (
     AbstractAdapterConfig as AbstractAdapterConfig,
     IA3Config as IA3Config,
+    LoHaConfig as LoHaConfig,
+    LoKrConfig as LoKrConfig,
     LoraConfig as LoraConfig,
     OFTConfig as OFTConfig,
     VeraConfig as VeraConfig,

@@ -42,6 +42,8 @@ from .adapters import (
     dora,
     expert_lora,
     ia3,
+    loha,
+    lokr,
     lora,
     lora_embedding,
     oft,
@@ -202,6 +204,32 @@ _VERA_KEYS = (
     "layers_to_transform",
     "layers_pattern",
 )
+_LYCORIS_KEYS = (
+    *_PEFT_BASE_KEYS,
+    "rank_pattern",
+    "alpha_pattern",
+    "r",
+    "alpha",
+    "rank_dropout",
+    "module_dropout",
+    "use_effective_conv2d",
+)
+_LYCORIS_TAIL = (
+    "target_modules",
+    "exclude_modules",
+    "init_weights",
+    "layers_to_transform",
+    "layers_pattern",
+    "modules_to_save",
+)
+_LOHA_KEYS = (*_LYCORIS_KEYS, *_LYCORIS_TAIL)
+_LOKR_KEYS = (
+    *_LYCORIS_KEYS,
+    "decompose_both",
+    "decompose_factor",
+    "rank_dropout_scale",
+    *_LYCORIS_TAIL,
+)
 
 
 # -- per-field checks, shared by `__post_init__` and `from_dict` ----------------------------
@@ -261,6 +289,13 @@ _TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "vera_dropout": (_is_number, "a number"),
     "d_initial": (_is_number, "a number"),
     "init_weights": (lambda v: isinstance(v, bool), "a bool"),
+    "alpha": (_is_number, "a number"),
+    "rank_dropout": (_is_number, "a number"),
+    "module_dropout": (_is_number, "a number"),
+    "use_effective_conv2d": (lambda v: isinstance(v, bool), "a bool"),
+    "decompose_both": (lambda v: isinstance(v, bool), "a bool"),
+    "decompose_factor": (_is_int, "an int"),
+    "rank_dropout_scale": (lambda v: isinstance(v, bool), "a bool"),
     "target_parameters": (
         lambda v: v is None or _is_str_list(v),
         "None or a list of parameter names (e.g. ['mlp.experts.gate_up_proj'])",
@@ -271,6 +306,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "task_type": _TASK_TYPES,
     "bias": ("none", "all", "lora_only"),
     "init_lora_weights": (True, False, "gaussian", "pissa"),
+    "init_weights": (True, False, "lycoris"),
 }
 
 
@@ -342,6 +378,19 @@ _RANGES: dict[str, tuple[Callable[[Any], Any], str]] = {
     "projection_prng_key": (
         _at_fault(lambda v: 0 <= v < 2**64),
         "`projection_prng_key` seeds torch's generator: an integer in [0, 2**64)",
+    ),
+    "alpha": (
+        _at_fault(_is_scale),
+        "`alpha` must be a finite number (within float32's range, ±3.4e38)",
+    ),
+    "rank_dropout": (_at_fault(_is_probability), "`rank_dropout` must be a probability in [0, 1)"),
+    "module_dropout": (
+        _at_fault(_is_probability),
+        "`module_dropout` must be a probability in [0, 1)",
+    ),
+    "decompose_factor": (
+        _at_fault(lambda v: v == -1 or v >= 1),
+        "`decompose_factor` must be -1 (split near the square root) or a positive integer",
     ),
     "layers_to_transform": (
         _at_fault(lambda v: v >= 0),
@@ -428,6 +477,15 @@ def _united(rules: list[Any]) -> Any:
     )
 
 
+def _by_pattern(patterns: Mapping[str, Any], path: str, default: Any) -> Any:
+    """PEFT's `get_pattern_key`: the value of the first pattern matching the end of `path`
+    (a whole dotted segment onwards), else `default`."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", path):
+            return value
+    return default
+
+
 def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -478,6 +536,9 @@ class AbstractAdapterConfig:
     combination_types: ClassVar[tuple[str, ...]] = ()
     """`add_weighted_adapter`'s ways to combine adapters of this kind, the default first
     (none: they cannot be combined)."""
+    mixed_batches: ClassVar[bool] = True
+    """Whether adapters of this kind may be mixed within a batch (`adapter_names`), as PEFT
+    allows for them."""
 
     _PEFT_TYPE: ClassVar[str]
     _KEYS: ClassVar[tuple[str, ...] | None] = None  # PEFT's key order (default: fields')
@@ -656,9 +717,11 @@ class AbstractAdapterConfig:
             key: _jsonable(getattr(self, key) if key in own else self._PEFT_ONLY[key])
             for key in order
         }
-        # peftx fields PEFT lacks (IA3's layer selection) are written only when used.
+        # peftx fields PEFT lacks (IA3's layer selection, LoHa's `fan_in_fan_out`) are
+        # written only when used.
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for key in sorted(own - set(order)):
-            if getattr(self, key) is not None:
+            if getattr(self, key) != defaults[key]:
                 out[key] = _jsonable(getattr(self, key))
         return out
 
@@ -873,14 +936,10 @@ class LoraConfig(AbstractAdapterConfig):
     def rank_and_alpha(self, path: str) -> tuple[int, int | float]:
         """PEFT's `rank_pattern`/`alpha_pattern` for the module at `path`: the first key
         that matches the path's end, else `r`/`lora_alpha`."""
-
-        def lookup(patterns: Mapping[str, Any], default: Any) -> Any:
-            for pattern, value in patterns.items():
-                if re.match(rf"(.*\.)?({pattern})$", path):
-                    return value
-            return default
-
-        return lookup(self.rank_pattern, self.r), lookup(self.alpha_pattern, self.lora_alpha)
+        return (
+            _by_pattern(self.rank_pattern, path, self.r),
+            _by_pattern(self.alpha_pattern, path, self.lora_alpha),
+        )
 
     def unsupported(self, path: str, layer: Any) -> str | None:
         if self.use_dora and not isinstance(layer, eqx.nn.Linear):
@@ -1249,6 +1308,164 @@ class VeraConfig(AbstractAdapterConfig):
     @property
     def saves_shared(self) -> bool:
         return self.save_projection
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _LycorisConfig(AbstractAdapterConfig):
+    """The fields and rules PEFT's `LoHaConfig` and `LoKrConfig` share (`LycorisConfig`)."""
+
+    r: int = 8
+    alpha: int | float = 8
+    rank_dropout: int | float = 0.0
+    module_dropout: int | float = 0.0
+    use_effective_conv2d: bool = False
+    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
+    alpha_pattern: dict[str, int | float] = dataclasses.field(default_factory=dict)
+
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
+    mixed_batches: ClassVar[bool] = False
+    _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "rank_dropout", float(self.rank_dropout))
+        object.__setattr__(self, "module_dropout", float(self.module_dropout))
+        if self.use_effective_conv2d:
+            raise ValueError(
+                f"`use_effective_conv2d=True` decomposes Conv kernels; peftx's {self.peft_type} "
+                "adapts Linear layers only, where PEFT ignores it. Set use_effective_conv2d=False."
+            )
+
+    def rank_and_alpha(self, path: str) -> tuple[int, int | float]:
+        """PEFT's `rank_pattern`/`alpha_pattern` for the module at `path`, else `r`/`alpha`."""
+        return (
+            _by_pattern(self.rank_pattern, path, self.r),
+            _by_pattern(self.alpha_pattern, path, self.alpha),
+        )
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if not isinstance(layer, eqx.nn.Linear):
+            return (
+                f"{self.peft_type} in peftx adapts Linear layers only; {path!r} is an "
+                f"eqx.nn.{type(layer).__name__}."
+            )
+        return None
+
+    def checked_layer(self, layer: AdaptedLayer) -> None:
+        if layer.transposed:
+            raise ValueError(
+                f"{layer.path!r} is a GPT-2 Conv1D layer, which PEFT's {self.peft_type} does not "
+                "adapt (it has no fan_in_fan_out); exclude it (exclude_modules) or use LoRA."
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoHaConfig(_LycorisConfig):
+    """HF PEFT's `LoHaConfig`: the same field names, meanings and defaults.
+
+    `ΔW = (alpha / r) · (hada_w1_a @ hada_w1_b) ⊙ (hada_w2_a @ hada_w2_b)` on each targeted
+    Linear layer (`LoHaArray`); it costs a weight-sized update per layer and step.
+
+    **Arguments:**
+
+    - `r`, `alpha`: the rank of each of the two factors and `scaling = alpha / r`.
+    - `rank_dropout`: in training, each row of `ΔW` (an output feature) is dropped with
+      this probability and the kept ones divided by the fraction kept.
+    - `module_dropout`: in training, the whole update of a layer is skipped with this
+      probability.
+    - `init_weights`: `True` (`hada_w2_b` zeros: a no-op at start) or `False` (all random).
+    - `use_effective_conv2d`: Conv only, so it must stay `False`.
+    - `rank_pattern`, `alpha_pattern`: per-module `r`/`alpha`, keyed by regex.
+    - `target_modules`, `exclude_modules`, `layers_to_transform`, `layers_pattern`,
+      `modules_to_save`, `fan_in_fan_out` and PEFT's bookkeeping: as for `LoraConfig`.
+    Mixed-adapter batches are refused, as PEFT has none for LoHa.
+    """
+
+    peft_type: Literal["LOHA"] = "LOHA"
+    init_weights: bool = True
+
+    toml_table: ClassVar[str | None] = "loha"
+    _KEYS: ClassVar[tuple[str, ...] | None] = _LOHA_KEYS
+
+    __hash__ = AbstractAdapterConfig.__hash__
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.init_weights, bool):
+            raise ValueError(
+                f"`init_weights` of a LoHaConfig must be True or False; got {self.init_weights!r} "
+                "('lycoris' is LoKr's)."
+            )
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        self.checked_layer(layer)
+        return loha(
+            base,
+            r=layer.rank,
+            alpha=layer.alpha,
+            init_weights=self.init_weights,
+            rank_dropout=self.rank_dropout,
+            module_dropout=self.module_dropout,
+            key=key,
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoKrConfig(_LycorisConfig):
+    """HF PEFT's `LoKrConfig`: the same field names, meanings and defaults.
+
+    `ΔW = (alpha / r) · w1 ⊗ w2` on each targeted Linear layer (`LoKrArray`), applied to
+    the activations factor by factor, never formed.
+
+    **Arguments:**
+
+    - `r`, `alpha`: the rank of the factored factors and `scaling = alpha / r`.
+    - `decompose_both`: factor `w1` too (`lokr_w1_a @ lokr_w1_b`) when `r` is below half its
+      larger side; `w2` is factored whenever `r` is below half its larger side.
+    - `decompose_factor`: PEFT's `factorization` of `out` and `in` into the factors' sides:
+      -1 splits near the square root, a divisor `f` gives `(f, dim / f)`.
+    - `rank_dropout`: in training, each row of `ΔW` is dropped with this probability;
+      `rank_dropout_scale` divides the kept rows by the fraction kept.
+    - `module_dropout`: in training, a layer's whole update is skipped with this probability.
+    - `init_weights`: `True` (`w1` zeros: a no-op at start), `"lycoris"` (`w2` zeros),
+      `False` (all random).
+    - `use_effective_conv2d`: Conv only, so it must stay `False`.
+    - `rank_pattern`, `alpha_pattern` and the rest: as for `LoHaConfig`.
+    Mixed-adapter batches are refused, as PEFT has none for LoKr.
+    """
+
+    peft_type: Literal["LOKR"] = "LOKR"
+    decompose_both: bool = False
+    decompose_factor: int = -1
+    rank_dropout_scale: bool = False
+    init_weights: bool | Literal["lycoris"] = True
+
+    toml_table: ClassVar[str | None] = "lokr"
+    _KEYS: ClassVar[tuple[str, ...] | None] = _LOKR_KEYS
+    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "init_weights": (
+            lambda v: isinstance(v, bool) or v == "lycoris",
+            "True, False or 'lycoris'",
+        )
+    }
+
+    __hash__ = AbstractAdapterConfig.__hash__
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        self.checked_layer(layer)
+        init = {True: "default", False: "random"}.get(self.init_weights, self.init_weights)
+        return lokr(
+            base,
+            r=layer.rank,
+            alpha=layer.alpha,
+            decompose_both=self.decompose_both,
+            decompose_factor=self.decompose_factor,
+            init=init,
+            rank_dropout=self.rank_dropout,
+            module_dropout=self.module_dropout,
+            rank_dropout_scale=self.rank_dropout_scale,
+            key=key,
+        )
 
 
 # -- files ----------------------------------------------------------------------------------

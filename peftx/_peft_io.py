@@ -132,6 +132,8 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
         adapter = layer.weight.adapters[name]
         kind = type(adapter)
         for field, key in kind.peft_keys.items():
+            if getattr(adapter, field) is None:  # a part this adapter's layout lacks
+                continue
             add(
                 module,
                 key,

@@ -121,6 +121,12 @@ class PeftModel(eqx.Module):
         if adapter_names is None:
             active, gate, model = (self.active_adapter,), None, self
         else:
+            unmixed = sorted({c.peft_type for _, c in self.configs if not c.mixed_batches})
+            if unmixed:
+                raise ValueError(
+                    f"adapter_names mixes adapters within a batch, which PEFT does not do for "
+                    f"{', '.join(unmixed)} adapters. Run one adapter at a time (`set_adapter`)."
+                )
             active, gate = self._route(adapter_names)
             model = _map_layers(self, lambda layer: _gated(layer, gate, active))
         return _map_layers(self._with_saved(model.base_model, active, gate), _scale_bias)

@@ -255,13 +255,27 @@ ADAPTERS = {
     ),
     # PEFT's defaults for BERT: key, value and output.dense, the last one feed-forward
     "ia3_defaults": ("init_ia3_weights = true", peft.IA3Config(), peftx.IA3Config()),
+    "loha": (
+        'r = 4\nalpha = 8\ntarget_modules = ["query", "value"]\nrank_pattern = {value = 2}',
+        peft.LoHaConfig(r=4, alpha=8, target_modules=["query", "value"], rank_pattern={"value": 2}),
+        peftx.LoHaConfig(
+            r=4, alpha=8, target_modules=("query", "value"), rank_pattern={"value": 2}
+        ),
+    ),
+    # 384 = 16·24 and 1536 = 32·48: w2 factored at rank 2, w1 too with decompose_both
+    "lokr": (
+        'r = 2\ndecompose_both = true\ntarget_modules = ["query", "intermediate.dense"]',
+        peft.LoKrConfig(r=2, decompose_both=True, target_modules=["query", "intermediate.dense"]),
+        peftx.LoKrConfig(r=2, decompose_both=True, target_modules=("query", "intermediate.dense")),
+    ),
 }
+TABLES = {"dora": "lora", "ia3_defaults": "ia3"}
 
 
 @pytest.mark.parametrize("name", sorted(ADAPTERS))
 def test_inspect_counts_match_get_peft_model_and_peft(name, tmp_path, capsys):
     text, peft_config, peftx_config = ADAPTERS[name]
-    table = {"dora": "lora", "ia3_defaults": "ia3"}.get(name, name)
+    table = TABLES.get(name, name)
     job = tmp_path / "job.toml"
     job.write_text(
         f'[model]\npath = "all-MiniLM-L6-v2"\ntask = "classification"\n\n'

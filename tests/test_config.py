@@ -315,7 +315,10 @@ def test_from_pretrained_checks_type(tmp_path):
 def test_load_config_errors(tmp_path):
     with pytest.raises(ValueError, match="has no `peft_type`"):
         load_config({"r": 8})
-    with pytest.raises(ValueError, match=r"'ADALORA'; peftx supports \['LORA', 'IA3'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'ADALORA'; peftx supports \['LORA', 'IA3', 'OFT', 'VERA', 'LOHA', 'LOKR'\]",
+    ):
         load_config({"peft_type": "ADALORA"})
     with pytest.raises(FileNotFoundError, match=f"No {CONFIG_NAME} in the directory"):
         load_config(tmp_path)

@@ -75,6 +75,7 @@ STARTS = {
     "layers_to_transform": {"layers_to_transform": (0, 1)},
     "layers_pattern": {"layers_to_transform": (0,)},  # group 0 vs layer 0 of each group
     "eps": {"coft": True},  # COFT's radius
+    "decompose_both": {"decompose_factor": 4},  # 4 = 4·1: w1 (4, 4), w2 (1, 1)
 }
 CASES = {
     peftx.LoraConfig: (
@@ -92,6 +93,39 @@ CASES = {
             "alpha_pattern": ({"q": 8}, "builds"),
             "use_dora": (True, "builds"),
             "target_parameters": (("experts.gate_up_proj",), "builds"),
+        },
+    ),
+    peftx.LoHaConfig: (
+        {"r": 2, "alpha": 4, "target_modules": ("q", "v", "fc"), "init_weights": False},
+        {
+            **COMMON,
+            "peft_type": ("LOKR", "refused"),
+            "r": (3, "builds"),
+            "alpha": (8, "builds"),
+            "rank_dropout": (0.1, "builds"),
+            "module_dropout": (0.1, "builds"),
+            "use_effective_conv2d": (True, "refused"),
+            "init_weights": (True, "builds"),
+            "rank_pattern": ({"q": 3}, "builds"),
+            "alpha_pattern": ({"q": 8}, "builds"),
+        },
+    ),
+    peftx.LoKrConfig: (
+        {"r": 1, "alpha": 4, "target_modules": ("q", "v", "fc"), "init_weights": False},
+        {
+            **COMMON,
+            "peft_type": ("LOHA", "refused"),
+            "r": (3, "builds"),
+            "alpha": (8, "builds"),
+            "rank_dropout": (0.1, "builds"),
+            "module_dropout": (0.1, "builds"),
+            "use_effective_conv2d": (True, "refused"),
+            "decompose_both": (True, "builds"),  # w1 (4, 4) factored at rank 1
+            "decompose_factor": (1, "builds"),  # (1, 4): w2 (4, 4) instead of (2, 2)
+            "rank_dropout_scale": (True, "builds"),
+            "init_weights": ("lycoris", "builds"),
+            "rank_pattern": ({"q": 3}, "builds"),
+            "alpha_pattern": ({"q": 8}, "builds"),
         },
     ),
     peftx.IA3Config: (

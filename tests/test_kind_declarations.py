@@ -21,6 +21,8 @@ from peftx.adapters import (
     dora,
     expert_lora,
     ia3,
+    loha,
+    lokr,
     lora,
     lora_embedding,
     oft,
@@ -39,8 +41,9 @@ def _weight(key, shape=(OUT, IN)):
 
 
 def _random(adapter, key):
-    """`adapter` with every trained field redrawn, so no term of `merged` is zero."""
-    fields = list(type(adapter).peft_keys)
+    """`adapter` with every trained field it holds redrawn, so no term of `merged` is
+    zero."""
+    fields = [f for f in type(adapter).peft_keys if getattr(adapter, f) is not None]
     keys = jax.random.split(key, len(fields))
     values = [
         jax.random.normal(k, getattr(adapter, f).shape, getattr(adapter, f).dtype)
@@ -53,7 +56,7 @@ def _random(adapter, key):
 def _kinds():
     """name -> (array, stacking axes, dense formula of `merged(W)`, PEFT's parameter count:
     an adapter's trained arrays and its base weight's count)."""
-    k = iter(jax.random.split(jax.random.key(0), 20))
+    k = iter(jax.random.split(jax.random.key(0), 24))
     w = _weight(next(k))
     low = _random(lora(w, r=R, lora_alpha=5, key=next(k)), next(k))
     conv_w = _weight(next(k), (OUT, IN, 3, 3))
@@ -65,6 +68,8 @@ def _kinds():
     stacked_w = _weight(next(k), (2, OUT, IN))
     experts_w = _weight(next(k), (EXPERTS, OUT, IN))
     experts = _random(expert_lora(experts_w, r=R, lora_alpha=5, key=next(k)), next(k))
+    hadamard = _random(loha(w, r=R, alpha=5, key=next(k)), next(k))
+    kronecker = _random(lokr(w, r=1, alpha=5, decompose_both=True, key=next(k)), next(k))
     stacked = eqx.filter_vmap(lambda v, key: lora(v, r=R, lora_alpha=5, init="random", key=key))(
         stacked_w, jax.random.split(next(k), 2)
     )
@@ -139,6 +144,27 @@ def _kinds():
         "oft": (rotated, 0, oft_formula, OUT * IN + (IN // 4) * 6),
         # the shared projections are buffers to PEFT, not parameters
         "vera": (shared, 0, vera_formula, OUT * IN + OUT + R),
+        "loha": (
+            hadamard,
+            0,
+            lambda v: (
+                v
+                + 5
+                / R
+                * (hadamard.hada_w1_a @ hadamard.hada_w1_b)
+                * (hadamard.hada_w2_a @ hadamard.hada_w2_b)
+            ),
+            OUT * IN + 2 * R * (OUT + IN),
+        ),
+        # OUT = 2·3, IN = 2·4: w1 (2, 2) whole, w2 (3, 4) factored at rank 1
+        "lokr": (
+            kronecker,
+            0,
+            lambda v: (
+                v + 5 * jnp.kron(kronecker.lokr_w1, kronecker.lokr_w2_a @ kronecker.lokr_w2_b)
+            ),
+            OUT * IN + 2 * 2 + 3 + 4,
+        ),
         "nf4": (quantize_nf4(w), 0, None, OUT * IN),
         "int8": (quantize_int8(w), 0, None, OUT * IN),
         "adapter set": (adapter_set(w, {"a": low}, ("a",)), 0, None, OUT * IN + R * (IN + OUT)),
@@ -156,6 +182,8 @@ KINDS = [
     "expert lora",
     "oft",
     "vera",
+    "loha",
+    "lokr",
     "nf4",
     "int8",
     "adapter set",
@@ -194,7 +222,9 @@ def test_trained_fields_and_merged_formula(name):
     assert isinstance(array, AbstractAdapter)
     keys = type(array).peft_keys
     assert len(set(keys.values())) == len(keys)
-    for field in keys:
+    held = [f for f in keys if getattr(array, f) is not None]
+    assert held
+    for field in held:
         assert jnp.issubdtype(getattr(array, field).dtype, jnp.floating), field
     close(array.merged(array.weight), formula(array.weight), tol=1e-5)
     assert not np.allclose(array.merged(array.weight), array.weight, atol=1e-3)

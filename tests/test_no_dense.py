@@ -1,5 +1,6 @@
 """`assert_no_dense`: it catches weight-sized arrays, and no adapter builds one, forward or
-in a whole train step (LoRA, DoRA, IA3, NF4, QLoRA, QDoRA, mixed batches, stacked layers)."""
+in a whole train step (LoRA, DoRA, IA3, LoKr, NF4, QLoRA, QDoRA, mixed batches, stacked
+layers)."""
 
 import pathlib
 
@@ -12,7 +13,14 @@ import pytest
 from helpers import all_eqns
 
 import peftx
-from peftx import IA3Config, LoraConfig, QuantizationConfig, get_peft_model, partition
+from peftx import (
+    IA3Config,
+    LoKrConfig,
+    LoraConfig,
+    QuantizationConfig,
+    get_peft_model,
+    partition,
+)
 from peftx.adapters import dora, lora, quantize_nf4
 from peftx.implicit import (
     DenseWeightError,
@@ -216,6 +224,7 @@ DORA = LoraConfig(r=8, target_modules=TARGETS, init_lora_weights=False, use_dora
 IA3 = IA3Config(
     target_modules=["v_proj", "up_proj", "down_proj"], feedforward_modules=["down_proj"]
 )
+LOKR = LoKrConfig(r=8, target_modules=TARGETS, init_weights=False, decompose_both=True)
 NF4 = QuantizationConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True)
 
 
@@ -307,6 +316,8 @@ CASES = {  # name: (abstract model, adapters trained together or None, runs a sc
     "stacked dora": (lambda: _peft(Stacked, DORA), None, True),
     "stacked ia3": (lambda: _peft(Stacked, IA3), None, True),
     "stacked qlora": (lambda: _peft(Stacked, LORA, _nf4_per_layer), None, True),
+    "lokr": (lambda: _peft(Net, LOKR), None, False),
+    "stacked lokr": (lambda: _peft(Stacked, LOKR), None, True),
 }
 X = jax.ShapeDtypeStruct((3, 5, D), jnp.float32)
 IDS = jax.ShapeDtypeStruct((3,), jnp.int32)  # one adapter id per sequence

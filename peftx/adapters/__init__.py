@@ -12,6 +12,13 @@ from ._experts import (
 )
 from ._ia3 import IA3Array as IA3Array, ia3 as ia3
 from ._kind import AbstractAdapter as AbstractAdapter, AbstractWeight as AbstractWeight
+from ._loha import LoHaArray as LoHaArray, loha as loha
+from ._lokr import (
+    LoKrArray as LoKrArray,
+    LoKrInit as LoKrInit,
+    factorization as factorization,
+    lokr as lokr,
+)
 from ._lora import (
     LoraArray as LoraArray,
     LoraInit as LoraInit,

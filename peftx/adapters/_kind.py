@@ -42,7 +42,9 @@ class AbstractAdapter(AbstractWeight):
 
     - `peft_keys`: each trained field and PEFT's name for its tensor after the module path
       (`"lora_A" -> "lora_A.weight"`); the fields `partition` trains and `save_pretrained`
-      writes, in this order;
+      writes, in this order. A field may be None in an adapter whose layout lacks it
+      (LoKr's `lokr_w1` when the factor is itself factored): it is neither trained nor
+      written;
     - `file_transposed`: the trained fields PEFT stores transposed relative to ours (none
       of the kinds here: their layouts are PEFT's);
     - `shared_keys`: frozen fields that every layer of one adapter holds alike (VeRA's
@@ -108,5 +110,5 @@ def count_parameters(tree: Any) -> int:
 
 
 def trained_fields(adapter: AbstractAdapter) -> tuple[str, ...]:
-    """The fields of `adapter` that train, as its class declares them."""
-    return tuple(type(adapter).peft_keys)
+    """The fields of `adapter` that train, as its class declares them (those it holds)."""
+    return tuple(f for f in type(adapter).peft_keys if getattr(adapter, f) is not None)

@@ -22,6 +22,7 @@ from ..implicit import (
 )
 from ._kind import AbstractAdapter
 from ._layout import Labels, WeightProduct, weight_dot_handlers
+from ._lycoris import AbstractLycoris
 from ._products import (
     LayerKeys,
     add_update,
@@ -547,20 +548,20 @@ def with_dropout(tree: Any, key: PRNGKeyArray) -> Any:
     one example at a time and share the mask unless the keys are batched too; see the
     README.
     """
-    adapters = [x for x in jax.tree.leaves(tree, is_leaf=_has_dropout) if _has_dropout(x)]
+    adapters = [x for x in jax.tree.leaves(tree, is_leaf=_takes_key) if _takes_key(x)]
     keys = list(jax.random.split(key, max(len(adapters), 1)))
 
-    def keyed(x: AbstractLowRank | VeraArray) -> AbstractLowRank | VeraArray:
+    def keyed(x: Any) -> Any:
         # a stack of layers gets a key per layer: `lax.scan` and `jax.vmap` slice one each
         return _set_key(x, jax.random.split(keys.pop(), x.weight.shape[: x.stack_ndim]))
 
-    return jax.tree.map(lambda x: keyed(x) if _has_dropout(x) else x, tree, is_leaf=_has_dropout)
+    return jax.tree.map(lambda x: keyed(x) if _takes_key(x) else x, tree, is_leaf=_takes_key)
 
 
 def without_dropout(tree: Any) -> Any:
     """Remove every adapter's dropout key (inference mode)."""
     return jax.tree.map(
-        lambda x: _set_key(x, None) if _has_dropout(x) else x, tree, is_leaf=_has_dropout
+        lambda x: _set_key(x, None) if _takes_key(x) else x, tree, is_leaf=_takes_key
     )
 
 
@@ -592,15 +593,18 @@ def _is_low_rank(x: Any) -> bool:
     return isinstance(x, AbstractLowRank)
 
 
-def _has_dropout(x: Any) -> bool:
-    return isinstance(x, AbstractLowRank | VeraArray)
+def _takes_key(x: Any) -> bool:
+    """Whether `x` draws dropout from a key of its own: LoRA, DoRA, VeRA, LoHa, LoKr."""
+    return isinstance(x, AbstractLowRank | VeraArray | AbstractLycoris)
 
 
-def _set_key(x: AbstractLowRank | VeraArray, key: LayerKeys | None) -> AbstractLowRank | VeraArray:
+def _set_key(x: Any, key: LayerKeys | None) -> Any:
     return eqx.tree_at(lambda m: m.dropout_key, x, key, is_leaf=lambda n: n is None)
 
 
-def unmerge(merged: Array, adapter: AbstractLowRank) -> AbstractLowRank:
-    """The adapter on the base weight recovered from `merged = W + s·B·A` (LoRA) or from
-    its DoRA counterpart."""
+def unmerge(
+    merged: Array, adapter: AbstractLowRank | AbstractLycoris
+) -> AbstractLowRank | AbstractLycoris:
+    """The adapter on the base weight recovered from `merged = W + s·B·A` (LoRA), from its
+    DoRA counterpart, or from `W + ΔW` (LoHa, LoKr)."""
     return eqx.tree_at(lambda m: m.weight, adapter, adapter.unmerged(merged))
