@@ -89,8 +89,7 @@ def moe(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name, layout", [("mixtral", "unrolled"), ("qwen3_moe", "stacked")])
 def test_causal_lm_matches_transformers(moe, name, layout):
     model, path = moe(name)
     with safe_open(str(path / "model.safetensors"), "np") as f:

@@ -19,8 +19,8 @@ from test_llama import BF16_U, TOL, real_diff, torch_forward
 
 import peftx
 import peftx.models as pm
-from peftx import LoraConfig, QuantizationConfig, get_peft_model, partition, quantize_model
-from peftx.adapters import ExpertLoraArray, NF4Array, expert_lora
+from peftx import LoraConfig, get_peft_model, partition
+from peftx.adapters import ExpertLoraArray, expert_lora
 from peftx.implicit import assert_no_dense, materialize, strict, use_implicit_args
 from peftx.models._moe import SparseMoeBlock, sparse_moe
 
@@ -106,8 +106,8 @@ def peft_files(checkpoints, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
-@pytest.mark.parametrize("name", sorted(BUILD))
+# each architecture in one layout (the other runs the same code on a stack split or not)
+@pytest.mark.parametrize("name, layout", [("mixtral", "stacked"), ("qwen3_moe", "unrolled")])
 def test_peft_to_peftx(checkpoints, peft_files, name, layout):
     path, base_logits = checkpoints[name]
     directory, theirs, trainable = peft_files[name]
@@ -133,7 +133,7 @@ def _randomized(model, seed):
     return eqx.combine(jax.tree.unflatten(tree, leaves), frozen)
 
 
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+@pytest.mark.parametrize("layout", ["stacked"])  # unrolled: test_peft_to_peftx's Qwen3-MoE
 def test_peftx_to_peft(checkpoints, peft_files, layout, tmp_path):
     path, _ = checkpoints["mixtral"]
     config = LoraConfig(**_peft_config("mixtral"))
@@ -151,8 +151,11 @@ def test_peftx_to_peft(checkpoints, peft_files, layout, tmp_path):
         k: (v.shape, v.dtype) for k, v in peft_file.items()
     }
     assert "model.layers.0.mlp.experts.base_layer.lora_A.weight" in "".join(mine)
+    # the config as PEFT writes it: the router named `gate` becomes `gate.weight` there
     saved = json.loads((tmp_path / "adapter_config.json").read_text())
-    assert sorted(saved["target_parameters"]) == sorted(EXPERTS)
+    theirs = json.loads((peft_files["mixtral"][0] / "adapter_config.json").read_text())
+    assert sorted(saved["target_parameters"]) == sorted(theirs["target_parameters"])
+    assert sorted(saved["target_modules"]) == sorted(theirs["target_modules"])
 
 
 # ---------------------------------------------------------------- grouped vs dense
@@ -311,33 +314,6 @@ def test_merge_and_unload(adapted, checkpoints):
     base = model.unload()
     assert real_diff(_run(base), checkpoints["mixtral"][1], MASK) < TOL
     assert real_diff(logits, checkpoints["mixtral"][1], MASK) > 100 * TOL
-
-
-def test_qlora_on_the_experts(checkpoints):
-    """NF4 experts (each expert quantized on its own) under LoRA: no weight made dense,
-    the logits of the same adapters over the dequantized weights, and a gradient at
-    every factor."""
-    path, _ = checkpoints["mixtral"]
-    q = quantize_model(pm.from_pretrained(path), QuantizationConfig(load_in_4bit=True))
-    is_nf4 = lambda w: isinstance(w, NF4Array)  # noqa: E731
-    stacks = [w for w in jax.tree.leaves(q, is_leaf=is_nf4) if is_nf4(w) and w.ndim == 4]
-    assert len(stacks) == 2  # gate_up_proj and down_proj, (layers, experts, out, in)
-    config = LoraConfig(r=2, target_modules=["q_proj"], target_parameters=EXPERTS)
-    model = _randomized(get_peft_model(q, config, key=jax.random.key(6)), 7)
-    with strict():
-        got = _run(model)
-    dense = jax.tree.map(lambda w: materialize(w) if is_nf4(w) else w, model, is_leaf=is_nf4)
-    assert real_diff(got, _run(dense), MASK) < TOL
-    trainable, frozen = partition(model)
-
-    @eqx.filter_jit
-    def grads(trainable):
-        return jax.grad(lambda t: jnp.sum(_run_traced(eqx.combine(t, frozen)) ** 2))(trainable)
-
-    with strict():
-        leaves = jax.tree.leaves(grads(trainable))
-    assert len(leaves) == 2 * 3  # A and B of q_proj and both expert stacks (stacked)
-    assert all(float(jnp.abs(g).max()) > 0 for g in leaves)
 
 
 def _run_traced(model):

@@ -264,7 +264,10 @@ def test_qlora_on_each_new_architecture(name):
     np.testing.assert_allclose(got, dense(ids).logits, rtol=1e-5, atol=1e-5)
     trainable, frozen = partition(peft_model)
     is_nf4 = lambda w: isinstance(w, NF4Array)  # noqa: E731
-    assert any(is_nf4(w) for w in jax.tree.leaves(frozen, is_leaf=is_nf4))
+    nf4 = [w for w in jax.tree.leaves(frozen, is_leaf=is_nf4) if is_nf4(w)]
+    assert nf4
+    if name == "mixtral":  # both expert stacks, (layers, experts, out, in), each expert's own
+        assert sum(w.ndim == 4 for w in nf4) == 2
 
     @eqx.filter_jit
     def grads(trainable):
