@@ -702,7 +702,7 @@ def test_modules_to_save_train_when_loaded_trainable(base, tmp_path):
     [
         ("{", CONFIG),
         ("[]", CONFIG),
-        (json.dumps({"peft_type": "LOHA", "r": 4}), "LOHA"),
+        (json.dumps({"peft_type": "BOFT", "r": 4}), "BOFT"),
         (json.dumps({"peft_type": "LORA", "r": "four", "target_modules": ["q_proj"]}), "r"),
     ],
     ids=["invalid-json", "not-an-object", "unknown-peft-type", "bad-value"],
