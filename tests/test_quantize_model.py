@@ -218,6 +218,19 @@ ZOO = {
         ),
         key=jax.random.key(0),
     ),
+    "qwen3_moe": lambda: peftx.models.LlamaForCausalLM(
+        peftx.models.LlamaConfig(
+            model_type="qwen3_moe",
+            qk_norm=True,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=False,
+            **_SIZES,
+        ),
+        key=jax.random.key(0),
+    ),
     "phi3": lambda: peftx.models.Phi3ForCausalLM(
         peftx.models.Phi3Config(
             rope=(
@@ -236,7 +249,7 @@ ZOO = {
 }
 # the adapted weights of a block: q, k, v, o, gate, up, down; Phi-3 fuses q, k, v and gate,
 # up; Mixtral's all-linear is q, k, v, o, the router and the two expert stacks
-LINEARS = {"qwen3": 7, "gemma2": 7, "gemma3": 7, "mixtral": 7, "phi3": 4}
+LINEARS = {"qwen3": 7, "gemma2": 7, "gemma3": 7, "mixtral": 7, "qwen3_moe": 7, "phi3": 4}
 _SIZES = dict(
     vocab_size=64,
     hidden_size=64,
@@ -266,7 +279,10 @@ def test_qlora_on_each_new_architecture(name):
     is_nf4 = lambda w: isinstance(w, NF4Array)  # noqa: E731
     nf4 = [w for w in jax.tree.leaves(frozen, is_leaf=is_nf4) if is_nf4(w)]
     assert nf4
-    if name == "mixtral":  # both expert stacks, (layers, experts, out, in), each expert's own
+    if name in (
+        "mixtral",
+        "qwen3_moe",
+    ):  # both expert stacks, (layers, experts, out, in), each expert's own
         assert sum(w.ndim == 4 for w in nf4) == 2
 
     @eqx.filter_jit
