@@ -3,6 +3,7 @@
 from . import adapters as adapters, implicit as implicit, models as models, train as train
 from ._config import (
     AbstractAdapterConfig as AbstractAdapterConfig,
+    AdaLoraConfig as AdaLoraConfig,
     IA3Config as IA3Config,
     LoHaConfig as LoHaConfig,
     LoKrConfig as LoKrConfig,

@@ -39,6 +39,7 @@ from ._targets import (
 from .adapters import (
     AbstractAdapter,
     IA3Array,
+    adalora,
     dora,
     expert_lora,
     ia3,
@@ -101,6 +102,10 @@ _HARMLESS = frozenset(
         "velora_config",
         "qalora_group_size",
         "ensure_weight_tying",
+        # LoraConfig's fields that AdaLoRA's layers never read (PEFT warns of `r`)
+        "r",
+        "use_rslora",
+        "alpha_pattern",
     }
 )
 # Keys PEFT never saves (PEFT itself drops them on load).
@@ -203,6 +208,18 @@ _VERA_KEYS = (
     "init_weights",
     "layers_to_transform",
     "layers_pattern",
+)
+_ADALORA_KEYS = (
+    *_LORA_KEYS[: _LORA_KEYS.index("ensure_weight_tying") + 1],
+    "target_r",
+    "init_r",
+    "tinit",
+    "tfinal",
+    "deltaT",
+    "beta1",
+    "beta2",
+    "orth_reg_weight",
+    "total_step",
 )
 _LYCORIS_KEYS = (
     *_PEFT_BASE_KEYS,
@@ -591,6 +608,11 @@ class AbstractAdapterConfig:
     def is_feedforward(self, path: str, layer: Any) -> bool:
         """Whether the layer at `path` is one of IA3's `feedforward_modules`."""
         return False
+
+    def kept_ranks(self, path: str) -> tuple[int, ...] | None:
+        """The ranks of the layer at `path` that its file holds, along the fields'
+        `rank_axes` (AdaLoRA's `rank_pattern`); None: all of them."""
+        return None
 
     def unsupported(self, path: str, layer: Any) -> str | None:
         """Why this config cannot adapt `layer` (a Linear, Conv or Embedding) at `path`,
@@ -1308,6 +1330,170 @@ class VeraConfig(AbstractAdapterConfig):
     @property
     def saves_shared(self) -> bool:
         return self.save_projection
+
+
+def _is_rank_mask(v: Any) -> bool:
+    return isinstance(v, list | tuple) and all(isinstance(b, bool) for b in v)
+
+
+# PEFT's AdaLoRA defaults are LoRA's, but all attention and MLP layers of these
+_ADALORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "t5": ("q", "k", "v", "o", "wi", "wo"),
+    "bart": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    "roberta": ("query", "key", "value", "dense"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaLoraConfig(AbstractAdapterConfig):
+    """HF PEFT's `AdaLoraConfig`: the same field names, meanings and defaults.
+
+    Each targeted Linear gets an `AdaLoraArray`, `W + lora_alpha/init_r · B·(A ⊙ E)` with
+    `lora_A` `(init_r, in)`, `lora_E` `(init_r, 1)` and `lora_B` `(out, init_r)`. While
+    training, a rank allocator zeroes the singular values (`lora_E`) of the least important
+    triplets until `target_r` ranks per layer are left on average; PEFT's file then holds
+    only the kept ranks, listed in `rank_pattern`.
+
+    **Arguments:**
+
+    - `init_r`: every layer's rank before pruning (PEFT ignores `r`, as peftx does).
+    - `target_r`: the average rank per layer left once the budget has shrunk.
+    - `tinit`, `tfinal`, `total_step`: the schedule: `tinit` steps without pruning, the
+      budget then shrinking cubically until `total_step - tfinal`, and the last `tfinal`
+      steps at the final ranks. `total_step` is required.
+    - `deltaT`: prune every `deltaT` steps while the budget shrinks.
+    - `beta1`, `beta2`: the moving averages of each weight's sensitivity `|w·∂L/∂w|` and
+      of its uncertainty.
+    - `orth_reg_weight`: the weight of the orthogonality penalty on `lora_A` and `lora_B`
+      added to the loss (`orthogonality_penalty`).
+    - `rank_pattern`: the allocator's result, from each layer's `lora_E` path to one bool
+      per rank (kept or pruned); None before any pruning.
+    - `lora_alpha`: the scale is `lora_alpha / init_r` (`init_r / init_r` for
+      `lora_alpha <= 0`).
+    - `lora_dropout`, `bias`, `target_modules`, `exclude_modules`, `fan_in_fan_out`,
+      `modules_to_save`, `layers_to_transform`, `layers_pattern` and PEFT's bookkeeping:
+      as for `LoraConfig`; Linear layers only.
+    - `init_lora_weights`: `True` (`lora_E` zeros: a no-op at start; `lora_A`, `lora_B`
+      normal with std 0.02) or `False` (all standard normal, for tests).
+    Mixed-adapter batches are refused, as PEFT's AdaLoRA layers have none.
+    """
+
+    peft_type: Literal["ADALORA"] = "ADALORA"
+    lora_alpha: int | float = 8
+    lora_dropout: int | float = 0.0
+    bias: Literal["none", "all", "lora_only"] = "none"
+    init_lora_weights: bool = True
+    rank_pattern: dict[str, list[bool] | tuple[bool, ...]] | None = None
+    target_r: int = 8
+    init_r: int = 12
+    tinit: int = 0
+    tfinal: int = 0
+    deltaT: int = 1
+    beta1: int | float = 0.85
+    beta2: int | float = 0.85
+    orth_reg_weight: int | float = 0.5
+    total_step: int | None = None
+
+    toml_table: ClassVar[str | None] = "adalora"
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        **LORA_TARGET_MODULES,
+        **_ADALORA_TARGETS,
+    }
+    mixed_batches: ClassVar[bool] = False
+    _KEYS: ClassVar[tuple[str, ...] | None] = _ADALORA_KEYS
+    _PEFT_ONLY: ClassVar[dict[str, Any]] = {
+        **_PEFT_ONLY_COMMON,
+        **_PEFT_ONLY_LORA,
+        "r": 8,
+        "use_rslora": False,
+        "alpha_pattern": {},
+        "use_dora": False,
+        "target_parameters": None,
+    }
+    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "rank_pattern": (
+            lambda v: v is None or _is_map(_is_rank_mask)(v),
+            "None or a dict from lora_E paths to lists of bools (one per rank)",
+        ),
+        "init_lora_weights": (lambda v: isinstance(v, bool), "a bool"),
+        "target_r": (_is_int, "an int"),
+        "init_r": (_is_int, "an int"),
+        "tinit": (_is_int, "an int"),
+        "tfinal": (_is_int, "an int"),
+        "deltaT": (_is_int, "an int"),
+        "beta1": (_is_number, "a number"),
+        "beta2": (_is_number, "a number"),
+        "orth_reg_weight": (_is_number, "a number"),
+        "total_step": (lambda v: v is None or _is_int(v), "None or an int"),
+    }
+    _OWN_RANGES: ClassVar[dict[str, tuple[Callable[[Any], Any], str]]] = {
+        # one bool per rank: how many is checked against `init_r` in `__post_init__`
+        "rank_pattern": (lambda v: None, ""),
+        "target_r": (_at_fault(_is_rank), "`target_r` must be a positive integer"),
+        "init_r": (_at_fault(_is_rank), "`init_r` must be a positive integer"),
+        "tinit": (_at_fault(lambda v: v >= 0), "`tinit` must be a number of steps >= 0"),
+        "tfinal": (_at_fault(lambda v: v >= 0), "`tfinal` must be a number of steps >= 0"),
+        "deltaT": (_at_fault(lambda v: v >= 1), "`deltaT` must be a number of steps >= 1"),
+        "beta1": (_at_fault(lambda v: 0 < v < 1), "`beta1` must be in (0, 1)"),
+        "beta2": (_at_fault(lambda v: 0 < v < 1), "`beta2` must be in (0, 1)"),
+        "orth_reg_weight": (
+            _at_fault(lambda v: 0 <= v <= _FLOAT32_MAX),
+            "`orth_reg_weight` must be a finite number >= 0",
+        ),
+    }
+
+    __hash__ = AbstractAdapterConfig.__hash__
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "lora_dropout", float(self.lora_dropout))
+        if self.total_step is None or self.total_step <= 0:
+            raise ValueError(
+                f"AdaLoRA needs `total_step`, the number of training steps (> 0), to schedule "
+                f"its rank budget; got {self.total_step!r}."
+            )
+        if self.tinit >= self.total_step - self.tfinal:
+            raise ValueError(
+                f"AdaLoRA's schedule leaves no steps to prune in: tinit={self.tinit} must be "
+                f"below total_step - tfinal = {self.total_step - self.tfinal}. Decrease "
+                "`tinit` or `tfinal`, or increase `total_step`."
+            )
+        wrong = {k: len(v) for k, v in (self.rank_pattern or {}).items() if len(v) != self.init_r}
+        if wrong:
+            raise ValueError(
+                f"`rank_pattern` must hold init_r={self.init_r} bools per layer; got "
+                f"{wrong} (lengths)."
+            )
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        if layer.transposed:
+            raise ValueError(
+                f"{layer.path!r} is a GPT-2 Conv1D layer, which peftx's AdaLoRA does not adapt "
+                "yet; exclude it (exclude_modules) or use LoRA."
+            )
+        return adalora(
+            base,
+            init_r=self.init_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            init_lora_weights=self.init_lora_weights,
+            key=key,
+        )
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if not isinstance(layer, eqx.nn.Linear):
+            return (
+                f"AdaLoRA in peftx adapts Linear layers only; {path!r} is an "
+                f"eqx.nn.{type(layer).__name__}."
+            )
+        return None
+
+    def kept_ranks(self, path: str) -> tuple[int, ...] | None:
+        """The ranks `rank_pattern` keeps for the layer at `path` (keyed
+        `<path>.lora_E`, as PEFT writes it); None where it names none."""
+        mask = (self.rank_pattern or {}).get(f"{path}.lora_E")
+        return None if mask is None else tuple(i for i, kept in enumerate(mask) if kept)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -72,6 +72,10 @@ class _Tensor:
     # an array every layer of the adapter holds alike (`shared_keys`), saved once under
     # `base_model.` rather than under each layer's module path
     shared: bool = False
+    # the axis of a field whose file holds only the ranks its config keeps (AdaLoRA's
+    # `rank_pattern`), and those ranks for each key (None: all of them)
+    rank_axis: int | None = None
+    kept: tuple[tuple[int, ...] | None, ...] = ()
 
     def file_key(self, key: str) -> str:
         return ("base_model." if self.shared else PREFIX) + key
@@ -80,6 +84,34 @@ class _Tensor:
     def layer_shape(self) -> tuple[int, ...]:
         shape = tuple(self.value.shape)
         return shape[1:] if self.stacked else shape
+
+    def kept_of(self, i: int) -> tuple[int, ...] | None:
+        """The ranks the file holds for the `i`-th key (None: all)."""
+        return self.kept[i] if self.rank_axis is not None else None
+
+    def file_shape(self, i: int) -> tuple[int, ...]:
+        """The shape the file stores for the `i`-th key, before any transpose."""
+        shape = list(self.layer_shape)
+        kept = self.kept_of(i)
+        if kept is not None:
+            shape[self.rank_axis] = len(kept)
+        return tuple(shape)
+
+    def to_file(self, i: int, row: np.ndarray) -> np.ndarray:
+        kept = self.kept_of(i)
+        return row if kept is None else np.take(row, kept, axis=self.rank_axis)
+
+    def from_file(self, i: int, row: np.ndarray) -> np.ndarray:
+        """The layer's array from the file's, its pruned ranks zeros (as PEFT's masked
+        ranks are)."""
+        kept = self.kept_of(i)
+        if kept is None:
+            return row
+        full = np.zeros(self.layer_shape, row.dtype)
+        index: list[Any] = [slice(None)] * row.ndim
+        index[self.rank_axis] = list(kept)
+        full[tuple(index)] = row
+        return full
 
 
 def _arch(model: Any) -> Architecture | None:
@@ -114,15 +146,20 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
         embedding: str | None = None,
         flip: bool | None = None,
         shared: bool = False,
+        rank_axis: int | None = None,
     ) -> None:
         """One tensor; `flip` says whether the file stores it transposed (by default, as
         the architecture's checkpoints store a base layer's weight); a `shared` one has
-        the key `suffix` for every layer."""
+        the key `suffix` for every layer; along `rank_axis`, the file holds the ranks
+        the config keeps."""
         paths = layer_paths(path)
         keys = tuple(suffix if shared else f"{p}.{suffix}" for p in paths)
         if flip is None:
             flip = arch is not None and is_transposed(arch, keys[0])
-        out.append(_Tensor(keys, where, value, paths != [path], flip, embedding, shared))
+        kept = tuple(config.kept_ranks(p) for p in paths) if rank_axis is not None else ()
+        out.append(
+            _Tensor(keys, where, value, paths != [path], flip, embedding, shared, rank_axis, kept)
+        )
 
     layers = _adapted(peft_model, name)
     get_layers = layers.where_fn()
@@ -142,6 +179,7 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
                 ),
                 getattr(adapter, field),
                 flip=field in kind.file_transposed,
+                rank_axis=kind.rank_axes.get(field),
             )
         for field, key in kind.shared_keys.items() if config.saves_shared else ():
             add(
@@ -350,7 +388,8 @@ def save_adapters(
             spread = spread or spread_over_processes(t.value)
             value = to_host(t.value)
             rows = value if t.stacked else [value]
-            for key, row in zip(t.keys, rows, strict=True):
+            for i, (key, row) in enumerate(zip(t.keys, rows, strict=True)):
+                row = t.to_file(i, np.asarray(row))
                 arrays[t.file_key(key)] = np.ascontiguousarray(row.T if t.transposed else row)
         text = json.dumps(_saved_config(peft_model, name), indent=2, sort_keys=True) + "\n"
         planned.append(("" if name == "default" else name, arrays, text))
@@ -608,9 +647,9 @@ def _match(
         if t.shared and tuple(keys) in placed:
             out.append((t, placed[tuple(keys)]))
             continue
-        want = t.layer_shape
         rows = []
-        for key in keys:
+        for i, key in enumerate(keys):
+            want = t.file_shape(i)
             file_key = t.file_key(key) if t.shared else unprefixed[key]
             value = stored[file_key]
             value = value.T if t.transposed else value
@@ -622,7 +661,7 @@ def _match(
                     f"{' (transposed from the file)' if t.transposed else ''}. Was the "
                     f"adapter made for another model or config? {origin}"
                 )
-            rows.append(value)
+            rows.append(t.from_file(i, value))
         array = np.stack(rows) if t.stacked else rows[0]
         # placed as the skeleton's array is (split over a mesh, for a sharded model)
         value = jax.device_put(array.astype(t.value.dtype), t.value.sharding)

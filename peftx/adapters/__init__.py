@@ -1,5 +1,10 @@
 """Adapters and structured weights, each an implicit array with its handlers."""
 
+from ._adalora import (
+    AdaLoraArray as AdaLoraArray,
+    adalora as adalora,
+    orthogonality_penalty as orthogonality_penalty,
+)
 from ._dora import DoraArray as DoraArray, dora as dora
 from ._embedding import (
     LoraEmbeddingArray as LoraEmbeddingArray,

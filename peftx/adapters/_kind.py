@@ -50,6 +50,8 @@ class AbstractAdapter(AbstractWeight):
     - `shared_keys`: frozen fields that every layer of one adapter holds alike (VeRA's
       projections), and PEFT's names for them, saved once beside the layers' tensors
       (`base_model.vera_A`) where the config asks (`saves_shared`);
+    - `rank_axes`: the trained fields whose rank axis (given) PEFT's file holds only the
+      ranks the config keeps (AdaLoRA's `rank_pattern`; see the config's `kept_ranks`);
     - `weight_axes` (see `AbstractWeight`);
 
     and implement `merged(weight)`, the dense weight the adapter stands for on a dense
@@ -62,6 +64,7 @@ class AbstractAdapter(AbstractWeight):
     peft_keys: eqx.AbstractClassVar[Mapping[str, str]]
     file_transposed: ClassVar[frozenset[str]] = frozenset()
     shared_keys: ClassVar[Mapping[str, str]] = {}
+    rank_axes: ClassVar[Mapping[str, int]] = {}
 
     @abc.abstractmethod
     def merged(self, weight: Array) -> Array:

@@ -20,6 +20,7 @@ from ..implicit import (
     outer_vmap_size,
     primitive_handler,
 )
+from ._adalora import AdaLoraArray
 from ._kind import AbstractAdapter
 from ._layout import Labels, WeightProduct, weight_dot_handlers
 from ._lycoris import AbstractLycoris
@@ -594,8 +595,9 @@ def _is_low_rank(x: Any) -> bool:
 
 
 def _takes_key(x: Any) -> bool:
-    """Whether `x` draws dropout from a key of its own: LoRA, DoRA, VeRA, LoHa, LoKr."""
-    return isinstance(x, AbstractLowRank | VeraArray | AbstractLycoris)
+    """Whether `x` draws dropout from a key of its own: LoRA, DoRA, VeRA, LoHa, LoKr,
+    AdaLoRA."""
+    return isinstance(x, AbstractLowRank | VeraArray | AbstractLycoris | AdaLoraArray)
 
 
 def _set_key(x: Any, key: LayerKeys | None) -> Any:
@@ -603,8 +605,8 @@ def _set_key(x: Any, key: LayerKeys | None) -> Any:
 
 
 def unmerge(
-    merged: Array, adapter: AbstractLowRank | AbstractLycoris
-) -> AbstractLowRank | AbstractLycoris:
+    merged: Array, adapter: AbstractLowRank | AbstractLycoris | AdaLoraArray
+) -> AbstractLowRank | AbstractLycoris | AdaLoraArray:
     """The adapter on the base weight recovered from `merged = W + s·B·A` (LoRA), from its
-    DoRA counterpart, or from `W + ΔW` (LoHa, LoKr)."""
+    DoRA counterpart, or from `W + ΔW` (LoHa, LoKr, AdaLoRA)."""
     return eqx.tree_at(lambda m: m.weight, adapter, adapter.unmerged(merged))

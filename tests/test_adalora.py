@@ -1,0 +1,206 @@
+"""AdaLoRA against HF PEFT in PyTorch on the same tiny Llama: PEFT's pruned file (with its
+`rank_pattern`) both ways with equal logits and an identical file, merging, and the
+orthogonality penalty against the term PEFT adds to the loss."""
+
+import json
+import tempfile
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+from test_llama import IDS, MASK, TOL, real_diff, torch_forward
+
+import peftx
+import peftx.models as pm
+from peftx.adapters import AdaLoraArray, orthogonality_penalty
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]  # in and out sizes differ
+INIT_R = 4
+WEIGHTS = "adapter_model.safetensors"
+IDS_J, MASK_J = jnp.asarray(IDS), jnp.asarray(MASK)
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    path = tempfile.mkdtemp()
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _pattern():
+    """A rank pattern as PEFT's allocator leaves it: some ranks of some layers pruned."""
+    return {
+        "model.layers.0.self_attn.q_proj.lora_E": [True, False, True, True],
+        "model.layers.1.mlp.down_proj.lora_E": [False, True, False, True],
+        "model.layers.1.self_attn.v_proj.lora_E": [True, True, True, True],
+    }
+
+
+def _torch_adalora(path, orth_reg_weight=0.5, pattern=None):
+    """PEFT's AdaLoRA on the checkpoint, every factor random and non-zero, the ranks
+    `pattern` prunes masked (their singular values zero) as PEFT's allocator masks them."""
+    base = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+    config = peft.AdaLoraConfig(
+        init_r=INIT_R,
+        target_r=2,
+        lora_alpha=6,
+        total_step=10,
+        target_modules=TARGETS,
+        init_lora_weights=False,
+        orth_reg_weight=orth_reg_weight,
+    )
+    model = peft.get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    if pattern is not None:
+        model.peft_config["default"].rank_pattern = pattern
+        with torch.no_grad():
+            for name, p in model.base_model.model.named_parameters():
+                key = name.replace(".default", "")
+                if key in pattern:
+                    p.mul_(torch.tensor(pattern[key], dtype=p.dtype)[:, None])
+    return model
+
+
+def _logits(model):
+    return np.asarray(eqx.filter_jit(lambda m: m(IDS_J, MASK_J).logits)(model), np.float32)
+
+
+def _randomized(model, seed):
+    trainable, frozen = peftx.partition(model)
+    leaves, tree = jax.tree.flatten(trainable)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [0.5 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
+    return eqx.combine(jax.tree.unflatten(tree, leaves), frozen)
+
+
+def test_pruned_peft_file_loads_into_peftx_and_back(checkpoint, tmp_path):
+    """PEFT -> peftx with a `rank_pattern`: the file holds the kept ranks only; the
+    logits equal PEFT's; peftx writes PEFT's file again (keys, shapes, dtypes, values,
+    config); and PEFT reads peftx's file to the same logits."""
+    theirs = _torch_adalora(checkpoint, pattern=_pattern())
+    theirs.save_pretrained(tmp_path / "peft")
+    stored = load_file(tmp_path / "peft" / WEIGHTS)
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    assert stored[f"{q}.lora_A"].shape == (3, 32)  # pruned to the kept ranks
+    assert not any("ranknum" in k for k in stored)
+    base = pm.from_pretrained(checkpoint, layout="unrolled")
+    ours = peftx.PeftModel.from_pretrained(base, tmp_path / "peft")
+    adapter = ours.base_model.model.layers[0].self_attn.q_proj.weight.adapter("default")
+    assert isinstance(adapter, AdaLoraArray) and adapter.r == INIT_R
+    want = torch_forward(theirs, IDS, MASK).logits
+    assert real_diff(_logits(ours), want, MASK) < TOL
+    assert real_diff(_logits(base), want, MASK) > 100 * TOL
+    # the pruned ranks matter: keeping the file's values at the first ranks differs
+    shifted = eqx.tree_at(
+        lambda m: m.base_model.model.layers[0].self_attn.q_proj.weight.adapters["default"].lora_E,
+        ours,
+        jnp.asarray(np.r_[stored[f"{q}.lora_E"], np.zeros((1, 1), np.float32)]),
+    )
+    assert real_diff(_logits(shifted), want, MASK) > 100 * TOL
+
+    ours.save_pretrained(tmp_path / "again")
+    again = load_file(tmp_path / "again" / WEIGHTS)
+    assert sorted(again) == sorted(stored)
+    for k in stored:
+        assert again[k].dtype == stored[k].dtype, k
+        np.testing.assert_array_equal(again[k], stored[k], err_msg=k)
+    config = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    want_config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    want_config["target_modules"] = sorted(want_config["target_modules"])  # a set to PEFT
+    drop = ("base_model_name_or_path",)
+    assert {k: v for k, v in config.items() if k not in drop} == {
+        k: v for k, v in want_config.items() if k not in drop
+    }
+    torch_base = transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    back = peft.PeftModel.from_pretrained(torch_base, tmp_path / "again")
+    assert real_diff(_logits(ours), torch_forward(back, IDS, MASK).logits, MASK) < TOL
+
+
+def test_peftx_adapter_loads_into_peft(checkpoint, tmp_path):
+    """peftx -> PEFT on the stacked layout, and PEFT's trainable count."""
+    base = pm.from_pretrained(checkpoint, layout="stacked")
+    config = peftx.AdaLoraConfig(init_r=INIT_R, lora_alpha=6, total_step=10, target_modules=TARGETS)
+    ours = _randomized(peftx.get_peft_model(base, config, key=jax.random.key(0)), 1)
+    ours.save_pretrained(tmp_path)
+    torch_base = transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    theirs = peft.PeftModel.from_pretrained(torch_base, tmp_path)
+    want = torch_forward(theirs, IDS, MASK).logits
+    assert real_diff(_logits(ours), want, MASK) < TOL
+    assert real_diff(_logits(base), want, MASK) > 100 * TOL
+    count = _torch_adalora(checkpoint).get_nb_trainable_parameters()
+    assert ours.get_nb_trainable_parameters() == count
+
+
+def test_merge_and_unmerge(checkpoint):
+    base = pm.from_pretrained(checkpoint, layout="unrolled")
+    config = peftx.AdaLoraConfig(init_r=INIT_R, total_step=10, target_modules=TARGETS)
+    model = _randomized(peftx.get_peft_model(base, config, key=jax.random.key(0)), 2)
+    merged = model.merge_and_unload()
+    assert real_diff(_logits(merged), _logits(model), MASK) < TOL
+    assert real_diff(_logits(merged), _logits(base), MASK) > 100 * TOL
+    layer = model.base_model.model.layers[1].mlp.down_proj.weight
+    adapter = layer.adapter("default")
+    dense = merged.model.layers[1].mlp.down_proj.weight
+    a, e, b = (np.asarray(x) for x in (adapter.lora_A, adapter.lora_E, adapter.lora_B))
+    want = np.asarray(layer.weight) + 8 / (INIT_R + 1e-5) * b @ (a * e)
+    np.testing.assert_allclose(dense, want, atol=1e-5)
+    np.testing.assert_allclose(adapter.unmerged(dense), layer.weight, atol=1e-5)
+
+
+def test_orthogonality_penalty_is_peft_s(checkpoint, tmp_path):
+    """The term PEFT adds to the loss, `orth_reg_weight` times the penalty, on the same
+    factors (loaded from PEFT's file)."""
+    weight = 0.7
+    theirs = _torch_adalora(checkpoint, orth_reg_weight=weight)
+    plain = _torch_adalora(checkpoint, orth_reg_weight=0.0)
+    ids = torch.tensor(IDS).long()
+    batch = dict(input_ids=ids, attention_mask=torch.tensor(MASK), labels=ids)
+    # `AdaLoraModel.forward` adds it (a `PeftModel` without a task type skips it)
+    with torch.no_grad():
+        term = (theirs.base_model(**batch).loss - plain.base_model(**batch).loss).item() / weight
+    theirs.save_pretrained(tmp_path)
+    ours = peftx.PeftModel.from_pretrained(
+        pm.from_pretrained(checkpoint, layout="unrolled"), tmp_path
+    )
+    penalty = float(orthogonality_penalty(ours))
+    assert term > 1.0  # random factors are far from orthogonal
+    assert abs(penalty - term) < 1e-4 * term
+    # a stack's layers count one by one
+    stacked = peftx.PeftModel.from_pretrained(
+        pm.from_pretrained(checkpoint, layout="stacked"), tmp_path
+    )
+    assert abs(float(orthogonality_penalty(stacked)) - term) < 1e-4 * term
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="total_step"):
+        peftx.AdaLoraConfig()
+    with pytest.raises(ValueError, match="tinit=5 must be below"):
+        peftx.AdaLoraConfig(total_step=8, tinit=5, tfinal=3)
+    with pytest.raises(ValueError, match="init_r=4 bools per layer"):
+        peftx.AdaLoraConfig(total_step=8, init_r=4, rank_pattern={"a.lora_E": [True]})
+    with pytest.raises(ValueError, match="beta1"):
+        peftx.AdaLoraConfig(total_step=8, beta1=1.0)
+    with pytest.raises(ValueError, match="use_dora"):
+        peftx.load_config({"peft_type": "ADALORA", "total_step": 8, "use_dora": True})
