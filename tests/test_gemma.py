@@ -56,16 +56,20 @@ CONFIG = dict(
 )
 
 
-def torch_gemma(head: str = "ForCausalLM", **overrides) -> torch.nn.Module:
-    config = transformers.Gemma2Config(**{**CONFIG, **overrides})
-    torch.manual_seed(0)
-    model = getattr(transformers, "Gemma2" + head)(config).eval()
+def randomize_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with every norm weight random (Gemma's start at zero: a scale of one)."""
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for key, p in model.named_parameters():
             if "norm" in key:
                 p.copy_(0.3 * torch.randn(p.shape, generator=generator))
     return model
+
+
+def torch_gemma(head: str = "ForCausalLM", **overrides) -> torch.nn.Module:
+    config = transformers.Gemma2Config(**{**CONFIG, **overrides})
+    torch.manual_seed(0)
+    return randomize_norms(getattr(transformers, "Gemma2" + head)(config).eval())
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from test_checkpoint import random_model
+from test_gemma import randomize_norms
 from test_llama import (
     BF16_U,
     DECODE_IDS,
@@ -58,15 +59,6 @@ CONFIG = dict(
     num_labels=3,
     attn_implementation="eager",
 )
-
-
-def randomize_norms(model: torch.nn.Module) -> torch.nn.Module:
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            if "norm" in key:
-                p.copy_(0.3 * torch.randn(p.shape, generator=generator))
-    return model
 
 
 def torch_gemma3(head: str = "ForCausalLM", **overrides) -> torch.nn.Module:

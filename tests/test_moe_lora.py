@@ -238,16 +238,17 @@ def test_grouped_products_equal_dense_experts(path, dtype, monkeypatch):
         cot = jax.random.normal(jax.random.key(2), (13, 16))
         return lambda *a: jnp.sum(fn(*a[:5], block, a[5]) * cot)
 
+    # each side jitted whole: one compile, not one per operation
     with strict():
         got = jax.jit(lambda *a: _ours(*a, block, x))(*args)
-        got_grads = jax.grad(loss(_ours), argnums=range(6))(*args, x)
-    want = _dense_reference(*args, block, x)
-    want_grads = jax.grad(loss(_dense_reference), argnums=range(6))(*args, x)
+        got_grads = jax.jit(jax.grad(loss(_ours), argnums=range(6)))(*args, x)
+    want = jax.jit(lambda *a: _dense_reference(*a, block, x))(*args)
+    want_grads = jax.jit(jax.grad(loss(_dense_reference), argnums=range(6)))(*args, x)
     # fp32: a few roundings; bf16: each product and activation rounds its output (u each)
     rel = TOL if dtype == "float32" else 64 * BF16_U
     scale = float(jnp.abs(want).max())
     np.testing.assert_allclose(got, want, atol=rel * scale)
-    base_only = _dense_reference(*args, block, x, adapted=False)
+    base_only = jax.jit(lambda *a: _dense_reference(*a, block, x, adapted=False))(*args)
     assert float(jnp.abs(base_only - want).max()) > 0.3 * scale  # the adapter matters
     for g, w in zip(got_grads, want_grads):
         np.testing.assert_allclose(

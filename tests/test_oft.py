@@ -84,17 +84,20 @@ def test_oft_matches_dense_formula(getkey, layout):
 
     with strict():
         got = jax.jit(use_implicit_args(fn))(w, x)
-        grads = jax.grad(loss, argnums=(0, 1))(w.oft_R, x, True)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(w.oft_R, x, True)
         tangent = jax.random.normal(getkey(), w.oft_R.shape)
-        _, jvp = jax.jvp(lambda r: loss(r, x, True), (w.oft_R,), (tangent,))
+        _, jvp = jax.jit(lambda r, t: jax.jvp(lambda r: loss(r, x, True), (r,), (t,)))(
+            w.oft_R, tangent
+        )
     close(got, fn(dense, x), tol=1e-4)
     assert not np.allclose(got, fn(w.weight, x), atol=1e-2)  # the rotation matters
 
     def dense_loss(oft_r, x):
         return jnp.sum(jnp.sin(fn(eqx.tree_at(lambda a: a.oft_R, w, oft_r).merged(w.weight), x)))
 
-    close(grads, jax.grad(dense_loss, argnums=(0, 1))(w.oft_R, x), tol=1e-4)
-    close(jvp, jax.jvp(lambda r: dense_loss(r, x), (w.oft_R,), (tangent,))[1], tol=1e-4)
+    close(grads, jax.jit(jax.grad(dense_loss, argnums=(0, 1)))(w.oft_R, x), tol=1e-4)
+    dense_jvp = jax.jit(lambda r, t: jax.jvp(lambda r: dense_loss(r, x), (r,), (t,))[1])
+    close(jvp, dense_jvp(w.oft_R, tangent), tol=1e-4)
 
 
 def test_stacked_oft_under_scan_and_unmerge(getkey):

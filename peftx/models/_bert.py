@@ -38,6 +38,7 @@ from ._common import (
     linear,
     number,
     tied_logits,
+    with_num_labels,
 )
 from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_layers, run_layers
 
@@ -471,8 +472,7 @@ class BertForSequenceClassification(eqx.Module):
         kb, kc = jax.random.split(key)
         if not kwargs.pop("add_pooling_layer", True):
             raise ValueError("BertForSequenceClassification reads the pooler; it needs one.")
-        if num_labels is not None and num_labels != config.num_labels:
-            config = dataclasses.replace(config, num_labels=num_labels)
+        config = with_num_labels(config, num_labels)
         self.bert = BertModel(config, key=kb, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
         self.classifier = _linear(

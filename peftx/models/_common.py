@@ -550,6 +550,42 @@ class MaskedLMOutput(eqx.Module):
     hidden_states: Float[Array, "layers batch seq dim"] | None = None
 
 
+def with_num_labels(config: Any, num_labels: int | None) -> Any:
+    """`config` with `num_labels` classes, as transformers' `from_pretrained(...,
+    num_labels=3)` overrides the config's; the config itself when None or the same."""
+    if num_labels is None or num_labels == config.num_labels:
+        return config
+    return dataclasses.replace(config, num_labels=num_labels)
+
+
+def fresh_lm_head(config: Any, key: PRNGKeyArray, dtype: Any) -> eqx.nn.Linear | None:
+    """A decoder's language-model head initialized as transformers does, or None when the
+    config ties it to the input embeddings (`lm_logits` then reads those)."""
+    if config.tie_word_embeddings:
+        return None
+    std = config.initializer_range
+    return normal_linear(config.hidden_size, config.vocab_size, False, key, std, dtype)
+
+
+def fresh_score(config: Any, key: PRNGKeyArray, dtype: Any) -> eqx.nn.Linear:
+    """A decoder's sequence-classification head `score`, initialized as transformers does."""
+    std = config.initializer_range
+    return normal_linear(config.hidden_size, config.num_labels, False, key, std, dtype)
+
+
+def last_token_scores(
+    score: eqx.nn.Linear,
+    h: Float[Array, "batch seq dim"],
+    input_ids: Int[Array, "batch seq"],
+    pad_token_id: int | None,
+) -> Float[Array, "batch labels"]:
+    """A decoder classifier's logits: `score` read at each sequence's last non-padding
+    token (`last_token_index`), as transformers' `...ForSequenceClassification` reads it."""
+    logits = linear(score, h)
+    last = last_token_index(input_ids, pad_token_id)
+    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+
+
 def last_token_index(
     input_ids: Int[Array, "batch seq"], pad_token_id: int | None
 ) -> Int[Array, " batch"]:

@@ -36,11 +36,12 @@ from ._common import (
     embed,
     flag,
     integer,
-    last_token_index,
+    last_token_scores,
     linear,
     lm_logits,
     number,
     packed_segments,
+    with_num_labels,
     write_cache,
 )
 from ._stack import LayerStack, Layout, RematPolicy, checkpoint_policy, make_layers, run_layers
@@ -445,8 +446,7 @@ class GPT2ForSequenceClassification(eqx.Module):
         **kwargs: Any,
     ):
         kt, kh = jax.random.split(key)
-        if num_labels is not None and num_labels != config.num_labels:
-            config = dataclasses.replace(config, num_labels=num_labels)
+        config = with_num_labels(config, num_labels)
         self.transformer = GPT2Model(config, key=kt, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
         self.score = _linear(
@@ -468,9 +468,8 @@ class GPT2ForSequenceClassification(eqx.Module):
         out = self.transformer(
             input_ids, attention_mask, position_ids, output_hidden_states=output_hidden_states
         )
-        logits = linear(self.score, out.last_hidden_state)
-        last = last_token_index(input_ids, self.config.pad_token_id)
-        pooled = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        h = out.last_hidden_state
+        pooled = last_token_scores(self.score, h, input_ids, self.config.pad_token_id)
         return SequenceClassifierOutput(pooled, out.hidden_states)
 
 

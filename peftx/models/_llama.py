@@ -36,8 +36,10 @@ from ._common import (
     dot_product_attention,
     embed,
     flag,
+    fresh_lm_head,
+    fresh_score,
     integer,
-    last_token_index,
+    last_token_scores,
     linear,
     lm_logits,
     mapping,
@@ -45,6 +47,7 @@ from ._common import (
     number,
     positive_numbers,
     strings,
+    with_num_labels,
     write_cache,
 )
 from ._hub_keys import HubKeys
@@ -743,13 +746,7 @@ class LlamaForCausalLM(eqx.Module):
         km, kh = jax.random.split(key)
         self.model = LlamaModel(config, key=km, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else normal_linear(
-                config.hidden_size, config.vocab_size, False, kh, config.initializer_range, dtype
-            )
-        )
+        self.lm_head = fresh_lm_head(config, kh, dtype)
 
     @property
     def config(self) -> LlamaConfig:
@@ -797,13 +794,10 @@ class LlamaForSequenceClassification(eqx.Module):
         **kwargs: Any,
     ):
         km, kh = jax.random.split(key)
-        if num_labels is not None and num_labels != config.num_labels:
-            config = dataclasses.replace(config, num_labels=num_labels)
+        config = with_num_labels(config, num_labels)
         self.model = LlamaModel(config, key=km, **kwargs)
         dtype = kwargs.get("dtype", jnp.float32)
-        self.score = normal_linear(
-            config.hidden_size, config.num_labels, False, kh, config.initializer_range, dtype
-        )
+        self.score = fresh_score(config, kh, dtype)
 
     @property
     def config(self) -> LlamaConfig:
@@ -820,9 +814,8 @@ class LlamaForSequenceClassification(eqx.Module):
         out = self.model(
             input_ids, attention_mask, position_ids, output_hidden_states=output_hidden_states
         )
-        logits = linear(self.score, out.last_hidden_state)
-        last = last_token_index(input_ids, self.config.pad_token_id)
-        pooled = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        h = out.last_hidden_state
+        pooled = last_token_scores(self.score, h, input_ids, self.config.pad_token_id)
         return SequenceClassifierOutput(pooled, out.hidden_states)
 
 

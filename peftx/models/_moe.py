@@ -158,11 +158,3 @@ def load_balancing_loss(
     share = jnp.einsum("lte,t->e", counts, real) / rows
     prob = jnp.einsum("lte,t->e", probs, real) / rows
     return experts * jnp.sum(share * prob)
-
-
-def expert_count_check(experts: int, top_k: int) -> None:
-    if not 1 <= top_k <= experts:
-        raise ValueError(
-            f"num_experts_per_tok ({top_k}) must be between 1 and the number of experts "
-            f"({experts})."
-        )
