@@ -38,7 +38,9 @@ from ._targets import (
 )
 from .adapters import (
     AbstractAdapter,
+    AbstractTrainHook,
     IA3Array,
+    RankAllocator,
     adalora,
     dora,
     expert_lora,
@@ -617,6 +619,12 @@ class AbstractAdapterConfig:
     def unsupported(self, path: str, layer: Any) -> str | None:
         """Why this config cannot adapt `layer` (a Linear, Conv or Embedding) at `path`,
         or None when it can."""
+        return None
+
+    def train_hook(self, adapter_name: str, trainable: Any) -> AbstractTrainHook | None:
+        """What training adapter `adapter_name` (found in `trainable`, the trainable half
+        of the model) does in each step besides the gradient step (AdaLoRA's rank
+        allocator), or None."""
         return None
 
     def with_model_defaults(self, model_type: str | None) -> "AbstractAdapterConfig":
@@ -1453,6 +1461,11 @@ class AdaLoraConfig(AbstractAdapterConfig):
                 f"AdaLoRA needs `total_step`, the number of training steps (> 0), to schedule "
                 f"its rank budget; got {self.total_step!r}."
             )
+        if self.target_r > self.init_r:
+            raise ValueError(
+                f"AdaLoRA prunes ranks: target_r={self.target_r} must not exceed "
+                f"init_r={self.init_r}."
+            )
         if self.tinit >= self.total_step - self.tfinal:
             raise ValueError(
                 f"AdaLoRA's schedule leaves no steps to prune in: tinit={self.tinit} must be "
@@ -1488,6 +1501,9 @@ class AdaLoraConfig(AbstractAdapterConfig):
                 f"eqx.nn.{type(layer).__name__}."
             )
         return None
+
+    def train_hook(self, adapter_name: str, trainable: Any) -> RankAllocator:
+        return RankAllocator.start(self, adapter_name, trainable)
 
     def kept_ranks(self, path: str) -> tuple[int, ...] | None:
         """The ranks `rank_pattern` keeps for the layer at `path` (keyed

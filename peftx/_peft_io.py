@@ -132,6 +132,16 @@ def _adapted(peft_model: Any, name: str) -> Selection:
     )
 
 
+def adapted_layer_paths(peft_model: Any, name: str) -> list[str]:
+    """The module path of each layer carrying adapter `name` (a stack's layers one by
+    one), as PEFT's keys name them, in tree order."""
+    return [
+        q
+        for p in _adapted(peft_model, name).paths()
+        for q in layer_paths(p.removeprefix("base_model."))
+    ]
+
+
 def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
     """Every array that adapter `name` saves, with its PEFT keys (without `PREFIX`)."""
     arch = _arch(peft_model.base_model)

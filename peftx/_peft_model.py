@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._errors import UnknownAdapterError
-from ._peft_io import load_adapter_into, save_adapters
+from ._peft_io import adapted_layer_paths, load_adapter_into, save_adapters
 from ._select import Predicate, dotted, of_type, peft_targets, require_matches, select
 from ._targets import (
     ADAPTABLE,
@@ -265,6 +265,23 @@ class PeftModel(eqx.Module):
         (PEFT's method of this name)."""
         trainable, _ = partition(self)
         return count_parameters(trainable), count_parameters(self)
+
+    def layer_paths(self, adapter_name: str) -> list[str]:
+        """The module path of each layer carrying `adapter_name` (each layer of a stack on
+        its own, `model.layers.3.self_attn.q_proj`), in the order of the model's tree."""
+        return adapted_layer_paths(self, self._known((adapter_name,))[0])
+
+    def with_config(self, adapter_name: str, config: Any) -> "PeftModel":
+        """This model with `config` recorded for `adapter_name` (of the same kind); the
+        arrays are unchanged."""
+        old = self.peft_config[self._known((adapter_name,))[0]]
+        if type(config) is not type(old):
+            raise TypeError(
+                f"adapter {adapter_name!r} has a {type(old).__name__}; got a "
+                f"{type(config).__name__}."
+            )
+        configs = tuple((n, config if n == adapter_name else c) for n, c in self.configs)
+        return dataclasses.replace(self, configs=configs)
 
     # -- files --------------------------------------------------------------------------
 

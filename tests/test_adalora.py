@@ -9,16 +9,18 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import peft
 import pytest
 import torch
 import transformers
 from safetensors.numpy import load_file
-from test_llama import IDS, MASK, TOL, real_diff, torch_forward
+from test_llama import BF16_U, IDS, MASK, TOL, real_diff, torch_forward
 
 import peftx
 import peftx.models as pm
 from peftx.adapters import AdaLoraArray, orthogonality_penalty
+from peftx.implicit import assert_no_dense, strict
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]  # in and out sizes differ
 INIT_R = 4
@@ -53,25 +55,27 @@ def _pattern():
     }
 
 
-def _torch_adalora(path, orth_reg_weight=0.5, pattern=None):
-    """PEFT's AdaLoRA on the checkpoint, every factor random and non-zero, the ranks
-    `pattern` prunes masked (their singular values zero) as PEFT's allocator masks them."""
-    base = transformers.LlamaForCausalLM.from_pretrained(path).eval()
+def _torch_adalora(
+    path, orth_reg_weight=0.5, pattern=None, scale=0.5, dtype=torch.float32, **schedule
+):
+    """PEFT's AdaLoRA on the checkpoint, every factor random and non-zero (standard
+    deviation `scale`), the ranks `pattern` prunes masked (their singular values zero) as
+    PEFT's allocator masks them."""
+    base = transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype).eval()
     config = peft.AdaLoraConfig(
         init_r=INIT_R,
-        target_r=2,
         lora_alpha=6,
-        total_step=10,
         target_modules=TARGETS,
         init_lora_weights=False,
         orth_reg_weight=orth_reg_weight,
+        **({"target_r": 2, "total_step": 10} | schedule),
     )
     model = peft.get_peft_model(base, config)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
     if pattern is not None:
         model.peft_config["default"].rank_pattern = pattern
         with torch.no_grad():
@@ -168,6 +172,78 @@ def test_merge_and_unmerge(checkpoint):
     np.testing.assert_allclose(adapter.unmerged(dense), layer.weight, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gradients_match_peft(checkpoint, dtype, tmp_path):
+    """Every factor's gradient equals PEFT's for the same loss of the logits; on a
+    bfloat16 base the factors stay float32 on both sides and get float32 gradients."""
+    theirs = _torch_adalora(checkpoint, dtype=getattr(torch, dtype))
+    theirs.save_pretrained(tmp_path / "peft")
+    base = pm.from_pretrained(checkpoint, dtype=getattr(jnp, dtype))
+    ours = peftx.PeftModel.from_pretrained(base, tmp_path / "peft", is_trainable=True)
+    weights = np.random.RandomState(3).standard_normal((*IDS.shape, 100)).astype(np.float32)
+    kwargs = dict(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK))
+    kwargs["position_ids"] = torch.tensor(np.maximum(np.cumsum(MASK, -1) - 1, 0))
+    logits = theirs(**kwargs).logits.float()
+    (logits * torch.tensor(weights) * torch.tensor(MASK)[..., None]).sum().backward()
+    want = {
+        n.removesuffix(".default").replace(".base_model.model.", ".", 1): p.grad.numpy()
+        for n, p in theirs.named_parameters()
+        # on a bf16 base, PEFT's upcast of the adapter makes `ranknum` trainable too
+        if p.requires_grad and "lora_" in n
+    }
+    trainable, frozen = peftx.partition(ours)
+    proj = jnp.asarray(weights)
+
+    @eqx.filter_jit
+    def grad(t):
+        def loss(t):
+            logits = eqx.combine(t, frozen)(IDS_J, MASK_J).logits.astype(jnp.float32)
+            return jnp.sum(logits * proj * MASK_J[..., None].astype(jnp.float32))
+
+        return jax.grad(loss)(t)
+
+    eqx.combine(grad(trainable), frozen).save_pretrained(tmp_path / "grads")
+    got = load_file(tmp_path / "grads" / WEIGHTS)
+    assert sorted(got) == sorted(want) and len(got) == 3 * len(TARGETS) * 2
+    # bf16: activations rounded at every layer; a few hundred units of bf16's rounding,
+    # relative to each gradient's scale
+    tol = TOL if dtype == "float32" else 400 * BF16_U
+    for k, g in got.items():
+        assert g.dtype == np.float32, k
+        scale = np.abs(want[k]).max()
+        assert scale > 0, k
+        np.testing.assert_allclose(g, want[k], atol=tol * scale, rtol=0, err_msg=k)
+
+
+def test_training_step_builds_no_dense_update_and_jvp(checkpoint):
+    """A training step with dropout builds no weight-sized array, and forward mode
+    agrees with reverse mode along a random tangent."""
+    base = pm.from_pretrained(checkpoint, layout="stacked")
+    config = peftx.AdaLoraConfig(
+        init_r=INIT_R, total_step=10, target_modules=TARGETS, lora_dropout=0.1
+    )
+    model = _randomized(peftx.get_peft_model(base, config, key=jax.random.key(0)), 4)
+    trainable, frozen = peftx.partition(model)
+
+    def loss(t, key):
+        m = peftx.adapters.with_dropout(eqx.combine(t, frozen), key)
+        return jnp.mean(m(IDS_J, MASK_J).logits ** 2)
+
+    def step(t, frozen, key):
+        return jax.grad(loss)(t, key)
+
+    key = jax.random.key(1)
+    with strict():
+        assert_no_dense(step, trainable, frozen, key)
+        grads = eqx.filter_jit(step)(trainable, frozen, key)
+        tangent, _ = peftx.partition(_randomized(model, 5))
+        _, forward = eqx.filter_jit(lambda t, d: jax.jvp(lambda t: loss(t, key), (t,), (d,)))(
+            trainable, tangent
+        )
+    reverse = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(tangent)))
+    np.testing.assert_allclose(forward, reverse, rtol=1e-4)
+
+
 def test_orthogonality_penalty_is_peft_s(checkpoint, tmp_path):
     """The term PEFT adds to the loss, `orth_reg_weight` times the penalty, on the same
     factors (loaded from PEFT's file)."""
@@ -204,3 +280,84 @@ def test_bad_input_is_refused():
         peftx.AdaLoraConfig(total_step=8, beta1=1.0)
     with pytest.raises(ValueError, match="use_dora"):
         peftx.load_config({"peft_type": "ADALORA", "total_step": 8, "use_dora": True})
+
+
+# steps 3-6 shrink the budget (24 ranks to 12), allocating at 4 and 6; step 7 allocates
+# the final ranks, which steps 8 and 9 keep
+SCHEDULE = dict(target_r=2, tinit=2, tfinal=3, deltaT=2, total_step=10, beta1=0.6, beta2=0.7)
+LR = 0.05
+
+
+def _lm_batch():
+    """Right-padded rows (transformers' positions are then peftx's) labelled for the
+    causal-LM loss, padding left out."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(1, 100, (3, 9))
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0
+    mask[2, 4:] = 0
+    ids = ids * mask
+    return ids, mask, np.where(mask == 1, ids, -100)
+
+
+def _peft_training(path, tmp_path):
+    """PEFT's loop as its docs write it (SGD, `update_and_allocate` after each step):
+    the initial adapter saved to `tmp_path / "start"`, the rank pattern after each step,
+    and the trained adapter saved to `tmp_path / "peft"`."""
+    model = _torch_adalora(path, orth_reg_weight=0.3, scale=0.2, **SCHEDULE)
+    model.save_pretrained(tmp_path / "start")
+    model.train()
+    ids, mask, labels = (torch.tensor(x) for x in _lm_batch())
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    patterns = []
+    for step in range(SCHEDULE["total_step"]):
+        loss = model.base_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        model.base_model.update_and_allocate(step)
+        optimizer.zero_grad()
+        pattern = model.peft_config["default"].rank_pattern
+        patterns.append(
+            None
+            if pattern is None
+            else {k.replace(".default", ""): list(v) for k, v in pattern.items()}
+        )
+    model.save_pretrained(tmp_path / "peft")
+    return patterns
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_rank_allocation_is_peft_s(checkpoint, tmp_path, layout):
+    """The same start, batch and SGD steps in PEFT's loop and in `peftx.train`'s step,
+    whose allocator runs by itself: after every step the rank pattern is PEFT's; the
+    trained adapter's file is PEFT's (the kept ranks only, `rank_pattern` in its config),
+    with values equal to fp32 rounding, and PEFT reads it to the same logits."""
+    patterns = _peft_training(checkpoint, tmp_path)
+    assert patterns[3] is None and patterns[4] is not None  # the schedule as above
+    assert sum(map(sum, patterns[-1].values())) == 2 * len(patterns[-1])  # target_r each
+    assert patterns[4] != patterns[-1]
+
+    base = pm.from_pretrained(checkpoint, layout=layout)
+    model = peftx.PeftModel.from_pretrained(base, tmp_path / "start", is_trainable=True)
+    optimizer = optax.sgd(LR)
+    state, frozen = peftx.train.init_state(model, optimizer, key=jax.random.key(0))
+    step = peftx.train.make_train_step(peftx.train.causal_lm_loss, optimizer)
+    ids, mask, labels = _lm_batch()
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    for want in patterns:
+        state, _ = step(state, frozen, batch)
+        got = peftx.train.trained_model(state, frozen).peft_config["default"].rank_pattern
+        got = None if got is None else {k: list(v) for k, v in got.items()}
+        assert got == want, int(state.step)
+
+    trained = peftx.train.trained_model(state, frozen)
+    trained.save_pretrained(tmp_path / "ours")
+    stored, ours = load_file(tmp_path / "peft" / WEIGHTS), load_file(tmp_path / "ours" / WEIGHTS)
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in stored.items()}
+    for k in stored:
+        np.testing.assert_allclose(ours[k], stored[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
+    assert config["rank_pattern"] == patterns[-1]
+    torch_base = transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    back = peft.PeftModel.from_pretrained(torch_base, tmp_path / "ours")
+    assert real_diff(_logits(trained), torch_forward(back, IDS, MASK).logits, MASK) < TOL

@@ -2,6 +2,7 @@
 
 from ._adalora import (
     AdaLoraArray as AdaLoraArray,
+    RankAllocator as RankAllocator,
     adalora as adalora,
     orthogonality_penalty as orthogonality_penalty,
 )
@@ -16,7 +17,11 @@ from ._experts import (
     expert_lora as expert_lora,
 )
 from ._ia3 import IA3Array as IA3Array, ia3 as ia3
-from ._kind import AbstractAdapter as AbstractAdapter, AbstractWeight as AbstractWeight
+from ._kind import (
+    AbstractAdapter as AbstractAdapter,
+    AbstractTrainHook as AbstractTrainHook,
+    AbstractWeight as AbstractWeight,
+)
 from ._loha import LoHaArray as LoHaArray, loha as loha
 from ._lokr import (
     LoKrArray as LoKrArray,

@@ -1,17 +1,19 @@
 """AdaLoRA: an SVD-shaped update `ΔW = B·(A ⊙ E)` whose rank is pruned while training by
 zeroing singular values, with PEFT's names and shapes."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ._kind import AbstractAdapter
+from ._kind import AbstractAdapter, AbstractTrainHook
 from ._layout import WeightProduct, weight_dot_handlers
 from ._products import LayerKeys, add_update, cast_base_on_astype, dropout, low_rank, rescale
+from ._set import AdapterSet
 
 # PEFT divides by `ranknum + 1e-5`
 _RANKNUM_EPS = 1e-5
@@ -228,3 +230,175 @@ def orthogonality_penalty(adapters: Any) -> Float[Array, ""]:
         return jnp.zeros((), jnp.float32)
     every = jnp.concatenate(terms)
     return jnp.sum(every) / every.size
+
+
+_FACTORS = ("lora_A", "lora_E", "lora_B")
+
+
+def _layers(tree: Any, name: str) -> list[AdaLoraArray]:
+    """The AdaLoRA arrays of adapter `name` in `tree` (a model, its trainable half or its
+    gradients), in tree order."""
+
+    def is_set(x: Any) -> bool:
+        return isinstance(x, AdapterSet)
+
+    sets = [s for s in jax.tree.leaves(tree, is_leaf=is_set) if is_set(s)]
+    found = [s.adapters.get(name) for s in sets]
+    return [w for w in found if isinstance(w, AdaLoraArray)]
+
+
+def budget_schedule(
+    init_budget: int, target_budget: int, tinit: int, tfinal: int, total_step: int
+) -> list[int]:
+    """PEFT's rank budget at each step `tinit < step < total_step - tfinal` (the cubic
+    decrease from `init_budget` to `target_budget`), computed in Python floats as PEFT
+    does, so that each step's budget is PEFT's to the integer."""
+    span = total_step - tfinal - tinit
+    budgets = []
+    for step in range(tinit + 1, total_step - tfinal):
+        mul = 1 - (step - tinit) / span
+        budgets.append(int((init_budget - target_budget) * (mul**3) + target_budget))
+    return budgets
+
+
+class RankAllocator(AbstractTrainHook):
+    """AdaLoRA's importance-based rank allocator (PEFT's `RankAllocator` with
+    `AdaLoraModel.update_and_allocate`), run by `peftx.train`'s step after each optimizer
+    update, jitted.
+
+    Until `total_step - tfinal`, each factor entry's sensitivity `|w·∂L/∂w|` is smoothed
+    (`beta1`) along with its uncertainty (`beta2`). A triplet's importance is its singular
+    value's score plus the mean score of its row of `lora_A` and its column of `lora_B`.
+    After `tinit` steps, every `deltaT` steps, the triplets below the budget of the
+    cubic schedule have their singular values zeroed; at `total_step - tfinal` the
+    budget reaches `target_r` per layer, and from then on those ranks stay pruned.
+    `kept` is the last allocation (PEFT's `rank_pattern`), one bool per rank of each
+    layer (each layer of a stack counted on its own, as PEFT counts them).
+
+    The orthogonality penalty `orth_reg_weight · orthogonality_penalty` is added to the
+    loss (`penalty`), as PEFT's forward adds it.
+    """
+
+    adapter_name: str = eqx.field(static=True)
+    tinit: int = eqx.field(static=True)
+    tfinal: int = eqx.field(static=True)
+    total_step: int = eqx.field(static=True)
+    deltaT: int = eqx.field(static=True)
+    beta1: float = eqx.field(static=True)
+    beta2: float = eqx.field(static=True)
+    orth_reg_weight: float = eqx.field(static=True)
+    init_budget: int = eqx.field(static=True)
+    target_budget: int = eqx.field(static=True)
+    budgets: Int[Array, " steps"]
+    sensitivity: tuple[dict[str, Array], ...]
+    uncertainty: tuple[dict[str, Array], ...]
+    kept: tuple[Bool[Array, "*stack r"], ...]
+    allocated: Bool[Array, ""]
+
+    @classmethod
+    def start(cls, config: Any, adapter_name: str, trainable: Any) -> "RankAllocator":
+        """The allocator of the run about to train adapter `adapter_name` (with
+        `config`, an `AdaLoraConfig`) in `trainable`: nothing smoothed, every rank kept."""
+        layers = _layers(trainable, adapter_name)
+        if not layers:
+            raise ValueError(f"adapter {adapter_name!r} has no AdaLoRA layers to allocate.")
+        rows = sum(int(np.prod(w.lora_E.shape[:-2])) for w in layers)
+        init_budget = sum(int(np.prod(w.lora_E.shape[:-1])) for w in layers)
+        target_budget = config.target_r * rows
+        budgets = budget_schedule(
+            init_budget, target_budget, config.tinit, config.tfinal, config.total_step
+        )
+
+        def zeros(w: AdaLoraArray) -> dict[str, Array]:
+            return {f: jnp.zeros_like(getattr(w, f), jnp.float32) for f in _FACTORS}
+
+        return cls(
+            adapter_name=adapter_name,
+            tinit=config.tinit,
+            tfinal=config.tfinal,
+            total_step=config.total_step,
+            deltaT=config.deltaT,
+            beta1=float(config.beta1),
+            beta2=float(config.beta2),
+            orth_reg_weight=float(config.orth_reg_weight),
+            init_budget=init_budget,
+            target_budget=target_budget,
+            budgets=jnp.asarray(budgets or [target_budget], jnp.int32),
+            sensitivity=tuple(zeros(w) for w in layers),
+            uncertainty=tuple(zeros(w) for w in layers),
+            kept=tuple(jnp.ones(w.lora_E.shape[:-1], bool) for w in layers),
+            allocated=jnp.zeros((), bool),
+        )
+
+    def penalty(self, trainable: Any) -> Float[Array, ""]:
+        return self.orth_reg_weight * orthogonality_penalty(_layers(trainable, self.adapter_name))
+
+    def update(self, trainable: Any, grads: Any, step: Array) -> tuple[Any, "RankAllocator"]:
+        layers = _layers(trainable, self.adapter_name)
+        layer_grads = _layers(grads, self.adapter_name)
+        final = self.total_step - self.tfinal
+        smoothing = step < final
+        sensitivity, uncertainty = [], []
+        for w, g, s_old, u_old in zip(
+            layers, layer_grads, self.sensitivity, self.uncertainty, strict=True
+        ):
+            s_new, u_new = {}, {}
+            for f in _FACTORS:
+                ipt = jnp.abs(getattr(w, f) * getattr(g, f)).astype(jnp.float32)
+                s = self.beta1 * s_old[f] + (1 - self.beta1) * ipt
+                u = self.beta2 * u_old[f] + (1 - self.beta2) * jnp.abs(ipt - s)
+                s_new[f] = jnp.where(smoothing, s, s_old[f])
+                u_new[f] = jnp.where(smoothing, u, u_old[f])
+            sensitivity.append(s_new)
+            uncertainty.append(u_new)
+
+        shrinking = (step > self.tinit) & (step < final)
+        index = jnp.clip(step - self.tinit - 1, 0, self.budgets.shape[0] - 1)
+        budget = jnp.where(step == final, self.target_budget, self.budgets[index])
+        allocate = (shrinking & (step % self.deltaT == 0)) | (step == final)
+
+        scores = []
+        for s, u in zip(sensitivity, uncertainty, strict=True):
+            score = {f: s[f] * u[f] for f in _FACTORS}
+            rows_a = jnp.mean(score["lora_A"], axis=-1)  # (*stack, r)
+            cols_b = jnp.mean(score["lora_B"], axis=-2)
+            scores.append(score["lora_E"][..., 0] + (rows_a + cols_b))
+        every = jnp.sort(jnp.concatenate([x.reshape(-1) for x in scores]))
+        pruned = self.init_budget - budget
+        threshold = jnp.where(pruned > 0, every[jnp.maximum(pruned - 1, 0)], -jnp.inf)
+        kept = tuple(
+            jnp.where(allocate, score > threshold, old)
+            for score, old in zip(scores, self.kept, strict=True)
+        )
+        masking = allocate | (step > final)
+        new_e = [
+            jnp.where(masking & ~k[..., None], jnp.zeros_like(w.lora_E), w.lora_E)
+            for w, k in zip(layers, kept, strict=True)
+        ]
+        trainable = eqx.tree_at(
+            lambda t: [w.lora_E for w in _layers(t, self.adapter_name)], trainable, new_e
+        )
+        hook = eqx.tree_at(
+            lambda h: (h.sensitivity, h.uncertainty, h.kept, h.allocated),
+            self,
+            (tuple(sensitivity), tuple(uncertainty), kept, self.allocated | allocate),
+        )
+        return trainable, hook
+
+    def config_changes(self, layer_paths: Sequence[str]) -> dict[str, Any]:
+        """`rank_pattern`, PEFT's: each layer's `<path>.lora_E` and its kept ranks, once
+        the allocator has pruned (otherwise nothing)."""
+        if not bool(self.allocated):
+            return {}
+        rows = [row for k in self.kept for row in np.asarray(k).reshape(-1, k.shape[-1])]
+        if len(rows) != len(layer_paths):
+            raise ValueError(
+                f"adapter {self.adapter_name!r} has {len(layer_paths)} AdaLoRA layers, its "
+                f"allocator {len(rows)}: the model is not the one it was made for."
+            )
+        return {
+            "rank_pattern": {
+                f"{path}.lora_E": [bool(b) for b in row]
+                for path, row in zip(layer_paths, rows, strict=True)
+            }
+        }

@@ -96,6 +96,29 @@ class AbstractAdapter(AbstractWeight):
         raise ValueError(f"{cls.__name__} adapters cannot be combined.")
 
 
+class AbstractTrainHook(eqx.Module):
+    """What an adapter kind does in every train step besides following the gradient
+    (AdaLoRA's rank allocator). Its config's `train_hook` makes it; `peftx.train` carries
+    it in the `TrainState` and calls it in each step, so no training loop built on
+    `make_train_step` can leave it out. It holds its own state as arrays (a pytree)."""
+
+    adapter_name: eqx.AbstractVar[str]
+
+    @abc.abstractmethod
+    def penalty(self, trainable: Any) -> Array:
+        """A scalar added to the mean loss of the step (its gradient flows)."""
+
+    @abc.abstractmethod
+    def update(self, trainable: Any, grads: Any, step: Array) -> tuple[Any, "AbstractTrainHook"]:
+        """After the optimizer's update at `step` (counted from 0), given that step's
+        gradients: the trainable half and this hook, both updated."""
+
+    @abc.abstractmethod
+    def config_changes(self, layer_paths: Sequence[str]) -> dict[str, Any]:
+        """What the run learned that the adapter's config records (AdaLoRA's
+        `rank_pattern`), given the per-layer module paths of its layers in tree order."""
+
+
 def count_parameters(tree: Any) -> int:
     """Parameters in `tree` as PEFT counts them: floating arrays by their size, each
     implicit weight by its `num_parameters()` (a 4-bit weight as two values per stored

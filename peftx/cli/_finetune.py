@@ -191,6 +191,18 @@ class Adapter:
     config: Any
     train: Path
     eval: Path
+    # a config whose `total_step` the table left out takes the run's number of steps
+    steps_from_run: bool = False
+
+    def for_steps(self, total: int, where: str) -> "Adapter":
+        """This adapter with `total_step` set to the run's `total` steps, if it takes it."""
+        if not self.steps_from_run:
+            return self
+        try:
+            config = dataclasses.replace(self.config, total_step=total)
+        except ValueError as e:
+            raise UsageError(f"{where}: {e} (total_step is the run's {total} steps)") from None
+        return dataclasses.replace(self, config=config, steps_from_run=False)
 
 
 class Job:
@@ -199,6 +211,7 @@ class Job:
     `multi`) trained and evaluated in mixed batches."""
 
     def __init__(self, path: Path, overrides: list[str]):
+        self.path = path
         raw = read_toml(path)
         for item in overrides:
             _override(raw, item)
@@ -218,17 +231,24 @@ class Job:
         out = self.output["dir"] or f"runs/{path.stem}"
         self.out = Path(out)
 
-    def _config(self, kind: str, table: Any, where: str) -> Any:
+    def _config(self, kind: str, table: Any, where: str) -> tuple[Any, bool]:
+        """The config of an adapter table, and whether it takes the run's number of steps
+        as its `total_step` (AdaLoRA's schedule, where the table leaves it out; checked
+        here with the most steps a run may have, and again once the run's are known)."""
         from .._config import TOML_TABLES
 
         if not isinstance(table, dict):
             raise UsageError(f"{where}: must be a table, got {table!r}")
+        cls = TOML_TABLES[kind]
+        from_run = "total_step" in {f.name for f in dataclasses.fields(cls)} and (
+            table.get("total_step") is None
+        )
+        given = {**table, "total_step": MAX_COUNT} if from_run else table
         try:
-            return TOML_TABLES[kind].from_dict(
-                {"task_type": TASK_TYPES[self.model.task], **table}, strict=True
-            )
+            config = cls.from_dict({"task_type": TASK_TYPES[self.model.task], **given}, strict=True)
         except (ValueError, TypeError) as e:
             raise UsageError(f"{where}: {e}") from None
+        return config, from_run
 
     def _single(self, raw: dict[str, Any], path: Path) -> Adapter:
         from .._config import TOML_TABLES
@@ -246,9 +266,13 @@ class Job:
                 raise UsageError(
                     f"{path}: data.{name} must be a file name, got {self.data[name]!r}"
                 )
-        config = self._config(tables[0], raw[tables[0]], f"{path}: [{tables[0]}]")
+        config, from_run = self._config(tables[0], raw[tables[0]], f"{path}: [{tables[0]}]")
         return Adapter(
-            "default", config, path.parent / self.data["train"], path.parent / self.data["eval"]
+            "default",
+            config,
+            path.parent / self.data["train"],
+            path.parent / self.data["eval"],
+            from_run,
         )
 
     def _several(self, raw: dict[str, Any], path: Path) -> list[Adapter]:
@@ -311,9 +335,11 @@ class Job:
                     f"{where}: [adapters.{kinds[0]}] cannot join [adapters.{first}] in one model "
                     "(as in PEFT); give every entry the same kind"
                 )
-            config = self._config(kinds[0], entry[kinds[0]], f"{where}: [adapters.{kinds[0]}]")
+            config, from_run = self._config(
+                kinds[0], entry[kinds[0]], f"{where}: [adapters.{kinds[0]}]"
+            )
             files = (path.parent / entry["train"], path.parent / entry["eval"])
-            adapters.append(Adapter(name, config, *files))
+            adapters.append(Adapter(name, config, *files, from_run))
         share = self.train["batch_size"] / len(adapters)
         if share != int(share):
             raise UsageError(
@@ -631,6 +657,7 @@ def _run(
     total = t["steps"] or t["epochs"] * per_epoch
     if total > MAX_COUNT:
         raise UsageError(f"train.epochs makes {total} steps, more than {MAX_COUNT}")
+    job.adapters = [a.for_steps(total, f"{job.path}: adapter {a.name!r}") for a in job.adapters]
     optimizer, schedule = _optimizer(job, total)
     model_key, train_key = jax.random.split(jax.random.key(t["seed"]))
     peft_model = _model(job, labels, model_key, mesh, rules)
@@ -855,13 +882,11 @@ def _finish(
 ) -> list[str]:
     """Write the run's results into `work`; returns what was written, by where it will be
     once the run is committed to `output.dir`."""
-    import equinox as eqx
-
-    from .. import models
+    from .. import models, train
     from ..sharding._hosts import writes_files
 
     out = job.out
-    peft_model = eqx.combine(state.trainable, frozen)
+    peft_model = train.trained_model(state, frozen)
     summary = {"before": before, "after": after, "steps": int(state.step)}
     for split, metrics in (("before", before), ("after", after)):
         if not _all_finite(metrics):

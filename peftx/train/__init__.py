@@ -29,4 +29,5 @@ from ._step import (
     make_eval_step as make_eval_step,
     make_train_step as make_train_step,
     summarize as summarize,
+    trained_model as trained_model,
 )

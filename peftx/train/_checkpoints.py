@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from .._errors import CheckpointError
 from .._files import remove_leftovers, replaced_directory
 from ..sharding._hosts import spread_over_processes, to_host, wait_for_writer, writes_files
-from ._step import TrainState
+from ._step import TrainState, trained_model
 
 STATE_FILE = "train_state.safetensors"
 INFO_FILE = "train_state.json"
@@ -25,7 +25,13 @@ _PREFIX = "checkpoint-"
 
 def _arrays(state: TrainState) -> dict[str, jax.Array | np.ndarray]:
     """The arrays of `state`, named by their path in it."""
-    tree = (state.trainable, state.opt_state, state.step, jax.random.key_data(state.key))
+    tree = (
+        state.trainable,
+        state.opt_state,
+        state.step,
+        jax.random.key_data(state.key),
+        state.hooks,
+    )
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
     return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
 
@@ -59,7 +65,7 @@ def save_checkpoint(
         directory.mkdir(parents=True, exist_ok=True)
         remove_leftovers(directory)  # of a run killed while saving
         with replaced_directory(final) as tmp:
-            eqx.combine(trainable, frozen).save_pretrained(tmp)
+            trained_model(with_host, frozen).save_pretrained(tmp)
             safetensors.numpy.save_file(host, str(tmp / STATE_FILE))
             record = {"step": step, "processes": jax.process_count(), **(info or {})}
             (tmp / INFO_FILE).write_text(json.dumps(record, indent=2))
@@ -128,12 +134,12 @@ def restore_checkpoint(path: str | os.PathLike, like: TrainState) -> tuple[Train
                 f"{path}: {name} is {saved[name].dtype}{list(saved[name].shape)}, the run "
                 f"expects {want.dtype}{list(want.shape)}"
             )
-    tree = (like.trainable, like.opt_state, like.step, jax.random.key_data(like.key))
+    tree = (like.trainable, like.opt_state, like.step, jax.random.key_data(like.key), like.hooks)
     arrays, static = eqx.partition(tree, eqx.is_array)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(arrays)]
     like_leaves = jax.tree.leaves(arrays)
     leaves = [jax.device_put(saved[p], x.sharding) for p, x in zip(paths, like_leaves)]
-    trainable, opt_state, step, key_data = eqx.combine(
+    trainable, opt_state, step, key_data, hooks = eqx.combine(
         jax.tree.unflatten(jax.tree.structure(arrays), leaves), static
     )
     key = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(like.key))
@@ -142,7 +148,7 @@ def restore_checkpoint(path: str | os.PathLike, like: TrainState) -> tuple[Train
             f"{path} is damaged: {INFO_FILE} says step {info['step']}, {STATE_FILE} "
             f"holds step {int(step)}"
         )
-    return TrainState(trainable, opt_state, step, key), info
+    return TrainState(trainable, opt_state, step, key, hooks), info
 
 
 def _is_count(value: Any) -> bool:

@@ -1,5 +1,6 @@
 """The train and eval steps: plain `eqx.filter_jit` functions over the trainable half."""
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._peft_model import PeftModel, partition
-from ..adapters import with_dropout
+from ..adapters import AbstractTrainHook, with_dropout
 from ..sharding import batch_parts, batch_sharding, shard
 from ..sharding._hosts import process_rows
 
@@ -25,12 +26,14 @@ LossFn = Callable[[Any, Batch, PRNGKeyArray | None], tuple[Float[Array, ""], dic
 
 class TrainState(eqx.Module):
     """All a run needs to go on: the trainable half of the model, the optimizer state, the
-    step count and the PRNG key (dropout)."""
+    step count, the PRNG key (dropout) and the adapters' train hooks (AdaLoRA's rank
+    allocator; see `AbstractAdapterConfig.train_hook`), which the step runs."""
 
     trainable: Any
     opt_state: Any
     step: Int[Array, ""]
     key: PRNGKeyArray
+    hooks: tuple[AbstractTrainHook, ...] = ()
 
 
 def init_state(
@@ -53,6 +56,10 @@ def init_state(
     if mesh is not None:
         model = shard(model, mesh, rules)
     trainable, frozen = partition(model, adapters)
+    trained = (model.active_adapter,) if adapters is None else tuple(adapters)
+    hooks = tuple(
+        h for name in trained if (h := model.peft_config[name].train_hook(name, trainable))
+    )
     step = jnp.zeros((), jnp.int32)
     if mesh is None:
         opt_state = optimizer.init(trainable)
@@ -71,7 +78,21 @@ def init_state(
         data = jax.device_put(np.asarray(jax.random.key_data(key)), replicated)
         key = jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
         step = jax.device_put(np.zeros((), np.int32), replicated)
-    return TrainState(trainable, opt_state, step, key), frozen
+        hooks = jax.tree.map(lambda x: jax.device_put(x, replicated), hooks)
+    return TrainState(trainable, opt_state, step, key, hooks), frozen
+
+
+def trained_model(state: TrainState, frozen: Any) -> PeftModel:
+    """The model `state` has trained: `eqx.combine(state.trainable, frozen)`, with what
+    its train hooks learned written into the adapters' configs (AdaLoRA's
+    `rank_pattern`, so that `save_pretrained` writes PEFT's pruned file)."""
+    model = eqx.combine(state.trainable, frozen)
+    for hook in state.hooks:
+        name = hook.adapter_name
+        changes = hook.config_changes(model.layer_paths(name))
+        if changes:
+            model = model.with_config(name, dataclasses.replace(model.peft_config[name], **changes))
+    return model
 
 
 def model_output(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Any:
@@ -186,6 +207,8 @@ def make_train_step(
     cut into `n` micro-batches run one after the other under `lax.scan` (memory of one
     micro-batch), and the update equals that of the whole batch at once. Each step draws
     fresh dropout keys (LoRA dropout, and the model's own dropout if it takes a `key`).
+    The state's train hooks add their penalties to the loss and run after the
+    optimizer's update (AdaLoRA's orthogonality penalty and rank allocation).
     `metrics`: `loss` (the mean), `grad_norm`, `finite` (whether both are finite: a run
     that diverged, to stop on; the check needs no extra pass) and the loss function's
     sums.
@@ -200,10 +223,13 @@ def make_train_step(
     if grad_accumulation < 1:
         raise ValueError(f"grad_accumulation must be at least 1, got {grad_accumulation}")
 
-    def summed(trainable: Any, frozen: Any, batch: Batch, key: PRNGKeyArray) -> Any:
+    def summed(trainable: Any, frozen: Any, batch: Batch, key: PRNGKeyArray, hooks: tuple) -> Any:
         dropout_key, model_key = jax.random.split(key)
         model = with_dropout(eqx.combine(trainable, frozen), dropout_key)
-        return loss_fn(model, batch, model_key)
+        total, sums = loss_fn(model, batch, model_key)
+        for hook in hooks:  # a penalty on the mean loss: `count` times over the sum
+            total = total + hook.penalty(trainable) * sums["count"]
+        return total, sums
 
     grad_fn = eqx.filter_value_and_grad(summed, has_aux=True)
 
@@ -216,15 +242,17 @@ def make_train_step(
         key, step_key = jax.random.split(state.key)
         keys = jax.random.split(step_key, grad_accumulation)
         if grad_accumulation == 1:
-            (total, sums), grads = grad_fn(state.trainable, frozen, batch, keys[0])
+            (total, sums), grads = grad_fn(state.trainable, frozen, batch, keys[0], state.hooks)
         else:
 
             def one(carry: Any, xs: Any) -> Any:
                 micro, k = xs
-                (t, s), g = grad_fn(state.trainable, frozen, micro, k)
+                (t, s), g = grad_fn(state.trainable, frozen, micro, k, state.hooks)
                 return jax.tree.map(jnp.add, carry, (t, s, g)), None
 
-            shapes = eqx.filter_eval_shape(grad_fn, state.trainable, frozen, batch, keys[0])
+            shapes = eqx.filter_eval_shape(
+                grad_fn, state.trainable, frozen, batch, keys[0], state.hooks
+            )
             (t0, s0), g0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
             micro = _micro_batches(batch, grad_accumulation)
             (total, sums, grads), _ = jax.lax.scan(one, (t0, s0, g0), (micro, keys))
@@ -232,10 +260,14 @@ def make_train_step(
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
         trainable = eqx.apply_updates(state.trainable, updates)
+        hooks = []
+        for hook in state.hooks:
+            trainable, hook = hook.update(trainable, grads, state.step)
+            hooks.append(hook)
         loss, norm = total / count, optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm)
         metrics = {"loss": loss, "grad_norm": norm, "finite": finite, **sums}
-        new = TrainState(trainable, opt_state, state.step + 1, key)
+        new = TrainState(trainable, opt_state, state.step + 1, key, tuple(hooks))
         if placed is not None:
             new = jax.lax.with_sharding_constraint(new, placed)
         return new, metrics
