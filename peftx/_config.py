@@ -1461,11 +1461,6 @@ class AdaLoraConfig(AbstractAdapterConfig):
                 f"AdaLoRA needs `total_step`, the number of training steps (> 0), to schedule "
                 f"its rank budget; got {self.total_step!r}."
             )
-        if self.target_r > self.init_r:
-            raise ValueError(
-                f"AdaLoRA prunes ranks: target_r={self.target_r} must not exceed "
-                f"init_r={self.init_r}."
-            )
         if self.tinit >= self.total_step - self.tfinal:
             raise ValueError(
                 f"AdaLoRA's schedule leaves no steps to prune in: tinit={self.tinit} must be "

@@ -269,6 +269,13 @@ def test_orthogonality_penalty_is_peft_s(checkpoint, tmp_path):
     assert abs(float(orthogonality_penalty(stacked)) - term) < 1e-4 * term
 
 
+class Tiny(eqx.Module):
+    q: eqx.nn.Linear = eqx.nn.Linear(4, 4, key=jax.random.key(0))
+
+
+KEY = jax.random.key(0)
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="total_step"):
         peftx.AdaLoraConfig()
@@ -276,6 +283,12 @@ def test_bad_input_is_refused():
         peftx.AdaLoraConfig(total_step=8, tinit=5, tfinal=3)
     with pytest.raises(ValueError, match="init_r=4 bools per layer"):
         peftx.AdaLoraConfig(total_step=8, init_r=4, rank_pattern={"a.lora_E": [True]})
+    # PEFT loads such a config, and fails at its first allocation; peftx before training
+    model = peftx.get_peft_model(
+        Tiny(), peftx.AdaLoraConfig(total_step=8, init_r=4, target_modules=["q"]), key=KEY
+    )
+    with pytest.raises(ValueError, match="target_r=8 must not exceed init_r=4"):
+        peftx.train.init_state(model, optax.sgd(0.1), key=KEY)
     with pytest.raises(ValueError, match="beta1"):
         peftx.AdaLoraConfig(total_step=8, beta1=1.0)
     with pytest.raises(ValueError, match="use_dora"):

@@ -268,6 +268,19 @@ ADAPTERS = {
         peft.LoKrConfig(r=2, decompose_both=True, target_modules=["query", "intermediate.dense"]),
         peftx.LoKrConfig(r=2, decompose_both=True, target_modules=("query", "intermediate.dense")),
     ),
+    "vera": (
+        'r = 8\ntarget_modules = ["query", "value"]',
+        peft.VeraConfig(r=8, target_modules=["query", "value"]),
+        peftx.VeraConfig(r=8, target_modules=("query", "value")),
+    ),
+    # total_step left out: a job takes its own number of steps
+    "adalora": (
+        'init_r = 6\ntarget_r = 2\ntarget_modules = ["query", "value"]',
+        peft.AdaLoraConfig(init_r=6, target_r=2, total_step=100, target_modules=["query", "value"]),
+        peftx.AdaLoraConfig(
+            init_r=6, target_r=2, total_step=100, target_modules=("query", "value")
+        ),
+    ),
 }
 TABLES = {"dora": "lora", "ia3_defaults": "ia3"}
 

@@ -3,16 +3,19 @@
 copies) or the weights it saves; or it is refused where it does not apply (an error, or,
 for `fan_in_fan_out` on `(out, in)` weights, PEFT's warning that it is ignored). PEFT's
 bookkeeping fields change only the `adapter_config.json` PEFT reads, and the test checks
-that. A field without a case below fails the test, so no field can be accepted and then
-ignored (as `IA3Config.init_ia3_weights` once was)."""
+that; AdaLoRA's schedule fields change what a few steps of `peftx.train` leave. A field
+without a case below fails the test, so no field can be accepted and then ignored (as
+`IA3Config.init_ia3_weights` once was)."""
 
 import dataclasses
+import functools
 import json
 import warnings
 
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 import pytest
 import safetensors.numpy
 
@@ -55,6 +58,12 @@ class Tiny(eqx.Module):
 
         self.body = Body([Group([block(), block()]) for _ in range(2)])
         self.classifier = eqx.nn.Linear(4, 2, key=next(k))
+
+    def __call__(self, x):
+        for group in self.body.groups:
+            for b in group.layers:
+                x = jax.numpy.tanh(b.fc(b.v(b.q(x))))
+        return self.classifier(x)
 
 
 COMMON = {  # field: (changed value, what it does)
@@ -170,7 +179,57 @@ CASES = {
             "init_weights": (False, "builds"),
         },
     ),
+    peftx.AdaLoraConfig: (
+        {
+            "init_r": 3,
+            "target_r": 1,
+            "total_step": 6,
+            "tinit": 1,
+            "tfinal": 1,
+            "target_modules": ("q", "v", "fc"),
+            "init_lora_weights": False,
+        },
+        {
+            **COMMON,
+            "peft_type": ("LORA", "refused"),
+            "init_r": (4, "builds"),
+            "lora_alpha": (4, "builds"),
+            "lora_dropout": (0.1, "builds"),
+            "bias": ("all", "builds"),
+            "init_lora_weights": (True, "builds"),
+            "rank_pattern": ({"body.groups.0.layers.0.q.lora_E": (True, False, True)}, "builds"),
+            # the rest steer the rank allocator while training
+            "target_r": (2, "trains"),
+            "tinit": (2, "trains"),
+            "tfinal": (2, "trains"),
+            "deltaT": (2, "trains"),
+            "beta1": (0.5, "trains"),
+            "beta2": (0.5, "trains"),
+            "orth_reg_weight": (0.0, "trains"),
+            "total_step": (8, "trains"),
+        },
+    ),
 }
+
+
+@functools.cache  # the unchanged start trains once for all the cases
+def _trained(config):
+    """The model and allocator state after a few SGD steps of `peftx.train` on `Tiny`."""
+    model = peftx.get_peft_model(Tiny(jax.random.key(0)), config, key=jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (8, 4))
+
+    def loss_fn(model, batch, key):
+        out = jax.vmap(model)(batch["x"])
+        return jax.numpy.sum(out**2), {"count": jax.numpy.float32(out.shape[0])}
+
+    optimizer = optax.sgd(0.1)
+    state, frozen = peftx.train.init_state(model, optimizer, key=jax.random.key(3))
+    step = peftx.train.make_train_step(loss_fn, optimizer)
+    for _ in range(5):
+        state, _ = step(state, frozen, {"x": x})
+    trained = peftx.train.trained_model(state, frozen)
+    leaves = jax.tree.leaves((state.trainable, state.hooks))
+    return [np.asarray(v) for v in leaves], trained.peft_config["default"].rank_pattern
 
 
 def _built(config, tmp_path):
@@ -215,6 +274,17 @@ def test_changing_a_field_changes_the_adapter_or_its_file(cls, field, tmp_path):
     if effect == "refused":
         with pytest.raises((ValueError, TypeError), match=field):
             cls(**{**start, field: value})
+        return
+    if effect == "trains":
+        (before, pattern_before), (after, pattern_after) = (
+            _trained(cls(**start)),
+            _trained(cls(**{**start, field: value})),
+        )
+        assert pattern_before is not None  # the allocator pruned
+        changed = pattern_before != pattern_after or any(
+            a.shape != b.shape or not np.array_equal(a, b) for a, b in zip(before, after)
+        )
+        assert changed, f"{cls.__name__}.{field}={value!r} changed nothing in training"
         return
     with warnings.catch_warnings():
         warnings.simplefilter("error")

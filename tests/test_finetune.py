@@ -388,6 +388,42 @@ def test_llama_configs_run(llama, tmp_path, capsys):
     assert qlora != lora and abs(qlora - lora) < 0.1 * lora
 
 
+def test_adalora_job_allocates_ranks_by_itself(bert, tmp_path, capsys):
+    """An `[adalora]` table without `total_step` takes the run's steps; the finetune loop
+    runs the allocator with no call of the user's; the adapter is PEFT's pruned file,
+    which PEFT reads to peftx's logits."""
+    job = tmp_path / "job.toml"
+    text = (bert / "job.toml").read_text().replace('path = "base"', f'path = "{bert / "base"}"')
+    lora = text[text.index("[lora]") : text.index("[train]")]
+    table = (
+        '[adalora]\ninit_r = 4\ntarget_r = 2\ntinit = 2\ntfinal = 2\ntarget_modules = ["query", '
+        '"value"]\n\n'
+    )
+    job.write_text(text.replace(lora, table).replace('"train.jsonl"', f'"{bert / "train.jsonl"}"'))
+    job.write_text(job.read_text().replace('"eval.jsonl"', f'"{bert / "eval.jsonl"}"'))
+    out_dir = tmp_path / "run"
+    _finetune(capsys, job, out_dir, "train.steps=8")
+    adapter = out_dir / "adapter"
+    saved = json.loads((adapter / "adapter_config.json").read_text())
+    assert saved["peft_type"] == "ADALORA" and saved["total_step"] == 8
+    pattern = saved["rank_pattern"]
+    assert len(pattern) == 2 * 2 and sum(map(sum, pattern.values())) == 2 * len(pattern)
+    tensors = _tensors(adapter)
+    for key, kept in pattern.items():
+        module = "base_model.model." + key.removesuffix(".lora_E")
+        assert tensors[f"{module}.lora_A"].shape[0] == sum(kept)
+
+    base, model = _three_label_classifiers(bert)
+    reference = peft.PeftModel.from_pretrained(base, adapter).eval()
+    ids = np.array([[2, 7, 9, 11, 3], [2, 5, 3, 0, 0]])
+    mask = (ids > 0).astype(np.int64)
+    with torch.no_grad():
+        want = reference(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))
+    adapted = peftx.PeftModel.from_pretrained(model, adapter)
+    got = np.asarray(adapted(jnp.asarray(ids), jnp.asarray(mask)).logits)
+    np.testing.assert_allclose(got, want.logits.numpy(), rtol=0, atol=_tolerance(got))
+
+
 # -- several adapters in mixed batches ------------------------------------------------------
 
 

@@ -115,10 +115,18 @@ def _stored_dtypes(path: Path) -> str:
     return ", ".join(f"{d} ({n} tensors)" for d, n in counts.most_common())
 
 
+def _trained_count(adapter: Any) -> int:
+    """The parameters `adapter` trains (not its base weight, nor frozen state such as
+    AdaLoRA's `ranknum`)."""
+    from ..adapters._kind import count_parameters, trained_fields
+
+    return count_parameters([getattr(adapter, f) for f in trained_fields(adapter)])
+
+
 def survey(plan: _Plan, num_labels: int) -> dict[str, Any]:
     """Counts for `plan`, traced with `eqx.filter_eval_shape` (no weight is read or
     built): the model's parameters, and with a config each adapted module's path, base
-    shape and adapter parameters (as its adapter counts them), and PEFT's (trainable, all)
+    shape and trained adapter parameters, and PEFT's (trainable, all)
     pair."""
     from .._peft_model import get_peft_model
     from .._select import Predicate, select
@@ -151,7 +159,7 @@ def survey(plan: _Plan, num_labels: int) -> dict[str, Any]:
         for name, _ in plan.adapters:
             out["adapters"][name] = {
                 "rows": [
-                    (p, tuple(n.weight.shape), n.weight.adapters[name].num_parameters())
+                    (p, tuple(n.weight.shape), _trained_count(n.weight.adapters[name]))
                     for p, n in zip(adapted.paths(), adapted.get())
                     if name in n.weight.adapters
                 ],
