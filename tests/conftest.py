@@ -22,7 +22,10 @@ _MADE_CACHE = "PEFTX_TESTS_JAX_CACHE" not in os.environ
 if _MADE_CACHE:
     os.environ["PEFTX_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="peftx-tests-jax-cache-")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["PEFTX_TESTS_JAX_CACHE"]
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# Only compiles that take a while are written: XLA:CPU's `serialize()` of an executable
+# crashed a worker (a segfault in `put_executable_and_time`) once thousands of small,
+# op-by-op programs had been written, and those recompile in milliseconds anyway.
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
 
 import jax
 import numpy as np
@@ -43,7 +46,7 @@ from peftx.implicit import MaterializationWarning
 warnings.filterwarnings("error", category=MaterializationWarning)
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
