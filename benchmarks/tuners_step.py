@@ -5,10 +5,12 @@ The model is `benchmarks/suite.py`'s Llama (`--size full`: hidden 512, 4 layers,
 intermediate 1376, vocab 2048, batch 8x128; float32), every method on the same seven
 projections of each block, AdamW, next-token cross-entropy, `eqx.filter_jit`. The methods
 use their PEFT defaults except the size: LoRA r=8; OFT blocks of 32; LoHa and LoKr r=8,
-alpha=16; VeRA r=256. PyTorch: transformers' `LlamaForCausalLM` with the same config and
-PEFT's config of the same method. Reported: median step time over round-robin calls,
-the ratio to peftx LoRA and to PEFT's step of the same method, trainable parameters, and
-XLA's temporaries for the compiled step.
+alpha=16; VeRA r=256; AdaLoRA init_r=12, target_r=8, allocating at every step (PEFT's
+defaults; its step is `peftx.train`'s, which runs the allocator and adds the orthogonality
+penalty, against PEFT's step with `update_and_allocate`). PyTorch: transformers'
+`LlamaForCausalLM` with the same config and PEFT's config of the same method. Reported:
+median step time over round-robin calls, the ratio to peftx LoRA and to PEFT's step of the
+same method, trainable parameters, and XLA's temporaries for the compiled step.
 
 Run: `python benchmarks/tuners_step.py [--size full|quick|tiny] [--methods lora oft ...]`.
 """
@@ -28,6 +30,8 @@ METHODS = {
     "loha": ("LoHaConfig", dict(r=8, alpha=16)),
     "lokr": ("LoKrConfig", dict(r=8, alpha=16)),
     "vera": ("VeraConfig", dict(r=256)),
+    # PEFT's defaults: no warm-up, allocation at every step while the budget shrinks
+    "adalora": ("AdaLoraConfig", dict(init_r=12, target_r=8, total_step=1000)),
 }
 
 
@@ -51,9 +55,12 @@ def main() -> None:
         cls, fields = METHODS[name]
         config = getattr(peftx, cls)(target_modules=LLAMA_TARGETS, **fields)
         model = peftx.get_peft_model(base, config, key=jax.random.key(2))
-        ours[name] = suite.step_variant(
-            f"peftx {name}", model, model.trainable_spec(), loss, ids, implicit=name != "loha"
-        )
+        if name == "adalora":
+            ours[name] = train_variant(f"peftx {name}", model, ids)
+        else:
+            ours[name] = suite.step_variant(
+                f"peftx {name}", model, model.trainable_spec(), loss, ids, implicit=name != "loha"
+            )
         ours[name].n_trainable = model.get_nb_trainable_parameters()[0]
         if not args.no_torch:
             theirs[name] = torch_variant(name, c, ids)
@@ -83,6 +90,45 @@ def main() -> None:
     print(md_table([*header, "XLA temp MiB"], rows))
 
 
+def train_variant(name: str, model, ids) -> suite.Variant:
+    """`peftx.train`'s step (with the adapter's train hook) as a variant."""
+    import optax
+
+    optimizer = optax.adamw(1e-4)
+    state, frozen = peftx.train.init_state(model, optimizer, key=jax.random.key(3))
+
+    def loss_fn(m, batch, key):
+        x = batch["input_ids"]
+        return lm_loss(m(x).logits, x), {"count": jax.numpy.ones((), jax.numpy.float32)}
+
+    step = peftx.train.make_train_step(loss_fn, optimizer)
+
+    def run(state, frozen, unused, batch):
+        state, metrics = step(state, frozen, batch)
+        return state, unused, metrics["loss"]
+
+    return suite.Variant(name, run, (state, frozen, None, {"input_ids": ids}), step=True)
+
+
+class AdaLoraTorchVariant(TorchVariant):
+    """PEFT's AdaLoRA step as its docs write it: the forward through `AdaLoraModel` (which
+    adds the orthogonality penalty), then `update_and_allocate` after the optimizer."""
+
+    def __init__(self, *args, **kwargs):
+        self.step_count = 0
+        super().__init__(*args, **kwargs)
+
+    def call(self) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss(self.model)
+        loss.backward()
+        self.opt.step()
+        self.model.base_model.update_and_allocate(self.step_count)
+        self.step_count += 1
+        self.sync()
+        return loss.detach().item()
+
+
 def torch_variant(name: str, config: pm.LlamaConfig, ids) -> TorchVariant:
     import numpy as np
     import peft
@@ -97,6 +143,9 @@ def torch_variant(name: str, config: pm.LlamaConfig, ids) -> TorchVariant:
         getattr(peft, cls)(target_modules=LLAMA_TARGETS, **fields),
     ).train()
     x = torch.as_tensor(np.asarray(ids, np.int64))
+    if name == "adalora":
+        loss = lambda m: m.base_model(input_ids=x, labels=x).loss  # noqa: E731
+        return AdaLoraTorchVariant(f"PEFT {name}", model, loss, 0)
     return TorchVariant(f"PEFT {name}", model, lambda m: m(input_ids=x, labels=x).loss, 0)
 
 
