@@ -388,30 +388,42 @@ def test_llama_configs_run(llama, tmp_path, capsys):
     assert qlora != lora and abs(qlora - lora) < 0.1 * lora
 
 
-def test_adalora_job_allocates_ranks_by_itself(bert, tmp_path, capsys):
-    """An `[adalora]` table without `total_step` takes the run's steps; the finetune loop
-    runs the allocator with no call of the user's; the adapter is PEFT's pruned file,
-    which PEFT reads to peftx's logits."""
-    job = tmp_path / "job.toml"
-    text = (bert / "job.toml").read_text().replace('path = "base"', f'path = "{bert / "base"}"')
+TUNER_TABLES = {
+    "oft": 'oft_block_size = 8\ntarget_modules = ["query", "value"]',
+    "loha": 'r = 4\nalpha = 8\ntarget_modules = ["query", "value"]',
+    "lokr": 'r = 4\nalpha = 8\ntarget_modules = ["query", "value"]',
+    "vera": 'r = 16\ntarget_modules = ["query", "value"]',
+    # no total_step: the run's steps
+    "adalora": "init_r = 4\ntarget_r = 2\ntinit = 2\ntfinal = 2\n"
+    'target_modules = ["query", "value"]',
+}
+
+
+@pytest.mark.parametrize("table", sorted(TUNER_TABLES))
+def test_tuner_tables_train_and_write_what_peft_reads(table, bert, tmp_path, capsys):
+    """Each tuner's table in a job: the run writes PEFT's adapter, which PEFT reads to
+    peftx's logits. AdaLoRA's allocator runs with no call of the user's, and its file is
+    PEFT's pruned one."""
+    text = (bert / "job.toml").read_text()
+    for name in ("base", "train.jsonl", "eval.jsonl"):
+        text = text.replace(f'"{name}"', f'"{bert / name}"')
     lora = text[text.index("[lora]") : text.index("[train]")]
-    table = (
-        '[adalora]\ninit_r = 4\ntarget_r = 2\ntinit = 2\ntfinal = 2\ntarget_modules = ["query", '
-        '"value"]\n\n'
-    )
-    job.write_text(text.replace(lora, table).replace('"train.jsonl"', f'"{bert / "train.jsonl"}"'))
-    job.write_text(job.read_text().replace('"eval.jsonl"', f'"{bert / "eval.jsonl"}"'))
+    job = tmp_path / "job.toml"
+    job.write_text(text.replace(lora, f"[{table}]\n{TUNER_TABLES[table]}\n\n"))
     out_dir = tmp_path / "run"
-    _finetune(capsys, job, out_dir, "train.steps=8")
+    steps = 8 if table == "adalora" else 3  # AdaLoRA: prune at 3-5, the final ranks at 6
+    _finetune(capsys, job, out_dir, f"train.steps={steps}")
     adapter = out_dir / "adapter"
     saved = json.loads((adapter / "adapter_config.json").read_text())
-    assert saved["peft_type"] == "ADALORA" and saved["total_step"] == 8
-    pattern = saved["rank_pattern"]
-    assert len(pattern) == 2 * 2 and sum(map(sum, pattern.values())) == 2 * len(pattern)
-    tensors = _tensors(adapter)
-    for key, kept in pattern.items():
-        module = "base_model.model." + key.removesuffix(".lora_E")
-        assert tensors[f"{module}.lora_A"].shape[0] == sum(kept)
+    assert saved["peft_type"] == table.upper()
+    if table == "adalora":
+        assert saved["total_step"] == 8
+        pattern = saved["rank_pattern"]
+        assert len(pattern) == 2 * 2 and sum(map(sum, pattern.values())) == 2 * len(pattern)
+        tensors = _tensors(adapter)
+        for key, kept in pattern.items():
+            module = "base_model.model." + key.removesuffix(".lora_E")
+            assert tensors[f"{module}.lora_A"].shape[0] == sum(kept)
 
     base, model = _three_label_classifiers(bert)
     reference = peft.PeftModel.from_pretrained(base, adapter).eval()
@@ -422,6 +434,8 @@ def test_adalora_job_allocates_ranks_by_itself(bert, tmp_path, capsys):
     adapted = peftx.PeftModel.from_pretrained(model, adapter)
     got = np.asarray(adapted(jnp.asarray(ids), jnp.asarray(mask)).logits)
     np.testing.assert_allclose(got, want.logits.numpy(), rtol=0, atol=_tolerance(got))
+    untrained = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)).logits)
+    assert np.abs(got - untrained).max() > 100 * _tolerance(got)  # what was trained acts
 
 
 # -- several adapters in mixed batches ------------------------------------------------------
