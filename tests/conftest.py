@@ -15,17 +15,17 @@ os.environ["XLA_FLAGS"] = " ".join(
     )
 )
 
-# One persistent compilation cache for the session, its xdist workers and their child
-# processes, which compile many of the same programs (each `peftx finetune` run builds its
-# step anew): made by the first process and removed by it at the end.
+# One persistent compilation cache for the child processes the tests start, which
+# compile many of the same programs (each `peftx finetune` run builds its step anew):
+# made by the first process and removed by it at the end. The workers themselves do not
+# use it: XLA:CPU's `serialize()` of an executable for the cache segfaulted long-lived
+# workers (in `put_executable_and_time`, three times in the QLoRA zoo test), never a
+# short-lived child.
 _MADE_CACHE = "PEFTX_TESTS_JAX_CACHE" not in os.environ
 if _MADE_CACHE:
     os.environ["PEFTX_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="peftx-tests-jax-cache-")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["PEFTX_TESTS_JAX_CACHE"]
-# Only compiles that take a while are written: XLA:CPU's `serialize()` of an executable
-# crashed a worker (a segfault in `put_executable_and_time`) once thousands of small,
-# op-by-op programs had been written, and those recompile in milliseconds anyway.
-os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1"
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax
 import numpy as np
@@ -45,8 +45,9 @@ from peftx.implicit import MaterializationWarning
 # A materialization nobody asked about is a bug; tests that expect one use `pytest.warns`.
 warnings.filterwarnings("error", category=MaterializationWarning)
 
+# set (so `peftx generate` in process keeps to it rather than the user's cache) but unused
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+jax.config.update("jax_enable_compilation_cache", False)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 

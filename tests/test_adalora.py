@@ -2,6 +2,7 @@
 `rank_pattern`) both ways with equal logits and an identical file, merging, and the
 orthogonality penalty against the term PEFT adds to the loss."""
 
+import dataclasses
 import json
 import tempfile
 
@@ -26,6 +27,11 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]  # in and out sizes differ
 INIT_R = 4
 WEIGHTS = "adapter_model.safetensors"
 IDS_J, MASK_J = jnp.asarray(IDS), jnp.asarray(MASK)
+KEY = jax.random.key(0)
+
+
+class Tiny(eqx.Module):
+    q: eqx.nn.Linear = eqx.nn.Linear(4, 4, key=KEY)
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +250,22 @@ def test_training_step_builds_no_dense_update_and_jvp(checkpoint):
     np.testing.assert_allclose(forward, reverse, rtol=1e-4)
 
 
+def test_two_adapters_switch_train_one_at_a_time_and_refuse_mixed_batches(checkpoint):
+    """Two AdaLoRA adapters: each active one gives its own logits; training one carries
+    that one's allocator only; a mixed batch is refused, as PEFT's AdaLoRA has none."""
+    base = pm.from_pretrained(checkpoint, layout="stacked")
+    config = peftx.AdaLoraConfig(init_r=INIT_R, target_r=1, total_step=10, target_modules=TARGETS)
+    model = peftx.get_peft_model(base, config, key=jax.random.key(0))
+    model = model.add_adapter("b", dataclasses.replace(config, init_r=2), key=jax.random.key(1))
+    model = _randomized(_randomized(model, 8).set_adapter("b"), 9)
+    assert real_diff(_logits(model), _logits(model.set_adapter("default")), MASK) > 100 * TOL
+    state, _ = peftx.train.init_state(model, optax.sgd(0.1), key=KEY)
+    (hook,) = state.hooks
+    assert hook.adapter_name == "b" and hook.init_budget == 2 * 2 * len(TARGETS)
+    with pytest.raises(ValueError, match="mixes adapters within a batch.*ADALORA"):
+        model(IDS_J, MASK_J, adapter_names=["default", "b", "b", "default"])
+
+
 def test_orthogonality_penalty_is_peft_s(checkpoint, tmp_path):
     """The term PEFT adds to the loss, `orth_reg_weight` times the penalty, on the same
     factors (loaded from PEFT's file)."""
@@ -267,13 +289,6 @@ def test_orthogonality_penalty_is_peft_s(checkpoint, tmp_path):
         pm.from_pretrained(checkpoint, layout="stacked"), tmp_path
     )
     assert abs(float(orthogonality_penalty(stacked)) - term) < 1e-4 * term
-
-
-class Tiny(eqx.Module):
-    q: eqx.nn.Linear = eqx.nn.Linear(4, 4, key=jax.random.key(0))
-
-
-KEY = jax.random.key(0)
 
 
 def test_bad_input_is_refused():

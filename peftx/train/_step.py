@@ -57,9 +57,8 @@ def init_state(
         model = shard(model, mesh, rules)
     trainable, frozen = partition(model, adapters)
     trained = (model.active_adapter,) if adapters is None else tuple(adapters)
-    hooks = tuple(
-        h for name in trained if (h := model.peft_config[name].train_hook(name, trainable))
-    )
+    made = (model.peft_config[name].train_hook(name, trainable) for name in trained)
+    hooks = tuple(h for h in made if h is not None)
     step = jnp.zeros((), jnp.int32)
     if mesh is None:
         opt_state = optimizer.init(trainable)
