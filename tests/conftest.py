@@ -1,3 +1,4 @@
+import gc
 import itertools
 import os
 import shutil
@@ -15,12 +16,9 @@ os.environ["XLA_FLAGS"] = " ".join(
     )
 )
 
-# One persistent compilation cache for the child processes the tests start, which
-# compile many of the same programs (each `peftx finetune` run builds its step anew):
-# made by the first process and removed by it at the end. The workers themselves do not
-# use it: XLA:CPU's `serialize()` of an executable for the cache segfaulted long-lived
-# workers (in `put_executable_and_time`, three times in the QLoRA zoo test), never a
-# short-lived child.
+# One persistent compilation cache for the session, its xdist workers and their child
+# processes, which compile many of the same programs (each `peftx finetune` run builds its
+# step anew): made by the first process and removed by it at the end.
 _MADE_CACHE = "PEFTX_TESTS_JAX_CACHE" not in os.environ
 if _MADE_CACHE:
     os.environ["PEFTX_TESTS_JAX_CACHE"] = tempfile.mkdtemp(prefix="peftx-tests-jax-cache-")
@@ -45,9 +43,8 @@ from peftx.implicit import MaterializationWarning
 # A materialization nobody asked about is a bug; tests that expect one use `pytest.warns`.
 warnings.filterwarnings("error", category=MaterializationWarning)
 
-# set (so `peftx generate` in process keeps to it rather than the user's cache) but unused
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_enable_compilation_cache", False)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
@@ -182,3 +179,37 @@ merged = true
 """
     )
     return root
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Each test file's compiled programs are dropped after it. XLA:CPU maps memory for
+    every executable it keeps (a worker passed 10,000 mappings within two test files),
+    and a worker that reached the kernel's `vm.max_map_count` (65,530) segfaulted in the
+    next compile or cache write (`backend_compile_and_load`, `serialize`)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
+
+# Files of long tests (child processes on 8 simulated devices, whole `peftx finetune`
+# runs) go first: collected in name order they came last, and one worker ran them alone
+# while the other idled.
+_LONG_FIRST = (
+    "test_sharding_generate.py",
+    "test_sharding_presets.py",
+    "test_sharding_cli.py",
+    "test_sharding_io.py",
+    "test_sharding_processes.py",
+    "test_finetune_trust.py",
+    "test_finetune.py",
+    "test_sharding_memory.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
+
+    items.sort(key=rank)

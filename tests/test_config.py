@@ -317,9 +317,9 @@ def test_load_config_errors(tmp_path):
         load_config({"r": 8})
     with pytest.raises(
         ValueError,
-        match=r"'ADALORA'; peftx supports \['LORA', 'IA3', 'OFT', 'VERA', 'LOHA', 'LOKR'\]",
+        match=r"'BOFT'; peftx supports \['LORA', 'IA3', 'OFT', 'VERA', 'ADALORA', 'LOHA', 'LOKR'\]",
     ):
-        load_config({"peft_type": "ADALORA"})
+        load_config({"peft_type": "BOFT"})
     with pytest.raises(FileNotFoundError, match=f"No {CONFIG_NAME} in the directory"):
         load_config(tmp_path)
     with pytest.raises(FileNotFoundError, match="No such file or directory"):

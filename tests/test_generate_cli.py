@@ -80,13 +80,11 @@ def cache_home(tmp_path, monkeypatch):
     suite's own (conftest), which this process leaves for the test's duration."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    suites = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    suites = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", None)
-    jax.config.update("jax_enable_compilation_cache", True)
     compilation_cache.reset_cache()
     yield tmp_path / "cache"
-    jax.config.update("jax_compilation_cache_dir", suites[0])
-    jax.config.update("jax_enable_compilation_cache", suites[1])
+    jax.config.update("jax_compilation_cache_dir", suites)
     compilation_cache.reset_cache()
 
 

@@ -1,6 +1,6 @@
-"""Mixed-adapter batches on a mesh: a training step under every preset equals the step on
-one device, and greedy generation (tensor-parallel weights, a sharded KV cache) equals
-one-device generation token for token.
+"""Mixed-adapter batches on a mesh: a training step on fsdp and fsdp x tensor meshes
+equals the step on one device, and greedy generation (tensor-parallel weights, a sharded
+KV cache) equals one-device generation token for token.
 
 Runs in a child process with `--xla_force_host_platform_device_count=8`, so this suite
 keeps one device."""
@@ -44,8 +44,9 @@ SCRIPT = textwrap.dedent(
                               init_lora_weights=False),
         key=jax.random.key(2),
     )
-    meshes = {"dp": make_mesh(data=8, fsdp=1), "fsdp": make_mesh(),
-              "tp": make_mesh(fsdp=4, tensor=2), "fsdp_tp": make_mesh(data=2, fsdp=2, tensor=2)}
+    # fsdp over all 8, and data x fsdp x tensor: every mesh axis splits a mixed batch or
+    # its adapters (test_sharding_presets runs the dp and tp presets' plain steps)
+    meshes = {"fsdp": make_mesh(), "fsdp_tp": make_mesh(data=2, fsdp=2, tensor=2)}
     ids = jax.random.randint(jax.random.key(3), (8, 5), 1, 64)
     names = ["a", "b", "__base__", "a", "b", "b", "__base__", "a"]
 
@@ -117,5 +118,5 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_mixed_adapter_batches_train_and_generate_under_every_preset(tmp_path):
+def test_mixed_adapter_batches_train_and_generate_on_meshes(tmp_path):
     run_script(tmp_path / "sharding_generate.py", SCRIPT, tmp_path / "xla")
