@@ -4,7 +4,6 @@ orthogonality penalty against the term PEFT adds to the loss."""
 
 import dataclasses
 import json
-import tempfile
 
 import equinox as eqx
 import jax
@@ -17,6 +16,7 @@ import torch
 import transformers
 from safetensors.numpy import load_file
 from test_llama import BF16_U, IDS, MASK, TOL, real_diff, torch_forward
+from test_vera import _logits, _randomized, checkpoint  # noqa: F401 (a fixture)
 
 import peftx
 import peftx.models as pm
@@ -32,24 +32,6 @@ KEY = jax.random.key(0)
 
 class Tiny(eqx.Module):
     q: eqx.nn.Linear = eqx.nn.Linear(4, 4, key=KEY)
-
-
-@pytest.fixture(scope="module")
-def checkpoint():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=0,
-    )
-    path = tempfile.mkdtemp()
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def _pattern():
@@ -92,19 +74,7 @@ def _torch_adalora(
     return model
 
 
-def _logits(model):
-    return np.asarray(eqx.filter_jit(lambda m: m(IDS_J, MASK_J).logits)(model), np.float32)
-
-
-def _randomized(model, seed):
-    trainable, frozen = peftx.partition(model)
-    leaves, tree = jax.tree.flatten(trainable)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [0.5 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
-    return eqx.combine(jax.tree.unflatten(tree, leaves), frozen)
-
-
-def test_pruned_peft_file_loads_into_peftx_and_back(checkpoint, tmp_path):
+def test_pruned_peft_file_loads_into_peftx_and_back(checkpoint, tmp_path):  # noqa: F811
     """PEFT -> peftx with a `rank_pattern`: the file holds the kept ranks only; the
     logits equal PEFT's; peftx writes PEFT's file again (keys, shapes, dtypes, values,
     config); and PEFT reads peftx's file to the same logits."""
@@ -147,7 +117,7 @@ def test_pruned_peft_file_loads_into_peftx_and_back(checkpoint, tmp_path):
     assert real_diff(_logits(ours), torch_forward(back, IDS, MASK).logits, MASK) < TOL
 
 
-def test_peftx_adapter_loads_into_peft(checkpoint, tmp_path):
+def test_peftx_adapter_loads_into_peft(checkpoint, tmp_path):  # noqa: F811
     """peftx -> PEFT on the stacked layout, and PEFT's trainable count."""
     base = pm.from_pretrained(checkpoint, layout="stacked")
     config = peftx.AdaLoraConfig(init_r=INIT_R, lora_alpha=6, total_step=10, target_modules=TARGETS)
@@ -162,7 +132,7 @@ def test_peftx_adapter_loads_into_peft(checkpoint, tmp_path):
     assert ours.get_nb_trainable_parameters() == count
 
 
-def test_merge_and_unmerge(checkpoint):
+def test_merge_and_unmerge(checkpoint):  # noqa: F811
     base = pm.from_pretrained(checkpoint, layout="unrolled")
     config = peftx.AdaLoraConfig(init_r=INIT_R, total_step=10, target_modules=TARGETS)
     model = _randomized(peftx.get_peft_model(base, config, key=jax.random.key(0)), 2)
@@ -179,7 +149,7 @@ def test_merge_and_unmerge(checkpoint):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gradients_match_peft(checkpoint, dtype, tmp_path):
+def test_gradients_match_peft(checkpoint, dtype, tmp_path):  # noqa: F811
     """Every factor's gradient equals PEFT's for the same loss of the logits; on a
     bfloat16 base the factors stay float32 on both sides and get float32 gradients."""
     theirs = _torch_adalora(checkpoint, dtype=getattr(torch, dtype))
@@ -221,7 +191,7 @@ def test_gradients_match_peft(checkpoint, dtype, tmp_path):
         np.testing.assert_allclose(g, want[k], atol=tol * scale, rtol=0, err_msg=k)
 
 
-def test_training_step_builds_no_dense_update_and_jvp(checkpoint):
+def test_training_step_builds_no_dense_update_and_jvp(checkpoint):  # noqa: F811
     """A training step with dropout builds no weight-sized array, and forward mode
     agrees with reverse mode along a random tangent."""
     base = pm.from_pretrained(checkpoint, layout="stacked")
@@ -250,7 +220,7 @@ def test_training_step_builds_no_dense_update_and_jvp(checkpoint):
     np.testing.assert_allclose(forward, reverse, rtol=1e-4)
 
 
-def test_two_adapters_switch_train_one_at_a_time_and_refuse_mixed_batches(checkpoint):
+def test_two_adapters_switch_train_one_at_a_time_and_refuse_mixed_batches(checkpoint):  # noqa: F811
     """Two AdaLoRA adapters: each active one gives its own logits; training one carries
     that one's allocator only; a mixed batch is refused, as PEFT's AdaLoRA has none."""
     base = pm.from_pretrained(checkpoint, layout="stacked")
@@ -266,7 +236,7 @@ def test_two_adapters_switch_train_one_at_a_time_and_refuse_mixed_batches(checkp
         model(IDS_J, MASK_J, adapter_names=["default", "b", "b", "default"])
 
 
-def test_orthogonality_penalty_is_peft_s(checkpoint, tmp_path):
+def test_orthogonality_penalty_is_peft_s(checkpoint, tmp_path):  # noqa: F811
     """The term PEFT adds to the loss, `orth_reg_weight` times the penalty, on the same
     factors (loaded from PEFT's file)."""
     weight = 0.7
@@ -355,7 +325,7 @@ def _peft_training(path, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["stacked", "unrolled"])
-def test_rank_allocation_is_peft_s(checkpoint, tmp_path, layout):
+def test_rank_allocation_is_peft_s(checkpoint, tmp_path, layout):  # noqa: F811
     """The same start, batch and SGD steps in PEFT's loop and in `peftx.train`'s step,
     whose allocator runs by itself: after every step the rank pattern is PEFT's; the
     trained adapter's file is PEFT's (the kept ranks only, `rank_pattern` in its config),
