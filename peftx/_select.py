@@ -7,6 +7,7 @@ attribute names, list indices and dict keys joined by dots.
 import dataclasses
 import difflib
 import fnmatch
+import inspect
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -138,11 +139,31 @@ def with_ndim(ndim: int) -> Predicate:
 
 
 def where(fn: Callable[..., bool], *, with_keypath: bool = False) -> Predicate:
-    """Any test: `fn(node)`, or `fn(path, node)` with `with_keypath=True`."""
+    """Any test: `fn(node)`, or `fn(path, node)` with `with_keypath=True`. A `fn` that
+    takes a different number of arguments is a `TypeError` here, not at the first node."""
     name = getattr(fn, "__name__", "fn")
+    wanted = ("path", "node") if with_keypath else ("node",)
+    if not _takes(fn, len(wanted)):
+        hint = "; pass with_keypath=True for fn(path, node)" if not with_keypath else ""
+        raise TypeError(
+            f"where({name}): fn must take ({', '.join(wanted)}) with "
+            f"with_keypath={with_keypath}{hint}"
+        )
     if with_keypath:
         return Predicate(fn, f"where({name})")
     return Predicate(lambda p, n: fn(n), f"where({name})")
+
+
+def _takes(fn: Callable[..., Any], count: int) -> bool:
+    """Whether `fn` can be called with `count` positional arguments (True when its
+    signature cannot be read, as for some builtins)."""
+    try:
+        inspect.signature(fn).bind(*range(count))
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def _array_shape(node: Any) -> tuple[int, ...] | None:
@@ -205,7 +226,13 @@ class Selection:
     def at_named(self, *names: str) -> "Selection":
         return self.at(named(*names))
 
-    def where(self, fn: Callable[..., bool], *, with_keypath: bool = False) -> "Selection":
+    def where(
+        self, fn: Callable[..., bool] | Predicate, *, with_keypath: bool = False
+    ) -> "Selection":
+        """Only the nodes for which `fn(node)` holds, or `fn(path, node)` with
+        `with_keypath=True` (penzai's `where`); a `Predicate` is `at(predicate)`."""
+        if isinstance(fn, Predicate):
+            return self.at(fn)
         return self.at(where(fn, with_keypath=with_keypath))
 
     def __len__(self) -> int:

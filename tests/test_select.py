@@ -112,6 +112,23 @@ def test_predicates_and_combinators(lm):
     assert keyed.get() == [lm.lm_head]
 
 
+def test_selection_where_takes_a_function_or_a_predicate(lm):
+    """`select(m).where(...)` as penzai's: `fn(node)`, `fn(path, node)` with
+    `with_keypath=True`, or a predicate; a function of the wrong arity fails at once."""
+    sel = select(lm)
+    linears = [p for p, n in zip(sel.paths(), sel.get()) if isinstance(n, eqx.nn.Linear)]
+    assert sel.where(lambda n: isinstance(n, eqx.nn.Linear)).paths() == linears
+    heads = sel.where(lambda p, n: p.endswith("_head"), with_keypath=True)
+    assert heads.get() == [lm.lm_head]
+    assert sel.where(named("q_proj")).paths() == [
+        f"model.layers.{i}.self_attn.q_proj" for i in range(4)
+    ]
+    with pytest.raises(TypeError, match=r"must take \(node\).*pass with_keypath=True"):
+        sel.where(lambda p, n: True)
+    with pytest.raises(TypeError, match=r"must take \(path, node\) with with_keypath=True"):
+        sel.where(lambda n: True, with_keypath=True)
+
+
 def test_apply_set_and_tree_at(lm):
     sel = select(lm).at(named("v_proj"))
     doubled = sel.apply(lambda lin: eqx.tree_at(lambda m: m.weight, lin, 2 * lin.weight))
