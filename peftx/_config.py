@@ -517,6 +517,13 @@ CONFIG_CLASSES: dict[str, type["AbstractAdapterConfig"]] = {}
 TOML_TABLES: dict[str, type["AbstractAdapterConfig"]] = {}
 
 
+def table_names(prefix: str = "") -> str:
+    """Every registered adapter table, for messages: `[lora], [ia3], ... or [lokr]`
+    (`[adapters.lora]`, ... with `prefix="adapters."`)."""
+    names = [f"[{prefix}{table}]" for table in TOML_TABLES]
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AbstractAdapterConfig:
     """What every adapter config shares: PEFT's `PeftConfig` fields, the module selection
@@ -1748,7 +1755,8 @@ def save_config(config: AbstractAdapterConfig, directory: str | os.PathLike[str]
 
 
 def from_toml(path: str | os.PathLike[str]) -> AbstractAdapterConfig:
-    """The adapter config in a TOML file's `[lora]` or `[ia3]` table.
+    """The adapter config in a TOML file's adapter table (`[lora]`, `[ia3]`, ...: any of
+    `table_names()`).
 
     The table holds the same keys as `adapter_config.json` (TOML has no `null`: leave a key
     out for `None`). The table's name chooses the class. Everything else in the file, such as
@@ -1770,7 +1778,7 @@ def from_toml(path: str | os.PathLike[str]) -> AbstractAdapterConfig:
     tables = [name for name in TOML_TABLES if name in data]
     if len(tables) != 1:
         raise ValueError(
-            f"{str(path)!r} must have exactly one adapter table, [lora] or [ia3]; it has "
+            f"{str(path)!r} must have exactly one adapter table, {table_names()}; it has "
             f"{['[' + t + ']' for t in tables] or 'none'} (top-level keys/tables: "
             f"{sorted(data)})."
         )

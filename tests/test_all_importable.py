@@ -1,5 +1,9 @@
 """Every public name is importable from where the README says it is."""
 
+from pathlib import Path
+
+import pytest
+
 import peftx
 import peftx.adapters
 import peftx.cli
@@ -156,3 +160,19 @@ def test_public_names_exist():
         f"{m.__name__}.{n}" for m, names in PUBLIC.items() for n in names if not hasattr(m, n)
     ]
     assert not missing
+
+
+def test_readme_and_inspect_name_every_adapter_table(capsys):
+    """The README's job table and `peftx inspect --help` name every tuner table a job takes
+    (the registry's, `TOML_TABLES`)."""
+    from peftx._config import TOML_TABLES
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    job_row = next(line for line in readme if line.startswith("| `[lora]`"))
+    with pytest.raises(SystemExit, match="0"):
+        peftx.cli.main(["inspect", "--help"])
+    inspect = " ".join(capsys.readouterr().out.split())
+    assert len(TOML_TABLES) >= 7
+    for table in TOML_TABLES:
+        assert f"`[{table}]`" in job_row, table
+        assert f"[{table}]" in inspect, table

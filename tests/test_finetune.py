@@ -543,7 +543,8 @@ batch_size = 4
         ('name = "a"', 'name = "a"\ntrian = "x"', (),
          "unknown key 'trian' in [[adapters]][1] of"),
         ("[adapters.lora]\nr = 2", "", (),
-         "[[adapters]][1]: needs exactly one of [adapters.lora] or [adapters.ia3], got 0"),
+         ("[[adapters]][1]: needs exactly one of [adapters.lora], [adapters.ia3], [adapters.oft], "
+          "[adapters.vera], [adapters.adalora], [adapters.loha] or [adapters.lokr], got 0")),
         ("[adapters.lora]\nr = 4", "[adapters.ia3]\ntarget_modules = ['q_proj']", (),
          "[[adapters]][2]: [adapters.ia3] cannot join [adapters.lora] in one model"),
         ("r = 2", "rank = 2", (), "[[adapters]][1]: [adapters.lora]: "),

@@ -179,8 +179,8 @@ def job_model(job: dict[str, Any], toml_path: str | Path) -> ModelSettings:
 
 
 def adapter_config(toml_path: str | Path) -> Any:
-    """The `[lora]`/`[ia3]` table of a TOML file as a `LoraConfig`/`IA3Config`; a bad key
-    or value is a `UsageError` naming the file."""
+    """The adapter table of a TOML file (`[lora]`, `[ia3]`, ...) as its config class; a
+    bad key or value is a `UsageError` naming the file."""
     from .._config import from_toml
 
     try:

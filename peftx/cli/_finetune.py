@@ -251,12 +251,12 @@ class Job:
         return config, from_run
 
     def _single(self, raw: dict[str, Any], path: Path) -> Adapter:
-        from .._config import TOML_TABLES
+        from .._config import TOML_TABLES, table_names
 
         tables = [t for t in TOML_TABLES if t in raw]
         if len(tables) != 1:
             raise UsageError(
-                f"{path}: a job needs exactly one adapter table, [lora] or [ia3] (or "
+                f"{path}: a job needs exactly one adapter table, {table_names()} (or "
                 "[[adapters]] entries)"
             )
         for name in ("train", "eval"):
@@ -277,14 +277,15 @@ class Job:
 
     def _several(self, raw: dict[str, Any], path: Path) -> list[Adapter]:
         from .. import BASE
-        from .._config import TOML_TABLES
+        from .._config import TOML_TABLES, table_names
 
         entries = raw["adapters"]
         given = [t for t in TOML_TABLES if t in raw]
         if given:
             raise UsageError(
                 f"{path}: [{given[0]}] and [[adapters]] are both given; a job has one adapter "
-                "table, or [[adapters]] entries each with its own [adapters.lora] or [adapters.ia3]"
+                "table, or [[adapters]] entries each with its own "
+                f"{table_names('adapters.')}"
             )
         if (
             not isinstance(entries, list)
@@ -326,7 +327,7 @@ class Job:
             kinds = [t for t in TOML_TABLES if t in entry]
             if len(kinds) != 1:
                 raise UsageError(
-                    f"{where}: needs exactly one of [adapters.lora] or [adapters.ia3], got "
+                    f"{where}: needs exactly one of {table_names('adapters.')}, got "
                     f"{len(kinds)}"
                 )
             first = [t for t in TOML_TABLES if t in entries[0]][0]

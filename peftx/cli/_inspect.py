@@ -12,6 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._config import table_names
 from ._common import (
     TASKS,
     UsageError,
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "config",
         nargs="?",
         metavar="CONFIG.toml",
-        help="a fine-tune job, or a TOML with only a [lora] or [ia3] table",
+        help=f"a fine-tune job, or a TOML with only an adapter table: {table_names()}",
     )
     parser.add_argument(
         "--num-labels",
