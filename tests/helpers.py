@@ -180,18 +180,20 @@ def run_script(path: Path, script: str, *args, ending: str = "OK", timeout: int 
     return result.stdout
 
 
-def run_processes(argv: list, *, processes: int = 1, devices: int = 8, timeout: int = 600):
-    """Run `argv` as a JAX run of `processes` child processes on this machine (over the
-    loopback address), `devices` simulated CPU devices in all: each one's
-    `(exit status, stdout, stderr)`, process 0's first."""
-    env = dict(os.environ)
+def start_processes(
+    argv: list, *, processes: int = 1, devices: int = 8, started: int | None = None, **env: str
+) -> list[subprocess.Popen]:
+    """Start the first `started` (default: all) of a JAX run of `processes` child processes
+    of `argv` on this machine (over the loopback address), with `devices` simulated CPU
+    devices in all and `env` added to the environment; process 0's first."""
+    env = dict(os.environ) | env
     env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices // processes}"
     if processes > 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env |= {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": f"{processes}"}
-    children = [
+    return [
         subprocess.Popen(
             [str(a) for a in argv],
             env=env | ({"JAX_PROCESS_ID": str(i)} if processes > 1 else {}),
@@ -200,8 +202,15 @@ def run_processes(argv: list, *, processes: int = 1, devices: int = 8, timeout: 
             text=True,
             cwd=Path(__file__).parent,
         )
-        for i in range(processes)
+        for i in range(processes if started is None else started)
     ]
+
+
+def run_processes(argv: list, *, processes: int = 1, devices: int = 8, timeout: int = 600):
+    """Run `argv` as a JAX run of `processes` child processes on this machine (over the
+    loopback address), `devices` simulated CPU devices in all: each one's
+    `(exit status, stdout, stderr)`, process 0's first."""
+    children = start_processes(argv, processes=processes, devices=devices)
     results = []
     for child in children:
         out, err = child.communicate(timeout=timeout)

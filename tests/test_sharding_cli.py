@@ -5,12 +5,15 @@ bytes printed at start; bad `[mesh]` values are one line and change nothing.
 The 8-device runs are child processes with `--xla_force_host_platform_device_count=8`,
 so this suite keeps one device."""
 
+import re
+import signal
 import sys
+import time
 
 import numpy as np
 import pytest
 import safetensors.numpy
-from helpers import run_cli, run_processes
+from helpers import run_cli, run_processes, start_processes
 
 EPS = float(np.finfo(np.float32).eps)
 
@@ -153,3 +156,48 @@ def test_a_partial_multi_process_environment_is_one_line(llama, tmp_path, capsys
         "JAX_NUM_PROCESSES" in err
     ), err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_or_lost_process_is_one_line(llama, tmp_path):
+    """A process whose peer never starts says at once what it waits for, and gives up after
+    `PEFTX_JOIN_TIMEOUT` with one line; one whose peer is killed mid-run exits at once with
+    one line naming it, not JAX's C++ stack, and the run resumes from its checkpoints."""
+    generate = [sys.executable, "-m", "peftx", "generate", llama / "base", "w5"]
+    (alone,) = start_processes(generate, processes=2, started=1, PEFTX_JOIN_TIMEOUT="2")
+    first = alone.stderr.readline()
+    assert alone.poll() is None, first  # said before giving up
+    _, err = alone.communicate(timeout=120)
+    address = first.split(" at ")[1].split()[0]
+    assert first == (
+        f"peftx: waiting for 2 processes at {address} (this is process 0), up to 2 s "
+        "(PEFTX_JOIN_TIMEOUT)\n"
+    )
+    assert alone.returncode == 1 and "Check failure" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        f"peftx: error: gave up after 2 s (PEFTX_JOIN_TIMEOUT) waiting for 2 processes at "
+        f"{address} (this is process 0): start each with the same JAX_COORDINATOR_ADDRESS and "
+        "JAX_NUM_PROCESSES and its own JAX_PROCESS_ID"
+    ), err
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "peftx", "finetune", llama / "job.toml"]
+    for item in (f"output.dir={out}", *QUICK, "train.steps=12", "train.checkpoint_every=1"):
+        argv += ["--set", item]
+    survivor, victim = start_processes(argv, processes=2)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoints" / "checkpoint-00000002").is_dir():
+        assert survivor.poll() is None and time.monotonic() < deadline, survivor.stderr.read()
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.communicate()
+    _, err = survivor.communicate(timeout=120)
+    assert survivor.returncode == 1 and "Check failure" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("peftx: error: process 0 of 2 lost process 1"), err
+    assert last.endswith(
+        "; run the command again on every process (a fine-tune resumes from its last checkpoint)"
+    ), err
+    results = run_processes(argv, processes=2)
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-3000:]
+    assert re.search(r"resuming from \S+checkpoint-\d+ \(step \d+ of 12\)", results[0][1])
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -6,6 +6,7 @@ import traceback
 from typing import NoReturn
 
 from .._errors import TargetNotFoundError, UnknownAdapterError
+from ..sharding import exit_run, lost_process
 from . import _env, _finetune, _generate, _inspect, _merge
 from ._common import RunFailed, UsageError
 
@@ -57,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(e, 2, debug)
     except USER_ERRORS as e:
         return _fail(e, 1, debug)
+    except RuntimeError as e:  # a collective whose other end is gone: one line, at once
+        line = lost_process(e)
+        if line is None:
+            raise
+        if debug:
+            traceback.print_exception(e)
+        exit_run(line, new_line=True)
 
 
 def _fail(error: BaseException, code: int, debug: bool) -> int:

@@ -1,7 +1,12 @@
 """Sharded PEFT with JAX's own SPMD: a mesh, rules that say how each array is split,
 placing a model (adapters follow their base weights), and runs of several processes."""
 
-from ._hosts import initialize_distributed as initialize_distributed, own_rows as own_rows
+from ._hosts import (
+    exit_run as exit_run,
+    initialize_distributed as initialize_distributed,
+    lost_process as lost_process,
+    own_rows as own_rows,
+)
 from ._mesh import (
     AXES as AXES,
     BATCH_AXES as BATCH_AXES,
