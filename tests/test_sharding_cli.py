@@ -156,6 +156,13 @@ def test_a_partial_multi_process_environment_is_one_line(llama, tmp_path, capsys
         "JAX_NUM_PROCESSES" in err
     ), err
     assert not (tmp_path / "out").exists()
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "0")
+    monkeypatch.setenv("PEFTX_JOIN_TIMEOUT", "soon")
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert err == "peftx: error: PEFTX_JOIN_TIMEOUT='soon' must be a number of seconds above 0.\n"
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_missing_or_lost_process_is_one_line(llama, tmp_path):
