@@ -404,7 +404,8 @@ def save_adapters(
         text = json.dumps(_saved_config(peft_model, name), indent=2, sort_keys=True) + "\n"
         planned.append(("" if name == "default" else name, arrays, text))
     if writes_files():  # of several processes, process 0
-        with replaced_directory(directory) as tmp:
+        size = sum(a.nbytes for _, arrays, _ in planned for a in arrays.values())
+        with replaced_directory(directory, size=size) as tmp:
             for folder, arrays, text in planned:
                 (tmp / folder).mkdir(exist_ok=True)
                 safetensors.numpy.save_file(

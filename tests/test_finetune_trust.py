@@ -5,6 +5,7 @@ byte for byte, on the tiny BERT job of `conftest.py`."""
 import hashlib
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -71,7 +72,7 @@ def test_output_dir_with_user_files_is_never_touched(
     job = bert / "job.toml"
     err, _ = _fails(capsys, 2, "finetune", job, "--set", "output.dir=.",
                     "--set", "data.train=/nonexistent.jsonl", *extra)  # fmt: skip
-    assert "output.dir '.' is not empty and is not a peftx run directory" in err
+    assert f"output.dir '{home}' is not empty and is not a peftx run directory" in err
     # a valid job too: the directory is not peftx's
     err, _ = _fails(capsys, 2, "finetune", job, "--set", "output.dir=.", *STEPS, *extra)
     assert "is not empty and is not a peftx run directory" in err
@@ -167,6 +168,68 @@ def test_a_killed_replacement_keeps_the_finished_run(bert, tmp_path, capsys):
     assert not staging.exists()
 
 
+def _finished_run(directory: Path) -> None:
+    """What a finished run leaves, as far as `--overwrite` looks."""
+    (directory / "adapter").mkdir(parents=True)
+    for name in (MARKER, "job.json", "summary.json", "adapter/adapter_model.safetensors"):
+        (directory / name).write_text(f"{name} of the finished run")
+    (directory / "notes.txt").write_text("the user's")
+
+
+def test_overwrite_through_a_linked_output_dir(bert, tmp_path, capsys):
+    """The repro: `--overwrite` with output.dir a link to a finished run swapped the link
+    itself and failed; the next run took the stray `.slink.peftx-next` link for its own
+    staging directory and cleared the run it led to. The link is followed: the run is
+    written beside its target and swapped in there; a link in the staging directory's
+    place is never written through."""
+    job, scratch = bert / "job.toml", tmp_path / "scratch"
+    srun, slink = scratch / "srun", scratch / "slink"
+    _finished_run(srun)
+    slink.symlink_to("srun")
+    (scratch / ".slink.peftx-next").symlink_to("srun")  # what the swap of the link left
+    finished = _tree(srun)
+    text = _runs(capsys, "finetune", job, "--set", f"output.dir={slink}", *STEPS, "--overwrite")
+    assert f"it replaces {srun}" in text
+    assert os.readlink(slink) == "srun" and os.readlink(scratch / ".slink.peftx-next") == "srun"
+    replaced = _tree(srun)
+    assert replaced != finished and json.loads((srun / "summary.json").read_text())["steps"] == 6
+    assert (srun / "notes.txt").read_text() == "the user's"
+    assert sorted(p.name for p in scratch.iterdir()) == [".slink.peftx-next", "slink", "srun"]
+
+    # a replacement that diverges leaves the run as it was
+    err, _ = _fails(capsys, 1, "finetune", job, "--set", f"output.dir={slink}", *STEPS,
+                    "--set", "train.learning_rate=1e9", "--set", "train.max_grad_norm=0",
+                    "--overwrite")  # fmt: skip
+    assert "the run diverged at step" in err
+    assert _tree(srun) == replaced
+    # a link where the replacement would be staged is refused, and what it leads to kept
+    staging = scratch / ".srun.peftx-next"
+    shutil.rmtree(staging)  # the diverged replacement
+    shutil.copytree(srun, scratch / "other")
+    other = _tree(scratch / "other")
+    staging.symlink_to("other")
+    err, _ = _fails(capsys, 2, "finetune", job, "--set", f"output.dir={slink}", *STEPS,
+                    "--set", "train.seed=9", "--overwrite")  # fmt: skip
+    assert f"{staging} is in the way of the run replacing {srun}; move it" in err
+    assert _tree(srun) == replaced and _tree(scratch / "other") == other
+    assert os.readlink(staging) == "other"
+
+
+def test_a_relative_output_dir_is_taken_from_the_job_file(bert, tmp_path, monkeypatch):
+    """As every path of a job file: its output.dir from the file's directory; `--set`'s
+    from the current directory; the default `runs/<job name>` in the current directory."""
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    text = (bert / "job.toml").read_text().replace('path = "base"', f'path = "{bert / "base"}"')
+    (jobs / "cls.toml").write_text(text + '\n[output]\ndir = "../runs/cls"\n')
+    (jobs / "plain.toml").write_text(text)
+    monkeypatch.chdir(bert)
+    assert finetune.Job(jobs / "cls.toml", []).out.resolve() == tmp_path / "runs" / "cls"
+    moved = finetune.Job(jobs / "cls.toml", ["output.dir=elsewhere"]).out
+    assert moved.resolve() == bert / "elsewhere"
+    assert finetune.Job(jobs / "plain.toml", []).out.resolve() == bert / "runs" / "plain"
+
+
 def test_a_users_job_json_is_not_a_run(bert, tmp_path, capsys):
     """The repro: a directory holding a `job.json` and no `checkpoints/` was deleted
     without any flag."""
@@ -194,8 +257,6 @@ def test_a_second_run_into_a_locked_directory_is_refused(bert, tmp_path, capsys)
                         *STEPS)  # fmt: skip
     finally:
         holder.release()
-    import os
-
     assert f"is in use by another peftx run (process {os.getpid()}" in err
     assert sorted(p.name for p in out.iterdir()) == [LOCK]
 
@@ -264,6 +325,36 @@ def test_damaged_checkpoints_are_passed_over(bert, tmp_path, capsys, monkeypatch
     assert sorted(got) == sorted(want)
     for k in want:
         assert (got[k] == want[k]).all(), k
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_resumes(bert, tmp_path, capsys, monkeypatch):
+    """The repro: a full disk at a checkpoint was a `SafetensorError` traceback."""
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    job, out = bert / "job.toml", tmp_path / "run"
+    argv = ["finetune", job, "--set", f"output.dir={out}", *STEPS,
+            "--set", "train.checkpoint_every=2"]  # fmt: skip
+    real = safetensors.numpy.save_file
+
+    def full_at_step_4(tensors, filename, metadata=None):
+        if "checkpoint-00000004" in filename:
+            raise SafetensorError(
+                'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                'space left on device" })'
+            )
+        return real(tensors, filename, metadata=metadata)
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.numpy, "save_file", full_at_step_4)
+        err, _ = _fails(capsys, 1, *argv)
+    failed = out / "checkpoints" / "checkpoint-00000004"
+    assert f"no space left on the device to write '{failed}': it needs about " in err
+    assert " bytes are free there; free some space and run it again" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-00000002"]
+    text = _runs(capsys, *argv)
+    assert f"resuming from {out / 'checkpoints' / 'checkpoint-00000002'} (step 2 of 6)" in text
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
 
 
 # -- silent wrong results -------------------------------------------------------------------

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._files import temporary_file, write_text
+from .._files import followed, naming_a_full_disk, temporary_file, write_text
 from ._common import (
     BUNDLED_MODEL,
     ModelSettings,
@@ -66,7 +66,7 @@ TRAIN_KEYS = {
 OUTPUT_KEYS = {"dir": None, "merged": False, "keep_checkpoints": 2}
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
-PATHS = {("model", "path"), ("data", "train"), ("data", "eval")}
+PATHS = {("model", "path"), ("data", "train"), ("data", "eval"), ("output", "dir")}
 TASK_TYPES = {"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
 # a name is a folder of the output (PEFT saves an adapter in a subfolder of its name)
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -228,8 +228,11 @@ class Job:
         self.mesh = mesh_settings(raw.get("mesh"), str(path))
         self.multi = "adapters" in raw
         self.adapters = self._several(raw, path) if self.multi else [self._single(raw, path)]
-        out = self.output["dir"] or f"runs/{path.stem}"
-        self.out = Path(out)
+        # the file's output.dir is taken from its directory, the default from the current one
+        out = self.output["dir"]
+        out = path.parent / Path(out).expanduser() if out else Path("runs", path.stem)
+        # a link is followed: the run is written beside its target and swapped in there
+        self.out = followed(out)
 
     def _config(self, kind: str, table: Any, where: str) -> tuple[Any, bool]:
         """The config of an adapter table, and whether it takes the run's number of steps
@@ -964,9 +967,10 @@ class Log:
 
         if not writes_files():
             return
-        lines = [json.dumps(_finite_or_null(r), allow_nan=False) + "\n" for r in records]
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write("".join(lines))
+        lines = "".join(json.dumps(_finite_or_null(r), allow_nan=False) + "\n" for r in records)
+        data = lines.encode("utf-8")
+        with naming_a_full_disk(self.path, len(data)), self.path.open("ab") as f:
+            f.write(data)
 
     def truncate(self, after: int) -> None:
         """Drop the records past step `after` (a killed run's, after its last checkpoint),

@@ -179,7 +179,8 @@ def _open_run(
         work = out
         if plan == "replace":
             work = staging_dir(out)
-            if work.exists() and not is_run_dir(work):
+            if work.is_symlink() or (work.exists() and not is_run_dir(work)):
+                # a link is not a directory a run made: never cleared or written through
                 raise UsageError(f"{work} is in the way of the run replacing {out}; move it")
             work.mkdir(exist_ok=True)
             locks.append(Lock(work))
