@@ -76,6 +76,18 @@ def write_text(path: Path, text: str) -> None:
         raise
 
 
+def copy_file(source: Path, target: Path) -> None:
+    """Copy `source` to `target` whole or not at all (a temporary copy renamed onto it)."""
+    tmp = temporary_file(target)
+    try:
+        with naming_a_full_disk(target, source.stat().st_size):
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _is_disk_full(error: BaseException) -> bool:
     """An error of a write that found no space (or no quota) left: an `OSError`, or the
     `SafetensorError` that wraps the same error of the Rust writer."""

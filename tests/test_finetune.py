@@ -254,6 +254,11 @@ def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
     np.testing.assert_allclose(mine, want, rtol=0, atol=_tolerance(want))
     tok = transformers.AutoTokenizer.from_pretrained(out_dir / "merged", local_files_only=True)
     assert tok.eos_token == "</s>"
+    # the base's files beside its weights come along, as `peftx merge` copies them
+    beside = [f for f in (llama / "base").iterdir() if not f.name.startswith(("model", "config"))]
+    assert "generation_config.json" in [f.name for f in beside]
+    for f in beside:
+        assert (out_dir / "merged" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 # -- errors ---------------------------------------------------------------------------------

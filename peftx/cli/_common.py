@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigFileError
-from .._files import read_toml as read_toml_file
+from .._files import copy_file, read_toml as read_toml_file
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
 
@@ -47,6 +47,32 @@ def model_dir(value: str | None) -> Path:
             f"directory (config.json + model.safetensors), or {BUNDLED_MODEL!r}"
         )
     return path
+
+
+# what a merged checkpoint takes from its base beside the weights: the tokenizer, its chat
+# template (transformers writes it apart from tokenizer_config.json) and the generation settings
+BASE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "merges.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+def copy_base_files(base: Path, out: Path) -> list[str]:
+    """Copy the `BASE_FILES` that checkpoint directory `base` has into `out` (`peftx merge`
+    and `output.merged` both); returns their names."""
+    copied = [name for name in BASE_FILES if (base / name).is_file()]
+    for name in copied:
+        copy_file(base / name, out / name)
+    return copied
 
 
 TASKS = {

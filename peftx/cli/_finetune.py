@@ -26,6 +26,7 @@ from ._common import (
     RunFailed,
     UsageError,
     adapter_tables,
+    copy_base_files,
     hf_config,
     job_model,
     model_class_for,
@@ -931,7 +932,7 @@ def _finish(
             )
         models.save_pretrained(peft_model.merge_and_unload(safe_merge=True), work / "merged")
         if writer:
-            tokenizer.save_pretrained(work / "merged")
+            copy_base_files(job.model.path, work / "merged")
         written.append(f"merged model: {out / 'merged'}")
     written += [f"metrics: {out / 'metrics.jsonl'}", f"curves: {out / 'curves.png'}"]
     if writer:

@@ -1,30 +1,20 @@
 """`peftx merge BASE_DIR ADAPTER_DIR OUT_DIR`: an adapter (peftx's or PEFT's) merged into
-its base, saved as a transformers checkpoint with the base's tokenizer. The merge is
+its base, saved as a transformers checkpoint with the base's tokenizer, chat template and
+generation settings (`BASE_FILES`, as `output.merged` of a fine-tune). The merge is
 PEFT's `safe_merge`: a merged weight with NaN or infinity is an error naming the layer,
 and nothing is written."""
 
 import argparse
 import json
 import re
-import shutil
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
-from ._common import UsageError, hf_config, model_class_for, model_dir
+from ._common import UsageError, copy_base_files, hf_config, model_class_for, model_dir
 from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, placement_line, run_mesh
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.txt",
-    "merges.txt",
-    "vocab.json",
-    "tokenizer.model",
-    "added_tokens.json",
-)
 PEFT_TASKS = {"CAUSAL_LM": "causal-lm", "SEQ_CLS": "classification"}
 # PEFT's key of a classification head saved with the adapter (modules_to_save)
 _HEAD_KEY = re.compile(r"base_model\.model\.(.*\.)?(classifier|score)\.weight")
@@ -137,9 +127,7 @@ def run(args: argparse.Namespace) -> int:
         save_pretrained(merged, out)
     if not writes_files():  # of several processes, process 0 writes and reports
         return 0
-    copied = [name for name in TOKENIZER_FILES if (base / name).is_file()]
-    for name in copied:
-        shutil.copyfile(base / name, out / name)
+    copied = copy_base_files(base, out)
     print(f"merged {adapter} into {base}: wrote {out}")
     if not copied:
         print(f"(no tokenizer files in {base} to copy)")
