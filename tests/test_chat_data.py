@@ -4,7 +4,7 @@ rendering prefixes; against labels written out by hand here."""
 
 import numpy as np
 import pytest
-from helpers import word_tokenizer
+from helpers import unpacked, word_tokenizer
 
 from peftx.train import IGNORE, encode_chat
 
@@ -65,11 +65,9 @@ def test_assistant_turns_only_are_learned(template):
 
 
 def test_packed_chats_keep_their_labels():
-    data = encode_chat(_tokenizer(MARKED), CHATS * 4, max_length=8, pack=True)
-    ids, labels = map(np.concatenate, zip(*(map(np.asarray, _by_hand(c)) for c in CHATS * 4)))
-    rows = len(ids) // 8
-    np.testing.assert_array_equal(data["input_ids"], ids[: rows * 8].reshape(rows, 8))
-    np.testing.assert_array_equal(data["labels"], labels[: rows * 8].reshape(rows, 8))
+    data = encode_chat(_tokenizer(MARKED), CHATS * 4, max_length=24, pack=True)
+    want = [(ids, [IGNORE, *labels[1:]]) for ids, labels in map(_by_hand, CHATS * 4)]
+    assert sorted(unpacked(data)) == sorted(want)
 
 
 def test_a_template_that_cannot_mark_the_assistant_is_refused():
@@ -247,15 +245,16 @@ def test_bundled_chat_job_runs_on_a_tiny_qwen3(tmp_path, capsys):
 
     def learned(conversations):
         """Tokens the loss predicts: each message is `<|im_start|>`, its role, its words and
-        `<|im_end|>`; an assistant's words and `<|im_end|>` are learned, but not at a
-        packed row's first position, and not in the dropped last partial row."""
-        flags = []
+        `<|im_end|>`; an assistant's words and `<|im_end|>` are learned, each chat whole
+        in a packed row, cut to its first `length` tokens."""
+        total = 0
         for chat in conversations:
+            flags = []
             for m in chat:
                 mine = m["role"] == "assistant"
                 flags += [False, False] + [mine] * (len(words(m["content"])) + 1)
-        rows = len(flags) // length
-        return sum(f for n, f in enumerate(flags[: rows * length]) if n % length)
+            total += sum(flags[:length])
+        return total
 
     sets = [f"model.path={base}", f"output.dir={tmp_path / 'out'}", "train.steps=3"]
     sets += [f"data.max_length={length}", "train.eval_every=1000", "train.log_every=1"]
@@ -264,4 +263,7 @@ def test_bundled_chat_job_runs_on_a_tiny_qwen3(tmp_path, capsys):
     assert code == 0, err
     want = f"supervised tokens: {learned(chats['train'])} in {data / 'train.jsonl'}, "
     assert want + f"{learned(chats['eval'])} in {data / 'eval.jsonl'}" in out, out
+    for name in ("train", "eval"):
+        assert f"packed {data / name}.jsonl: all {len(chats[name])} examples, each whole" in out
+    assert "are longer than max_length=64 and are truncated to it" in err, err
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()

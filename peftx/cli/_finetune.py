@@ -421,12 +421,19 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
         rows = dict(max_length=d["max_length"], pack=d["pack"], vocab_size=vocab_size)
         if d["messages_column"]:
             chats = [r[d["messages_column"]] for r in rs]
-            return _encoded(file, names, lambda: train.encode_chat(tokenizer, chats, **rows))
-        texts = [r[d["text_column"]] for r in rs]
-        prompts = [r[d["prompt_column"]] for r in rs] if d["prompt_column"] else None
-        return _encoded(
-            file, names, lambda: train.encode_causal_lm(tokenizer, texts, prompts, **rows)
-        )
+            data = _encoded(file, names, lambda: train.encode_chat(tokenizer, chats, **rows))
+        else:
+            texts = [r[d["text_column"]] for r in rs]
+            prompts = [r[d["prompt_column"]] for r in rs] if d["prompt_column"] else None
+            data = _encoded(
+                file, names, lambda: train.encode_causal_lm(tokenizer, texts, prompts, **rows)
+            )
+        if d["pack"]:
+            print(
+                f"packed {file}: all {len(rs)} examples, each whole in one row, in "
+                f"{len(data['input_ids'])} rows of {d['max_length']} tokens"
+            )
+        return data
 
     data = encode_lm(adapter.train), encode_lm(adapter.eval)
     counts = [train.supervised_tokens(x) for x in data]
