@@ -74,9 +74,71 @@ def test_a_template_that_cannot_mark_the_assistant_is_refused():
     """A template whose rendering of a conversation's beginning is not a beginning of the
     whole (here, it counts the messages first) and has no markers."""
     counting = "{{ messages | length }} turns " + PLAIN
-    refusal = r"row 1: .*no {% generation %} markers.*\(prompt_column\)"
+    refusal = (
+        r"row 1: .*no {% generation %} markers.*a training chat template that has them.*"
+        r"TRL ships one for Qwen3: trl/chat_templates/qwen3_training.jinja.*\(prompt_column\)"
+    )
     with pytest.raises(ValueError, match=refusal):
         encode_chat(_tokenizer(counting), CHATS, max_length=24)
+
+
+# ChatML as Qwen renders it, and the same with TRL's generation markers: TRL's training
+# templates (trl/chat_templates/README.md) leave the `<|im_start|>assistant\n` cue outside and
+# put the content and `<|im_end|>\n` (what the model must learn to produce and stop on) inside
+CHATML_PLAIN = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATML_MARKED = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ m.content }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _chatml_tokenizer(template):
+    """Words split at spaces, each newline a token of its own (as in Qwen's vocabulary)."""
+    import tokenizers
+    import transformers
+
+    pre = tokenizers.pre_tokenizers
+    words = ["[PAD]", "[UNK]", "<|im_start|>", "<|im_end|>", "\n", "system", "user"]
+    words += ["assistant", *(f"w{i}" for i in range(20))]
+    model = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")
+    )
+    model.pre_tokenizer = pre.Sequence([pre.Split("\n", "isolated"), pre.Split(" ", "removed")])
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = template
+    return tok, words
+
+
+@pytest.mark.parametrize("template", [CHATML_PLAIN, CHATML_MARKED], ids=["prefixes", "markers"])
+def test_chatml_turns_are_learned_as_trl_marks_them(template):
+    """The newline after `<|im_end|>` closes the assistant's turn: learned, as inside TRL's
+    generation markers; the `<|im_start|>assistant` cue and its newline are not."""
+    tok, words = _chatml_tokenizer(template)
+    data = encode_chat(tok, CHATS, max_length=40)
+    for row, chat in enumerate(CHATS):
+        ids, labels = [], []
+        for m in chat:
+            content = [words.index(w) for w in m["content"].split()]
+            close = [words.index("<|im_end|>"), words.index("\n")]
+            head = [words.index("<|im_start|>"), words.index(m["role"]), words.index("\n")]
+            ids += head + content + close
+            learned = content + close if m["role"] == "assistant" else [IGNORE] * (len(content) + 2)
+            labels += [IGNORE] * 3 + learned
+        n = len(ids)
+        np.testing.assert_array_equal(data["input_ids"][row, :n], ids)
+        np.testing.assert_array_equal(data["labels"][row, :n], labels)
+        assert (data["labels"][row, n:] == IGNORE).all()
 
 
 def test_markers_need_no_rendering_of_prefixes():

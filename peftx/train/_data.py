@@ -261,8 +261,10 @@ def encode_chat(
 
     Each row is a list of messages, `{"role": ..., "content": str}` (OpenAI's and TRL's
     format), rendered with the tokenizer's own chat template (`apply_chat_template`, its
-    special tokens included). The assistant's tokens, its end-of-turn tokens included, are
-    found from the template's `{% generation %}` markers where it has them, else by
+    special tokens included). The assistant's tokens, its end-of-turn tokens and what
+    closes its turn included (ChatML's `<|im_end|>` and newline, as TRL's training
+    templates mark them; not the role header before), are found from the template's
+    `{% generation %}` markers where it has them, else by
     rendering each conversation up to every assistant turn (with the generation prompt)
     and through it: the text between is the turn. `pack` and `vocab_size` are as
     `encode_causal_lm`'s.
@@ -270,7 +272,8 @@ def encode_chat(
     **Raises** `TypeError` for a row that is not a list of such messages, and
     `ValueError` for a tokenizer without a chat template, or a template whose renderings
     of a conversation's beginnings are not beginnings of the whole (the assistant's turns
-    cannot be found: give prompt/completion columns instead).
+    cannot be found: set a training template with generation markers, or give
+    prompt/completion columns instead).
     """
     _positive_int(max_length, "max_length", least=2)
     if vocab_size is not None:
@@ -347,6 +350,9 @@ def _turns_by_prefixes(tokenizer: Any, messages: list[dict], row: int) -> tuple[
                 f"conversations: row {row}: the chat template renders the conversation up to "
                 f"message {k + 1} as something other than a beginning of the whole, and has "
                 "no {% generation %} markers, so the assistant's tokens cannot be told apart; "
+                "set a training chat template that has them around each assistant turn (TRL "
+                "ships one for Qwen3: trl/chat_templates/qwen3_training.jinja, saved as the "
+                "model directory's chat_template.jinja or set as tokenizer.chat_template), or "
                 "give the data as prompt/completion columns (prompt_column) instead"
             )
         spans.append((len(before), len(through)))
