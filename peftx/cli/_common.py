@@ -49,6 +49,37 @@ def model_dir(value: str | None) -> Path:
     return path
 
 
+# the files a saved tokenizer keeps its vocabulary in (`tokenizer.save_pretrained` writes one)
+TOKENIZER_VOCABULARIES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer saved in the model directory `path`, which every subcommand that
+    tokenizes loads here. A directory with no vocabulary file is a `UsageError` naming
+    the files: transformers would build BERT an empty vocabulary from `config.json`
+    (every token `[UNK]`), and fail on Llama with a sentencepiece/tiktoken message."""
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in TOKENIZER_VOCABULARIES):
+        raise UsageError(
+            f"model directory {str(path)!r} has no tokenizer: it needs one of "
+            f"{', '.join(TOKENIZER_VOCABULARIES)} (with tokenizer_config.json), as "
+            "tokenizer.save_pretrained(DIR) writes them"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())
+        raise UsageError(f"no tokenizer could be loaded from {str(path)!r}: {reason}") from None
+
+
 TASKS = {
     "classification": ("ForSequenceClassification",),
     "causal-lm": ("ForCausalLM", "LMHeadModel"),

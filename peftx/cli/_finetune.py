@@ -28,6 +28,7 @@ from ._common import (
     adapter_tables,
     hf_config,
     job_model,
+    load_tokenizer,
     model_class_for,
     read_toml,
     unknown_key,
@@ -640,7 +641,6 @@ def _run(
     job: Job, mesh: Any, rules: str | None, *, overwrite: bool, protected: list[tuple[str, Path]]
 ) -> None:
     import jax
-    from transformers import AutoTokenizer
 
     from .. import train
     from ..sharding import batch_parts
@@ -655,7 +655,7 @@ def _run(
             )
     # the whole job is checked (model, data, adapters) before the output is touched
     t = job.train
-    tokenizer = AutoTokenizer.from_pretrained(job.model.path, local_files_only=True)
+    tokenizer = load_tokenizer(job.model.path)
     pairs, labels = _datasets(job, tokenizer)
     names = [a.name for a in job.adapters]
     batch = t["batch_size"] * t["grad_accumulation"]
