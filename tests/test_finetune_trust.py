@@ -435,6 +435,23 @@ def test_a_list_column_is_not_text(llama, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_more_labels_than_a_saved_classifier_names_the_data(bert, tmp_path, capsys):
+    """The repro: 3 classes of data on a saved 2-label classifier named only the weight
+    shapes. The error says the data has 3 labels and the checkpoint 2."""
+    import transformers
+
+    saved = tmp_path / "two_labels"
+    head = transformers.BertForSequenceClassification.from_pretrained(bert / "base", num_labels=2)
+    head.save_pretrained(saved)
+    for f in (bert / "base").glob("*token*"):
+        shutil.copy(f, saved / f.name)
+    err, _ = _fails(capsys, 2, "finetune", bert / "job.toml", "--set", f"model.path={saved}",
+                    "--set", f"output.dir={tmp_path / 'run'}")  # fmt: skip
+    train = bert / "train.jsonl"
+    assert f"{train} has 3 labels (" in err and f"the classifier saved in {saved} has 2" in err
+    assert not (tmp_path / "run").exists()
+
+
 def _without_tokenizer(base: Path, to: Path) -> Path:
     shutil.copytree(base, to, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
     assert not {p.name for p in to.iterdir()} & {"tokenizer.json", "tokenizer_config.json"}

@@ -467,6 +467,16 @@ def _datasets(job: Job, tokenizer: Any) -> tuple[list[tuple[dict, dict]], Any]:
     return pairs, labels
 
 
+def _saved_head_classes(path: Path) -> int | None:
+    """The classes of the classification head saved in the checkpoint at `path` (the rows
+    of its `classifier` or `score` weight; headers only), or None without one."""
+    from ..models._checkpoint import Reader
+
+    with Reader(path) as reader:
+        heads = [k for k in reader.keys() if re.fullmatch(r"(classifier|score)\.weight", k)]
+        return reader.shape(heads[0])[0] if heads else None
+
+
 def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any:
     """The base model with every adapter of the job on it (the first one active), read
     straight onto `mesh` when there is one."""
@@ -477,6 +487,13 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
 
     first = next(iter(labels.values())) if isinstance(labels, dict) else labels
     extra = {"num_labels": len(first)} if first else {}
+    saved = _saved_head_classes(job.model.path) if first else None
+    if saved is not None and saved != len(first):
+        raise UsageError(
+            f"{job.adapters[0].train} has {len(first)} labels ({', '.join(first)}), but the "
+            f"classifier saved in {job.model.path} has {saved}: give data with {saved} "
+            "labels, or fine-tune from its base model (a checkpoint without a classifier)"
+        )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*initialized fresh.*")
         model = models.from_pretrained(
