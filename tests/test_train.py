@@ -442,6 +442,25 @@ def test_train_batches_draw_a_new_order_each_epoch_and_seed():
         next(train.train_batches(_rows(3), 4, seed=0))
 
 
+def test_batch_size_is_the_micro_batch_as_in_a_job():
+    """`batch_size` is the micro-batch everywhere, as a job's `train.batch_size` and TRL's
+    `per_device_train_batch_size`: a step takes `batch_size * grad_accumulation` rows,
+    here the rows of each epoch's permutation written out, 4 x 3 at a time."""
+    data = _rows(30)
+    it = train.train_batches(data, 4, seed=7, grad_accumulation=3)
+    for n in range(4):  # two steps of 12 a epoch
+        epoch, index = divmod(n, 2)
+        order = np.random.default_rng([7, epoch]).permutation(30)
+        np.testing.assert_array_equal(next(it)["x"], order[12 * index : 12 * (index + 1)])
+    # two datasets: each micro-batch of 4 holds 2 rows of each, 3 micro-batches a step
+    mixed = next(train.mixed_batches([_rows(30), _rows(30)], 4, seed=7, grad_accumulation=3))
+    assert mixed["source"].tolist() == [0, 0, 1, 1] * 3
+    order = np.random.default_rng([7, 0]).permutation(30)[:6]
+    assert mixed["x"].tolist() == [x for k in range(3) for x in [*order[2 * k : 2 * k + 2]] * 2]
+    with pytest.raises(ValueError, match="a micro-batch of 3 rows .* equal rows of 2 datasets"):
+        next(train.mixed_batches([_rows(30), _rows(30)], 3, seed=7, grad_accumulation=2))
+
+
 def test_eval_batches_cover_every_row_once_and_padding_is_ignored():
     _, model = _bert()
     rng = np.random.default_rng(3)

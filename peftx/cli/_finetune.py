@@ -763,18 +763,16 @@ def _train(
         log.write(*_eval_records(job, 0, before))
     _report(job, "before fine-tuning:", before)
 
-    seed = t["seed"]
+    seed, ga = t["seed"], t["grad_accumulation"]
     if job.multi:
         mixed = train.mixed_batches(
-            [tr for tr, _ in pairs],
-            batch,
-            seed=seed,
-            start=start,
-            micro_batches=t["grad_accumulation"],
+            [tr for tr, _ in pairs], t["batch_size"], seed=seed, start=start, grad_accumulation=ga
         )
         batches = ({**b, "adapter_ids": ids[b.pop("source")]} for b in mixed)
     else:
-        batches = train.train_batches(pairs[0][0], batch, seed=seed, start=start)
+        batches = train.train_batches(
+            pairs[0][0], t["batch_size"], seed=seed, start=start, grad_accumulation=ga
+        )
     every = lambda n, k: bool(k) and n % k == 0  # noqa: E731
     check = lambda n, m: _check_finite(n, m, last_ckpt, t["learning_rate"])  # noqa: E731
     tick, seen, pending = time.perf_counter(), 0, None

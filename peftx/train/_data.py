@@ -474,18 +474,29 @@ def batches_per_epoch(data: dict[str, np.ndarray], batch_size: int) -> int:
 
 
 def train_batches(
-    data: dict[str, np.ndarray], batch_size: int, *, seed: int, start: int = 0
+    data: dict[str, np.ndarray],
+    batch_size: int,
+    *,
+    seed: int,
+    start: int = 0,
+    grad_accumulation: int = 1,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Batches number `start`, `start + 1`, ... without end: each epoch is a fresh
-    permutation drawn from `(seed, epoch)`, and its last partial batch is dropped, so
-    batch `n` is the same whether a run starts at 0 or resumes at `n`."""
-    per_epoch = batches_per_epoch(data, batch_size)
+    """Batches number `start`, `start + 1`, ... without end, each the rows of one step:
+    `batch_size` rows per micro-batch, `grad_accumulation` micro-batches (the effective
+    batch, `batch_size * grad_accumulation` rows, as TRL's `per_device_train_batch_size`
+    and `gradient_accumulation_steps`; pass the same `grad_accumulation` to
+    `make_train_step`). Each epoch is a fresh permutation drawn from `(seed, epoch)`,
+    and its last partial batch is dropped, so batch `n` is the same whether a run starts
+    at 0 or resumes at `n`."""
+    _positive_int(grad_accumulation, "grad_accumulation")
+    rows_per_step = batch_size * grad_accumulation
+    per_epoch = batches_per_epoch(data, rows_per_step)
     rows = len(next(iter(data.values())))
     n = start
     while True:
         epoch, index = divmod(n, per_epoch)
         order = np.random.default_rng([seed, epoch]).permutation(rows)
-        take = order[index * batch_size : (index + 1) * batch_size]
+        take = order[index * rows_per_step : (index + 1) * rows_per_step]
         yield {k: v[take] for k, v in data.items()}
         n += 1
 
@@ -496,26 +507,27 @@ def mixed_batches(
     *,
     seed: int,
     start: int = 0,
-    micro_batches: int = 1,
+    grad_accumulation: int = 1,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """`train_batches` of several datasets (rows of one length: see `pad_to`) at once:
-    each batch holds `batch_size / len(datasets)` rows of each, drawn in each dataset's
-    own resumable order, and `source`, each row's dataset index. With `micro_batches`
-    (gradient accumulation), each of that many equal parts of the batch mixes them
-    equally too."""
+    """`train_batches` of several datasets (rows of one length: see `pad_to`) at once,
+    `batch_size` and `grad_accumulation` as there: each micro-batch holds
+    `batch_size / len(datasets)` rows of each, drawn in each dataset's own resumable
+    order, and `source`, each row's dataset index."""
     k = len(datasets)
-    if batch_size % (k * micro_batches):
+    _positive_int(grad_accumulation, "grad_accumulation")
+    if batch_size % k:
         raise ValueError(
-            f"a batch of {batch_size} rows does not split into {micro_batches} micro-batches "
-            f"with equal rows of {k} datasets"
+            f"a micro-batch of {batch_size} rows (batch_size) does not split into equal rows "
+            f"of {k} datasets"
         )
-    share = batch_size // k
+    share = batch_size // k * grad_accumulation  # each dataset's rows of a step
     streams = [train_batches(d, share, seed=seed, start=start) for d in datasets]
-    source = np.tile(np.repeat(np.arange(k, dtype=np.int32), share // micro_batches), micro_batches)
+    micro = np.repeat(np.arange(k, dtype=np.int32), batch_size // k)
+    source = np.tile(micro, grad_accumulation)
 
     def interleave(parts: list[np.ndarray]) -> np.ndarray:
-        split = [p.reshape(micro_batches, share // micro_batches, *p.shape[1:]) for p in parts]
-        return np.stack(split, axis=1).reshape(batch_size, *parts[0].shape[1:])
+        split = [p.reshape(grad_accumulation, batch_size // k, *p.shape[1:]) for p in parts]
+        return np.stack(split, axis=1).reshape(batch_size * grad_accumulation, *parts[0].shape[1:])
 
     while True:
         parts = [next(s) for s in streams]
