@@ -85,11 +85,11 @@ def test_packed_rows_equal_the_examples_run_alone_and_transformers(models, name)
     packed = np.asarray(run(ours, jnp.asarray(ids), position_ids=jnp.asarray(positions)))
     alone_ids = np.zeros((len(spans), ROW), np.int32)
     alone_mask = np.zeros((len(spans), ROW), np.int32)
-    for n, (r, start, length) in enumerate(spans):
+    for n, (r, start, length) in spans.items():
         alone_ids[n, :length] = ids[r, start : start + length]
         alone_mask[n, :length] = 1
     alone = np.asarray(run(ours, jnp.asarray(alone_ids), jnp.asarray(alone_mask)))
-    for n, (r, start, length) in enumerate(spans):
+    for n, (r, start, length) in spans.items():
         np.testing.assert_allclose(
             packed[r, start : start + length], alone[n, :length], atol=TOL, rtol=0
         )
@@ -109,9 +109,9 @@ def test_packed_rows_equal_the_examples_run_alone_and_transformers(models, name)
 def test_packed_loss_equals_the_unpacked_loss(models):
     """`causal_lm_loss` (the training loss, through `train.logits`) on
     `encode_causal_lm(..., pack=True)` rows: each example's summed loss and count equal
-    those of the same examples one per row. The examples fill the packed rows exactly,
-    so none is cut in two; the text has no prompt, so the first token of each example
-    would be a label if packing did not leave it out."""
+    those of the same examples one per row. The examples fill the packed rows exactly;
+    the text has no prompt, so the first token of each example would be a label if
+    packing did not leave it out."""
     words = ["[PAD]", "[UNK]", "</s>", *(f"w{i}" for i in range(40))]
     tok = word_tokenizer(words)
     rng = np.random.default_rng(1)
@@ -122,7 +122,16 @@ def test_packed_loss_equals_the_unpacked_loss(models):
     assert packed["input_ids"].shape == (len(LENGTHS), ROW)
     _, model = models("qwen3")
     loss = eqx.filter_jit(train.causal_lm_loss)
-    _, _, spans = packed_rows()
+    # where packing put each example: (row, start, length) of each run of positions 0, 1, ...
+    spans = {}
+    for r, positions in enumerate(packed["position_ids"].tolist()):
+        for start in [t for t, p in enumerate(positions) if p == 0]:
+            length = next((k for k in range(1, ROW - start) if positions[start + k] == 0), None)
+            length = length or ROW - start
+            ids = packed["input_ids"][r, start : start + length].tolist()
+            n = next(n for n in range(len(texts)) if alone["input_ids"][n, :length].tolist() == ids)
+            spans[n] = r, start, length
+    assert sorted(spans) == list(range(len(texts)))
 
     def one_example(data, row, start, length):
         """`data` with every label but those of one example's tokens left out."""
@@ -130,7 +139,7 @@ def test_packed_loss_equals_the_unpacked_loss(models):
         keep[row, start : start + length] = True
         return {**data, "labels": np.where(keep, data["labels"], IGNORE)}
 
-    for n, (r, start, length) in enumerate(spans):
+    for n, (r, start, length) in spans.items():
         total, sums = loss(model, one_example(packed, r, start, length))
         want, want_sums = loss(model, one_example(alone, n, 0, length))
         assert float(sums["count"]) == float(want_sums["count"]) == length - 1
