@@ -384,6 +384,8 @@ def _pack(
     rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (room left, row), sorted: the best fit is a bisect
     for n in sorted(range(len(rows_ids)), key=lambda n: -lengths[n]):
+        if not lengths[n]:  # no token to place (and no label: warned about below)
+            continue
         at = bisect.bisect_left(free, (lengths[n], -1))
         if at == len(free):
             rows.append([n])
