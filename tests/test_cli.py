@@ -396,6 +396,21 @@ def test_inspect_architecture(capsys):
     assert "trainable params" not in out
 
 
+def test_inspect_job_prints_the_micro_batch_and_the_effective_batch(tmp_path, capsys):
+    """`train.batch_size` is the micro-batch (TRL's `per_device_train_batch_size`); a step
+    takes it `grad_accumulation` times."""
+    (tmp_path / "rows.jsonl").write_text('{"text": "a", "label": 0}\n')
+    (tmp_path / "job.toml").write_text(
+        '[model]\npath = "all-MiniLM-L6-v2"\n\n[data]\ntrain = "rows.jsonl"\n'
+        'eval = "rows.jsonl"\n\n[lora]\nr = 2\ntarget_modules = ["query"]\n\n'
+        "[train]\nbatch_size = 6\ngrad_accumulation = 4\n"
+    )
+    code, out, err = run_cli(capsys, "inspect", tmp_path / "job.toml")
+    assert code == 0, err
+    want = "6 rows a micro-batch (train.batch_size) x 4 (grad_accumulation) = 24 rows a step"
+    assert f"batch         {want} (the effective batch)" in out, out
+
+
 def test_inspect_bare_adapter_toml(tmp_path, capsys):
     toml = tmp_path / "lora.toml"
     toml.write_text('[lora]\nr = 8\ntarget_modules = ["query", "value"]\n')

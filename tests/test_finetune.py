@@ -206,34 +206,24 @@ def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
     assert after["perplexity"] == pytest.approx(np.exp(after["loss"]), rel=1e-6)
     assert f"perplexity {after['perplexity']:.4g}" in out
     assert not (out_dir / "labels.json").exists()
-    # the loss before fine-tuning, recomputed with transformers: examples packed into rows
-    # of 16 tokens, each its prompt (not scored) then its answer and EOS (scored), its
-    # positions from 0 (and from 0 again where a row cuts it), so that it sees no other
+    # the loss before fine-tuning, recomputed with transformers: packing keeps every eval
+    # example whole in a row, where it sees only itself, so each is run alone here; its
+    # prompt is not scored, its answer and EOS are
     tok = transformers.AutoTokenizer.from_pretrained(llama / "base", local_files_only=True)
     rows = [json.loads(line) for line in (llama / "eval.jsonl").read_text().splitlines()]
-    ids, scored, positions = [], [], []
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
+    scored, every = [], []
     for r in rows:
         prompt = tok(r["question"], add_special_tokens=False)["input_ids"]
         answer = tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ids += prompt + answer
-        scored += [False] * len(prompt) + [True] * len(answer)
-        positions += range(len(prompt + answer))
-    n = len(ids) // 16 * 16
-    ids = torch.tensor(ids[:n]).reshape(-1, 16)
-    scored = torch.tensor(scored[:n]).reshape(-1, 16)[:, 1:]
-    positions = torch.tensor(positions[:n]).reshape(-1, 16)
-    for row in positions:
-        # before the first example starting in the row: the rest of one cut by the row above
-        cut = int(torch.nonzero(row == 0)[0]) if (row == 0).any() else 16
-        row[:cut] = torch.arange(cut)
-    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
-    with torch.no_grad():
-        logits = base(ids, position_ids=positions, use_cache=False).logits[:, :-1]
-    ce = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-    ).reshape(scored.shape)
-    assert before["loss"] == pytest.approx(float(ce[scored].mean()), rel=1e-5)
-    assert abs(float(ce.mean()) - before["loss"]) > 0.01  # scoring the prompts too differs
+        ids = torch.tensor([prompt + answer])
+        with torch.no_grad():
+            logits = base(ids, use_cache=False).logits[0, :-1]
+        ce = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none").tolist()
+        scored += ce[len(prompt) - 1 :]
+        every += ce
+    assert before["loss"] == pytest.approx(np.mean(scored), rel=1e-5)
+    assert abs(np.mean(every) - before["loss"]) > 0.01  # scoring the prompts too differs
 
     # the merged checkpoint: transformers loads it, and it computes PEFT's adapted model
     ids = torch.from_numpy(np.random.default_rng(0).integers(5, len(WORDS), size=(2, 12)))

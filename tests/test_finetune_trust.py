@@ -526,6 +526,48 @@ def test_a_list_column_is_not_text(llama, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_more_labels_than_a_saved_classifier_names_the_data(bert, tmp_path, capsys):
+    """The repro: 3 classes of data on a saved 2-label classifier named only the weight
+    shapes. The error says the data has 3 labels and the checkpoint 2."""
+    import transformers
+
+    saved = tmp_path / "two_labels"
+    head = transformers.BertForSequenceClassification.from_pretrained(bert / "base", num_labels=2)
+    head.save_pretrained(saved)
+    for f in (bert / "base").glob("*token*"):
+        shutil.copy(f, saved / f.name)
+    err, _ = _fails(capsys, 2, "finetune", bert / "job.toml", "--set", f"model.path={saved}",
+                    "--set", f"output.dir={tmp_path / 'run'}")  # fmt: skip
+    train = bert / "train.jsonl"
+    assert f"{train} has 3 labels (" in err and f"the classifier saved in {saved} has 2" in err
+    assert not (tmp_path / "run").exists()
+
+
+def _without_tokenizer(base: Path, to: Path) -> Path:
+    shutil.copytree(base, to, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    assert not {p.name for p in to.iterdir()} & {"tokenizer.json", "tokenizer_config.json"}
+    return to
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused(bert, llama, tmp_path, capsys):
+    """The repros: BERT without tokenizer files trained on all-[UNK] input (transformers
+    built an empty vocabulary from config.json) and exited 0; Llama's message was about
+    sentencepiece/tiktoken. Each command that tokenizes refuses it in one line, naming
+    the directory and the files a tokenizer needs, before anything is written."""
+    needs = "has no tokenizer: it needs one of tokenizer.json, tokenizer.model, vocab.json"
+    plain_bert = _without_tokenizer(bert / "base", tmp_path / "bert")
+    err, _ = _fails(capsys, 2, "finetune", bert / "job.toml", "--set", f"model.path={plain_bert}",
+                    "--set", f"output.dir={tmp_path / 'run'}")  # fmt: skip
+    assert f"model directory {str(plain_bert)!r} {needs}" in err
+    plain_llama = _without_tokenizer(llama / "base", tmp_path / "llama")
+    rows = [{"question": "w1 w2", "answer": "w3"}] * 4
+    err, _ = _fails(capsys, 2, *_causal_job(llama, tmp_path, rows, f"model.path={plain_llama}"))
+    assert f"model directory {str(plain_llama)!r} {needs}" in err
+    err, _ = _fails(capsys, 2, "generate", plain_llama, "w1 w2")
+    assert f"model directory {str(plain_llama)!r} {needs}" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_prompts_that_fill_max_length_leave_nothing_to_learn(llama, tmp_path, capsys):
     """The repro: every response cut by max_length gave loss 0, perplexity 1 and an all-zero
     lora_B."""

@@ -59,6 +59,8 @@ BASE_FILES = (
     "merges.txt",
     "vocab.json",
     "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
     "added_tokens.json",
     "chat_template.jinja",
     "chat_template.json",
@@ -73,6 +75,37 @@ def copy_base_files(base: Path, out: Path) -> list[str]:
     for name in copied:
         copy_file(base / name, out / name)
     return copied
+
+
+# the files a saved tokenizer keeps its vocabulary in (`tokenizer.save_pretrained` writes one)
+TOKENIZER_VOCABULARIES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer saved in the model directory `path`, which every subcommand that
+    tokenizes loads here. A directory with no vocabulary file is a `UsageError` naming
+    the files: transformers would build BERT an empty vocabulary from `config.json`
+    (every token `[UNK]`), and fail on Llama with a sentencepiece/tiktoken message."""
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in TOKENIZER_VOCABULARIES):
+        raise UsageError(
+            f"model directory {str(path)!r} has no tokenizer: it needs one of "
+            f"{', '.join(TOKENIZER_VOCABULARIES)} (with tokenizer_config.json), as "
+            "tokenizer.save_pretrained(DIR) writes them"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())
+        raise UsageError(f"no tokenizer could be loaded from {str(path)!r}: {reason}") from None
 
 
 TASKS = {

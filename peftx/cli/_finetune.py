@@ -29,6 +29,7 @@ from ._common import (
     copy_base_files,
     hf_config,
     job_model,
+    load_tokenizer,
     model_class_for,
     read_toml,
     unknown_key,
@@ -425,12 +426,19 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
         rows = dict(max_length=d["max_length"], pack=d["pack"], vocab_size=vocab_size)
         if d["messages_column"]:
             chats = [r[d["messages_column"]] for r in rs]
-            return _encoded(file, names, lambda: train.encode_chat(tokenizer, chats, **rows))
-        texts = [r[d["text_column"]] for r in rs]
-        prompts = [r[d["prompt_column"]] for r in rs] if d["prompt_column"] else None
-        return _encoded(
-            file, names, lambda: train.encode_causal_lm(tokenizer, texts, prompts, **rows)
-        )
+            data = _encoded(file, names, lambda: train.encode_chat(tokenizer, chats, **rows))
+        else:
+            texts = [r[d["text_column"]] for r in rs]
+            prompts = [r[d["prompt_column"]] for r in rs] if d["prompt_column"] else None
+            data = _encoded(
+                file, names, lambda: train.encode_causal_lm(tokenizer, texts, prompts, **rows)
+            )
+        if d["pack"]:
+            print(
+                f"packed {file}: all {len(rs)} examples, each whole in one row, in "
+                f"{len(data['input_ids'])} rows of {d['max_length']} tokens"
+            )
+        return data
 
     data = encode_lm(adapter.train), encode_lm(adapter.eval)
     counts = [train.supervised_tokens(x) for x in data]
@@ -463,6 +471,16 @@ def _datasets(job: Job, tokenizer: Any) -> tuple[list[tuple[dict, dict]], Any]:
     return pairs, labels
 
 
+def _saved_head_classes(path: Path) -> int | None:
+    """The classes of the classification head saved in the checkpoint at `path` (the rows
+    of its `classifier` or `score` weight; headers only), or None without one."""
+    from ..models._checkpoint import Reader
+
+    with Reader(path) as reader:
+        heads = [k for k in reader.keys() if re.fullmatch(r"(classifier|score)\.weight", k)]
+        return reader.shape(heads[0])[0] if heads else None
+
+
 def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any:
     """The base model with every adapter of the job on it (the first one active), read
     straight onto `mesh` when there is one."""
@@ -473,6 +491,13 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
 
     first = next(iter(labels.values())) if isinstance(labels, dict) else labels
     extra = {"num_labels": len(first)} if first else {}
+    saved = _saved_head_classes(job.model.path) if first else None
+    if saved is not None and saved != len(first):
+        raise UsageError(
+            f"{job.adapters[0].train} has {len(first)} labels ({', '.join(first)}), but the "
+            f"classifier saved in {job.model.path} has {saved}: give data with {saved} "
+            "labels, or fine-tune from its base model (a checkpoint without a classifier)"
+        )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*initialized fresh.*")
         model = models.from_pretrained(
@@ -637,7 +662,6 @@ def _run(
     job: Job, mesh: Any, rules: str | None, *, overwrite: bool, protected: list[tuple[str, Path]]
 ) -> None:
     import jax
-    from transformers import AutoTokenizer
 
     from .. import train
     from ..sharding import batch_parts
@@ -652,7 +676,7 @@ def _run(
             )
     # the whole job is checked (model, data, adapters) before the output is touched
     t = job.train
-    tokenizer = AutoTokenizer.from_pretrained(job.model.path, local_files_only=True)
+    tokenizer = load_tokenizer(job.model.path)
     pairs, labels = _datasets(job, tokenizer)
     names = [a.name for a in job.adapters]
     batch = t["batch_size"] * t["grad_accumulation"]
@@ -743,18 +767,16 @@ def _train(
         log.write(*_eval_records(job, 0, before))
     _report(job, "before fine-tuning:", before)
 
-    seed = t["seed"]
+    seed, ga = t["seed"], t["grad_accumulation"]
     if job.multi:
         mixed = train.mixed_batches(
-            [tr for tr, _ in pairs],
-            batch,
-            seed=seed,
-            start=start,
-            micro_batches=t["grad_accumulation"],
+            [tr for tr, _ in pairs], t["batch_size"], seed=seed, start=start, grad_accumulation=ga
         )
         batches = ({**b, "adapter_ids": ids[b.pop("source")]} for b in mixed)
     else:
-        batches = train.train_batches(pairs[0][0], batch, seed=seed, start=start)
+        batches = train.train_batches(
+            pairs[0][0], t["batch_size"], seed=seed, start=start, grad_accumulation=ga
+        )
     every = lambda n, k: bool(k) and n % k == 0  # noqa: E731
     check = lambda n, m: _check_finite(n, m, last_ckpt, t["learning_rate"])  # noqa: E731
     tick, seen, pending = time.perf_counter(), 0, None

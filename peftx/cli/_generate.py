@@ -15,7 +15,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._common import UsageError, model_class_for, model_dir, option_value, unknown_key
+from ._common import (
+    UsageError,
+    load_tokenizer,
+    model_class_for,
+    model_dir,
+    option_value,
+    unknown_key,
+)
 from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, placement_line, run_mesh
 
 SEED_LIMIT = 2**32  # jax.random.key keeps 32 bits of a seed without x64
@@ -143,8 +150,6 @@ def _prompt_ids(tokenizer: Any, prompt: str, chat: bool, path: Path) -> list[int
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from .. import quantize_model
     from .._peft_model import PeftModel
     from ..models import from_pretrained, generate
@@ -160,10 +165,7 @@ def run(args: argparse.Namespace) -> int:
     name = model_class_for("causal-lm", path)
     if args.adapter is not None and not Path(args.adapter).is_dir():
         raise UsageError(f"adapter directory {args.adapter!r} does not exist")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"no tokenizer could be loaded from {path}: {e}") from None
+    tokenizer = load_tokenizer(path)
     prompt = _prompt_ids(tokenizer, args.prompt, args.chat, path)
     if not prompt:
         raise UsageError("the prompt encodes to no tokens")
