@@ -418,3 +418,22 @@ def test_half_of_a_fused_pair_is_refused(checkpoints):
     model = pm.from_pretrained(checkpoints["qwen3_moe"][0])
     with pytest.raises(ValueError, match="fused into one `gate_up_proj`"):
         get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj"]), key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_a_layer_in_target_modules_and_target_parameters_is_refused(checkpoints, layout):
+    """PEFT refuses a layer named by `target_modules` and, by its weight, by
+    `target_parameters`; so does peftx, naming the layer."""
+    path = checkpoints["qwen3_moe"][0]
+    kwargs = dict(r=2, target_modules=["q_proj"], target_parameters=["self_attn.q_proj.weight"])
+    with pytest.raises(ValueError, match="not also targeted with `target_modules`"):
+        peft.get_peft_model(_torch_model(path), peft.LoraConfig(**kwargs))
+    model = pm.from_pretrained(path, layout=layout)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj is targeted twice"):
+        get_peft_model(model, LoraConfig(**kwargs), key=jax.random.key(0))
+    # one layer named twice among others named once is refused too
+    kwargs.update(target_modules=["v_proj", "layers.1.self_attn.q_proj"])
+    with pytest.raises(ValueError, match="not also targeted"):
+        peft.get_peft_model(_torch_model(path), peft.LoraConfig(**kwargs))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj is targeted twice"):
+        get_peft_model(model, LoraConfig(**kwargs), key=jax.random.key(0))
