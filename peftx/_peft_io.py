@@ -502,11 +502,10 @@ def load_adapter_into(
     base = peft_model.disable_adapters()
     origin = _origin(config, base)
     _check_belongs(stored, base, folder, origin)
-    # PEFT's initializers that change the base (PiSSA) must not run: the weights come
-    # from the file.
-    skeleton_config = config.for_loading()
+    # an init that changes the base (PiSSA) runs, as in PEFT's `from_pretrained`: the
+    # file's factors apply to the residual it leaves
     try:
-        skeleton = peft_model._add(adapter_name, skeleton_config, jax.random.key(0), model_type)
+        skeleton = peft_model._add(adapter_name, config, jax.random.key(0), model_type)
     except TargetNotFoundError:
         raise CheckpointError(
             f"{folder / CONFIG_NAME} does not fit this model: its target_modules "
@@ -520,14 +519,7 @@ def load_adapter_into(
         skeleton,
         [v for _, v in values],
     )
-    # the config as the file has it, with what `_add` resolved (default targets)
-    restored = {
-        f.name: getattr(config, f.name)
-        for f in dataclasses.fields(config)
-        if getattr(config, f.name) != getattr(skeleton_config, f.name)
-    }
-    resolved = dataclasses.replace(skeleton.peft_config[adapter_name], **restored)
-    return dataclasses.replace(loaded, configs=(*peft_model.configs, (adapter_name, resolved)))
+    return loaded
 
 
 def _check_floating(stored: dict[str, np.ndarray], file: pathlib.Path) -> None:

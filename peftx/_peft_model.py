@@ -518,7 +518,8 @@ class PeftModel(eqx.Module):
 
     def disable_adapters(self) -> Any:
         """The base model as it was before any adapter: original weights and modules
-        (what PEFT's `disable_adapter()` block runs)."""
+        (what PEFT's `disable_adapter()` block runs), PiSSA's residual where its init
+        replaced a weight, as in PEFT."""
         return _map_sets(self.base_model, lambda s: s.weight)
 
     # -- internals ----------------------------------------------------------------------
@@ -581,7 +582,10 @@ class PeftModel(eqx.Module):
         for target, k in zip(config.planned(found.layers), keys):
             current = target.layer.weight
             base = current.weight if _is_set(current) else current
-            adapter = detach(_stacked(config, target, base, k))
+            built = _stacked(config, target, base, k)
+            if config.changes_base:
+                base = built.weight
+            adapter = detach(built)
             adapter = placed_like(adapter, base, _stack_axes(target.layer, base))
             if _is_set(current):
                 s = AdapterSet(base, {**current.adapters, adapter_name: adapter}, None, (active,))

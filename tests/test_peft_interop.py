@@ -736,6 +736,48 @@ def assert_same_leaves_of(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+# ---------------------------------------------------------------- PiSSA
+
+PISSA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_pissa_places_the_residual_as_peft_does(layout, checkpoint, base, tmp_path):
+    """PiSSA changes the base weight to `W - s·B·A`: at init the logits are the base
+    model's, the residual alone is PEFT's residual, a PEFT file saying `"pissa"` applies to
+    the residual PEFT derives on loading, and a peftx file loads in PEFT alike."""
+    path = checkpoint("llama")
+    ids, mask = batch("llama")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    theirs = peft.get_peft_model(
+        torch_base(path, "llama"), peft.LoraConfig(**PISSA, init_lora_weights="pissa")
+    ).eval()
+    with theirs.disable_adapter():
+        their_residual = torch_out(theirs, ids, mask, "llama")
+    assert np.abs(their_residual - reference).max() > EFFECT  # the residual differs
+
+    config = peftx.LoraConfig(**PISSA, init_lora_weights="pissa")
+    ours = peftx.get_peft_model(base("llama", layout), config, key=jax.random.key(0))
+    assert_same(jax_out(ours, ids, mask), reference, mask)
+    assert_same(jax_out(ours.disable_adapters(), ids, mask), their_residual, mask, reference)
+
+    # a trained PEFT PiSSA file (its config says "pissa"), loaded by both
+    theirs = randomize_torch_adapters(theirs, seed=5)
+    theirs.save_pretrained(tmp_path / "peft")
+    their_trained = torch_out(theirs, ids, mask, "llama")
+    loaded = peftx.PeftModel.from_pretrained(base("llama", layout), tmp_path / "peft")
+    assert loaded.peft_config["default"].init_lora_weights == "pissa"
+    assert_same(jax_out(loaded, ids, mask), their_trained, mask, reference)
+    again = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path / "peft")
+    assert_same(torch_out(again.eval(), ids, mask, "llama"), their_trained, mask)
+
+    # a trained peftx PiSSA adapter, loaded by PEFT
+    ours = randomized(ours, jax.random.key(6))
+    ours.save_pretrained(tmp_path / "ours")
+    back = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path / "ours").eval()
+    assert_same(jax_out(ours, ids, mask), torch_out(back, ids, mask, "llama"), mask, reference)
+
+
 # ---------------------------------------------------------------- the real MiniLM
 
 
