@@ -129,6 +129,10 @@ class PeftModel(eqx.Module):
                 )
             active, gate = self._route(adapter_names)
             model = _map_layers(self, lambda layer: _gated(layer, gate, active))
+            # what is left: expert stacks (`target_parameters`), experts on axis -3
+            model = _map_sets(
+                model, lambda s: s if s.gate is not None else _gated_stack(s, gate, active, 3)
+            )
         return _map_layers(self._with_saved(model.base_model, active, gate), _scale_bias)
 
     def _with_saved(self, model: Any, active: tuple[str, ...], gate: Array | None) -> Any:
@@ -748,14 +752,18 @@ def _check_finite(layer: Any, path: str, adapter_name: str) -> None:
 
 
 def _gated(layer: Any, gate: Array, active: tuple[str, ...]) -> Any:
-    """`layer` with `gate` on its adapters; a stacked layer (its weight carrying leading
-    layer axes, scanned by `run_layers`) gets the gate repeated along those axes, so each
-    layer's slice holds the whole gate."""
-    s = layer.weight
+    """`layer` with `gate` on its adapters (see `_gated_stack`)."""
     kernel_ndim = layer.num_spatial_dims if isinstance(layer, eqx.nn.Conv) else 0
-    stacked = s.weight.shape[: len(s.weight.shape) - 2 - kernel_ndim]
-    gate = jnp.broadcast_to(gate, (*stacked, *gate.shape))
-    return eqx.tree_at(lambda m: m.weight, layer, AdapterSet(s.weight, s.adapters, gate, active))
+    s = _gated_stack(layer.weight, gate, active, 2 + kernel_ndim)
+    return eqx.tree_at(lambda m: m.weight, layer, s)
+
+
+def _gated_stack(s: AdapterSet, gate: Array, active: tuple[str, ...], ndim: int) -> AdapterSet:
+    """`s` with `gate` on its adapters; a stack of `ndim`-axis weights (leading layer axes,
+    scanned by `run_layers`) gets the gate repeated along those axes, so each layer's slice
+    holds the whole gate."""
+    stacked = s.weight.shape[: len(s.weight.shape) - ndim]
+    return AdapterSet(s.weight, s.adapters, jnp.broadcast_to(gate, (*stacked, *gate.shape)), active)
 
 
 def _scale_bias(layer: Any) -> Any:
