@@ -18,7 +18,7 @@ from ..implicit import (
 from ._experts import ExpertLoraArray, grouped_update
 from ._kind import AbstractWeight
 from ._layout import WeightProduct, weight_dot_handlers, weight_product
-from ._products import add_update, wider_dtype
+from ._products import add_update, taken_rows, wider_dtype
 
 
 def _is_slot(x: Any) -> bool:
@@ -246,12 +246,14 @@ def _reduced(primitive: Any, args: tuple[Any, ...], params: dict[str, Any]) -> A
 def _rows_gated(
     primitive: Any, bind: Any, args: tuple[Any, ...], i: int, params: dict[str, Any]
 ) -> Any:
-    """A primitive on a set whose gate routes rows of activations: slices of the weight
-    (`gather`, `dynamic_slice` of whole experts) keep the gate with the sliced set; a
-    grouped product adds each row's updates to the base product."""
+    """A primitive on a set whose gate routes rows of activations: whole matrices taken
+    from a stack (experts, `jnp.take(w, idx, axis=0)`) keep the gate; a grouped product
+    adds each row's updates to the base product."""
     s = args[i]
     used = s.used()
-    if primitive.name in ("gather", "dynamic_slice") and i == 0:
+    if primitive.name == "gather" and i == 0 and len(s.shape) > 2:
+        if not taken_rows(s.shape, args[1], params):
+            raise ValueError(_batch_gate_message(s, "this `gather`"))
         weight = bind(s.weight, *args[1:])
         taken = {name: detach(bind(s.adapter(name), *args[1:])) for _, name in used}
         return AdapterSet(weight, taken, s.gate, s.active)
