@@ -361,8 +361,10 @@ def save_adapters(
     directory: str | os.PathLike[str],
     selected_adapters: Sequence[str] | None = None,
     save_embedding_layers: bool | str = "auto",
+    initial: str | os.PathLike[str] | None = None,
 ) -> None:
-    """`PeftModel.save_pretrained`; see there."""
+    """`PeftModel.save_pretrained`; see there (`initial`: its
+    `path_initial_model_for_weight_conversion`)."""
     if save_embedding_layers not in (True, False, "auto"):
         raise ValueError(
             f"save_embedding_layers must be True, False or 'auto'; got {save_embedding_layers!r}."
@@ -401,7 +403,10 @@ def save_adapters(
             for i, (key, row) in enumerate(zip(t.keys, rows, strict=True)):
                 row = t.to_file(i, np.asarray(row))
                 arrays[t.file_key(key)] = np.ascontiguousarray(row.T if t.transposed else row)
-        text = json.dumps(_saved_config(peft_model, name), indent=2, sort_keys=True) + "\n"
+        saved = _saved_config(peft_model, name)
+        if initial is not None:
+            arrays, saved = _converted(arrays, saved, pathlib.Path(initial), name)
+        text = json.dumps(saved, indent=2, sort_keys=True) + "\n"
         planned.append(("" if name == "default" else name, arrays, text))
     if writes_files():  # of several processes, process 0
         with replaced_directory(directory) as tmp:
@@ -412,6 +417,59 @@ def save_adapters(
                 )
                 (tmp / folder / CONFIG_NAME).write_text(text, encoding="utf-8")
     wait_for_writer(f"peftx save_pretrained {directory}", spread)
+
+
+def _converted(
+    arrays: dict[str, np.ndarray], config: dict[str, Any], initial: pathlib.Path, name: str
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Adapter `name`'s file and config as PEFT's `path_initial_model_for_weight_conversion`
+    writes them: a plain LoRA of rank `2r`, `[A; A₀]` and `[B, −B₀]` with the factors of
+    the initial adapter in `initial`, at the same scaling."""
+    if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("modules_to_save"):
+        raise ValueError(
+            f"path_initial_model_for_weight_conversion converts a LoRA adapter (PiSSA) "
+            f"without DoRA or modules_to_save into a plain LoRA; adapter {name!r} is not one."
+        )
+    if config["use_rslora"] and (config.get("rank_pattern") or config.get("alpha_pattern")):
+        raise ValueError(
+            "path_initial_model_for_weight_conversion does not support use_rslora with "
+            f"rank_pattern or alpha_pattern (as in PEFT); adapter {name!r} has both."
+        )
+    start = load_config(initial)
+    if getattr(start, "init_lora_weights", True) is not True:
+        raise ValueError(
+            f"the initial adapter in {initial} says init_lora_weights="
+            f"{start.init_lora_weights!r}; save it with init_lora_weights=True (as PEFT "
+            "requires), so that its factors are read as they are."
+        )
+    factors = read_tensors(initial / WEIGHTS_NAME)
+    converted = {}
+    for key, value in arrays.items():
+        axis = 0 if ".lora_A." in key else 1 if ".lora_B." in key else None
+        if axis is None:
+            raise ValueError(
+                f"path_initial_model_for_weight_conversion writes lora_A and lora_B only (as "
+                f"PEFT does); adapter {name!r} also holds {key}, which would be lost."
+            )
+        first = factors.get(key)
+        if first is None or first.shape != value.shape:
+            found = "no such tensor" if first is None else f"shape {first.shape}"
+            raise CheckpointError(
+                f"{initial / WEIGHTS_NAME} has {found} for {key}, which adapter {name!r} "
+                f"holds with shape {value.shape}: it is not this adapter's initial state."
+            )
+        first = first.astype(value.dtype)
+        converted[key] = np.concatenate([value, first if axis == 0 else -first], axis=axis)
+    factor = 2**0.5 if config["use_rslora"] else 2
+    config = {
+        **config,
+        "init_lora_weights": True,
+        "r": 2 * config["r"],
+        "lora_alpha": factor * config["lora_alpha"],
+        "rank_pattern": {k: 2 * v for k, v in (config.get("rank_pattern") or {}).items()},
+        "alpha_pattern": {k: 2 * v for k, v in (config.get("alpha_pattern") or {}).items()},
+    }
+    return converted, config
 
 
 def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:

@@ -295,6 +295,7 @@ class PeftModel(eqx.Module):
         selected_adapters: Sequence[str] | None = None,
         *,
         save_embedding_layers: bool | Literal["auto"] = "auto",
+        path_initial_model_for_weight_conversion: str | os.PathLike[str] | None = None,
     ) -> None:
         """Write adapters in HF PEFT's format, loadable by `peft.PeftModel.from_pretrained`.
 
@@ -317,8 +318,20 @@ class PeftModel(eqx.Module):
         one atomic swap: a save killed at any point leaves the old adapters or the new
         ones, never new weights beside an old config. Other files there (a tokenizer's)
         are kept. Nothing but JSON and safetensors is written.
+
+        `path_initial_model_for_weight_conversion`: PEFT's conversion of a PiSSA adapter
+        into a plain LoRA on the original base: the directory of the adapter as it was
+        initialized (saved with `init_lora_weights=True`); each adapter is written as
+        `ΔW = s·(B·A − B₀·A₀)`, factors `[A; A₀]` and `[B, −B₀]` of rank `2r` at the same
+        scaling (`lora_alpha` doubled, or times √2 with `use_rslora`, patterns doubled).
         """
-        save_adapters(self, save_directory, selected_adapters, save_embedding_layers)
+        save_adapters(
+            self,
+            save_directory,
+            selected_adapters,
+            save_embedding_layers,
+            path_initial_model_for_weight_conversion,
+        )
 
     @classmethod
     def from_pretrained(
