@@ -676,10 +676,11 @@ class AbstractAdapterConfig:
             self, target_modules=_united([c.target_modules for c in configs])
         )
 
-    def for_loading(self) -> "AbstractAdapterConfig":
-        """The config whose `build` makes the skeleton a saved adapter's weights are read
-        into: without initializations that change the base weight (PiSSA)."""
-        return self
+    @property
+    def changes_base(self) -> bool:
+        """Whether `build` replaces the layer's base weight (PiSSA's residual); the new
+        base is then shared by every adapter on the layer, as PEFT changes it in place."""
+        return False
 
     # -- checks and files -------------------------------------------------------------------
 
@@ -979,8 +980,9 @@ class LoraConfig(AbstractAdapterConfig):
             )
         return None
 
-    def for_loading(self) -> "LoraConfig":
-        return dataclasses.replace(self, init_lora_weights=True)
+    @property
+    def changes_base(self) -> bool:
+        return self.init_lora_weights == "pissa"
 
     def combined(
         self,
