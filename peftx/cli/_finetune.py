@@ -246,6 +246,7 @@ class Job:
         given = {**table, "total_step": MAX_COUNT} if from_run else table
         try:
             config = cls.from_dict({"task_type": TASK_TYPES[self.model.task], **given}, strict=True)
+            config.check_trainable()
         except (ValueError, TypeError) as e:
             raise UsageError(f"{where}: {e}") from None
         return config, from_run
@@ -328,6 +329,14 @@ class Job:
                 raise UsageError(
                     f"{where}: needs exactly one of [adapters.lora] or [adapters.ia3], got "
                     f"{len(kinds)}"
+                )
+            if not TOML_TABLES[kinds[0]].mixed_batches:
+                together = [f"[adapters.{t}]" for t, c in TOML_TABLES.items() if c.mixed_batches]
+                raise UsageError(
+                    f"{where}: [adapters.{kinds[0]}] cannot be trained in [[adapters]], which "
+                    f"mixes its adapters in each batch, as PEFT does not for {kinds[0]} "
+                    f"adapters; [[adapters]] trains {', '.join(together)} together; train a "
+                    f"{kinds[0]} adapter alone, in a job with a [{kinds[0]}] table"
                 )
             first = [t for t in TOML_TABLES if t in entries[0]][0]
             if kinds[0] != first:
