@@ -3,6 +3,7 @@
 transformers as the references for what the jobs write."""
 
 import contextlib
+import hashlib
 import io
 import json
 import shutil
@@ -169,6 +170,25 @@ def test_kill_and_resume_is_exact(bert, tmp_path, capsys):
         "--set", "train.learning_rate=0.5",
     )  # fmt: skip
     assert f"{killed} holds checkpoints of a different job; pass --overwrite" in err
+
+    # nor on a train file edited since, even to the same size
+    train_file = bert / "train.jsonl"
+    data = train_file.read_bytes()
+    edited = data.replace(b'"red"', b'"der"', 1)
+    assert len(edited) == len(data) and edited != data
+    try:
+        train_file.write_bytes(edited)
+        err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={killed}", *_sets(sets))
+    finally:
+        train_file.write_bytes(data)
+    size = len(data)
+    then, now = (hashlib.sha256(d).hexdigest() for d in (data, edited))
+    assert err == (
+        f"peftx: error: {killed} holds checkpoints of a run on data file {str(train_file)!r} "
+        f"as it was then ({size} bytes, sha256 {then}); it has changed since ({size} bytes, "
+        f"sha256 {now}): put it back to resume; pass --overwrite to start over, or set "
+        "output.dir"
+    )
 
     out = _finetune(capsys, job, killed, *sets)
     assert f"resuming from {killed / 'checkpoints'}/checkpoint-" in out

@@ -33,7 +33,7 @@ from ._common import (
     unknown_key,
 )
 from ._mesh import mesh_settings, on_mesh, placement_line, run_mesh
-from ._run_dir import Run, open_run, plan_output
+from ._run_dir import DATA_FILES, Run, data_record, open_run, plan_output
 
 DATA_KEYS = {
     "train": None,
@@ -212,6 +212,7 @@ class Job:
 
     def __init__(self, path: Path, overrides: list[str]):
         self.path = path
+        self._data_record: dict[str, Any] | None = None
         raw = read_toml(path)
         for item in overrides:
             _override(raw, item)
@@ -358,10 +359,14 @@ class Job:
         return adapters
 
     def resolved(self) -> dict[str, Any]:
-        """The job as it runs, for `job.json` (a resumed run must be the same job)."""
+        """The job as it runs, with its data files' sizes and hashes, for `job.json` (a
+        resumed run must be the same job on the same data)."""
         plain = json.loads(json.dumps(self.raw, default=str))
         plain["model"] = {k: str(v) for k, v in vars(self.model).items()}
-        return plain
+        if self._data_record is None:  # hashed once a run
+            files = dict.fromkeys(p for a in self.adapters for p in (a.train, a.eval))
+            self._data_record = data_record(list(files))
+        return {**plain, DATA_FILES: self._data_record}
 
 
 def run(args: argparse.Namespace) -> int:
