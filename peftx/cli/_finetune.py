@@ -907,6 +907,8 @@ def _finish(
             raise RunFailed(
                 f"the evaluation {split} training is not finite ({metrics}); no adapter was written"
             )
+    if not labels:
+        _check_learned(job, before, after, hf_config(job.model.path)["vocab_size"])
     if job.multi:
         check = _serving_check(peft_model, [a.name for a in job.adapters], pairs)
         print(
@@ -949,6 +951,37 @@ def _finish(
         write_text(work / "summary.json", json.dumps(summary, indent=2))
         shutil.rmtree(work / "checkpoints", ignore_errors=True)
     return written
+
+
+# how near ln(vocab_size) an eval loss is the uniform prediction's (float rounding)
+UNIFORM_TOLERANCE = 1e-4
+
+
+def _collapsed(before: float, after: float, vocab_size: int) -> bool:
+    """Whether a causal LM's eval losses before and after training say the run collapsed:
+    the loss after is not below the uniform prediction's, ln(vocab_size), and is worse
+    than before or is the uniform prediction's itself (within `UNIFORM_TOLERANCE`)."""
+    uniform = math.log(vocab_size)
+    margin = UNIFORM_TOLERANCE * uniform
+    return after >= uniform - margin and (after > before or after <= uniform + margin)
+
+
+def _check_learned(job: Job, before: dict, after: dict, vocab_size: int) -> None:
+    """`RunFailed` if a causal LM's run collapsed for any of its adapters (`_collapsed`:
+    it diverged to uniform output, or worse, without overflowing)."""
+    if job.multi:
+        losses = [(f"adapter {a.name!r}: ", before[a.name], after[a.name]) for a in job.adapters]
+    else:
+        losses = [("", before, after)]
+    for who, b, a in losses:
+        if _collapsed(b["loss"], a["loss"], vocab_size):
+            raise RunFailed(
+                f"the run collapsed: {who}eval loss {a['loss']:.4g} after training "
+                f"({b['loss']:.4g} before) is no better than a uniform prediction over the "
+                f"{vocab_size} tokens (ln {vocab_size} = {math.log(vocab_size):.4g}); lower "
+                f"train.learning_rate (now {job.train['learning_rate']:g}). No adapter was "
+                "written"
+            )
 
 
 def _all_finite(tree: Any) -> bool:
