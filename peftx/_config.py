@@ -621,6 +621,10 @@ class AbstractAdapterConfig:
         or None when it can."""
         return None
 
+    def check_trainable(self) -> None:
+        """Raise `ValueError` if adapters of this config cannot be trained as it stands
+        (a job checks this before it loads a model)."""
+
     def train_hook(self, adapter_name: str, trainable: Any) -> AbstractTrainHook | None:
         """What training adapter `adapter_name` (found in `trainable`, the trainable half
         of the model) does in each step besides the gradient step (AdaLoRA's rank
@@ -1137,6 +1141,7 @@ class OFTConfig(AbstractAdapterConfig):
 
     toml_table: ClassVar[str | None] = "oft"
     default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
+    mixed_batches: ClassVar[bool] = False
     _KEYS: ClassVar[tuple[str, ...] | None] = _OFT_KEYS
     _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
     _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
@@ -1498,6 +1503,13 @@ class AdaLoraConfig(AbstractAdapterConfig):
                 f"eqx.nn.{type(layer).__name__}."
             )
         return None
+
+    def check_trainable(self) -> None:
+        if self.target_r > self.init_r:  # PEFT fails at its first allocation instead
+            raise ValueError(
+                f"AdaLoRA prunes ranks: target_r={self.target_r} must not exceed "
+                f"init_r={self.init_r} to train."
+            )
 
     def train_hook(self, adapter_name: str, trainable: Any) -> RankAllocator:
         return RankAllocator.start(self, adapter_name, trainable)

@@ -3,6 +3,7 @@
 transformers as the references for what the jobs write."""
 
 import contextlib
+import hashlib
 import io
 import json
 import shutil
@@ -169,6 +170,25 @@ def test_kill_and_resume_is_exact(bert, tmp_path, capsys):
         "--set", "train.learning_rate=0.5",
     )  # fmt: skip
     assert f"{killed} holds checkpoints of a different job; pass --overwrite" in err
+
+    # nor on a train file edited since, even to the same size
+    train_file = bert / "train.jsonl"
+    data = train_file.read_bytes()
+    edited = data.replace(b'"red"', b'"der"', 1)
+    assert len(edited) == len(data) and edited != data
+    try:
+        train_file.write_bytes(edited)
+        err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={killed}", *_sets(sets))
+    finally:
+        train_file.write_bytes(data)
+    size = len(data)
+    then, now = (hashlib.sha256(d).hexdigest() for d in (data, edited))
+    assert err == (
+        f"peftx: error: {killed} holds checkpoints of a run on data file {str(train_file)!r} "
+        f"as it was then ({size} bytes, sha256 {then}); it has changed since ({size} bytes, "
+        f"sha256 {now}): put it back to resume; pass --overwrite to start over, or set "
+        "output.dir"
+    )
 
     out = _finetune(capsys, job, killed, *sets)
     assert f"resuming from {killed / 'checkpoints'}/checkpoint-" in out
@@ -432,6 +452,27 @@ def test_tuner_tables_train_and_write_what_peft_reads(table, bert, tmp_path, cap
     assert np.abs(got - untrained).max() > 100 * _tolerance(got)  # what was trained acts
 
 
+def _no_model(*args, **kwargs):
+    raise AssertionError("the job check let the run load the model")
+
+
+def test_adalora_target_r_above_init_r_is_refused_by_the_job_check(
+    bert, tmp_path, capsys, monkeypatch
+):
+    """PEFT fails at its first allocation; peftx's job check, before the model loads."""
+    monkeypatch.setattr(peftx.models, "from_pretrained", _no_model)
+    text = (bert / "job.toml").read_text()
+    lora = text[text.index("[lora]") : text.index("[train]")]
+    job = bert / f"adalora_{tmp_path.name}.toml"
+    job.write_text(text.replace(lora, "[adalora]\ninit_r = 2\ntarget_r = 3\n\n"))
+    err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={tmp_path / 'run'}")
+    assert err == (
+        f"peftx: error: {job}: [adalora]: AdaLoRA prunes ranks: target_r=3 must not exceed "
+        "init_r=2 to train."
+    )
+    assert not (tmp_path / "run").exists()
+
+
 # -- several adapters in mixed batches ------------------------------------------------------
 
 
@@ -524,6 +565,14 @@ r = 4
 batch_size = 4
 """
 
+# the kinds PEFT runs one at a time, never mixed in a batch
+UNMIXED = {
+    "adalora": "[adapters.adalora]\ninit_r = 4\ntarget_r = 2",
+    "lokr": "[adapters.lokr]\nr = 2",
+    "loha": "[adapters.loha]\nr = 2",
+    "oft": "[adapters.oft]\nr = 2\noft_block_size = 0",
+}
+
 
 @pytest.mark.parametrize(
     "old, new, sets, message",
@@ -548,9 +597,19 @@ batch_size = 4
          "train.batch_size (3) must be a multiple of the number of [[adapters]] (2)"),
         ("", "", ("output.merged=true",), "output.merged merges one adapter"),
         ("", "", ("adapters.name=c",), "[[adapters]] entries are changed in the job file"),
+        *[
+            ("[adapters.lora]\nr = 2", table, (),
+             (f"[[adapters]][1]: [adapters.{kind}] cannot be trained in [[adapters]], which "
+              f"mixes its adapters in each batch, as PEFT does not for {kind} adapters; "
+              "[[adapters]] trains [adapters.lora], [adapters.ia3], [adapters.vera] together; "
+              f"train a {kind} adapter alone, in a job with a [{kind}] table"))
+            for kind, table in UNMIXED.items()
+        ],
     ],
 )  # fmt: skip
-def test_adapters_schema_errors(old, new, sets, message, llama, tmp_path, capsys):
+def test_adapters_schema_errors(old, new, sets, message, llama, tmp_path, capsys, monkeypatch):
+    """Each is refused by the job check, before the model loads."""
+    monkeypatch.setattr(peftx.models, "from_pretrained", _no_model)
     job = llama / f"two_{tmp_path.name}.toml"
     text = TWO.format(base=llama / "base")
     assert old in text

@@ -382,6 +382,47 @@ def test_a_diverging_run_fails_and_writes_no_adapter(bert, tmp_path, capsys):
         json.loads(line, parse_constant=no_constants)
 
 
+def test_a_collapsing_causal_run_fails_and_writes_no_adapter(llama, tmp_path, capsys):
+    """The repro: learning_rate=1e9 made every prediction uniform (eval loss ln(vocab)),
+    wrote that adapter, and exited 0. The tiny Llama's eval loss starts above ln(vocab)."""
+    out = tmp_path / "run"
+    err, _ = _fails(capsys, 1, "finetune", llama / "job.toml", "--set", f"output.dir={out}",
+                    "--set", "train.learning_rate=1e9", "--set", "train.steps=10")  # fmt: skip
+    vocab = json.loads((llama / "base" / "config.json").read_text())["vocab_size"]
+    before, after = (
+        r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open()) if r["split"] == "eval"
+    )
+    assert after == pytest.approx(math.log(vocab), rel=1e-5) and before > after  # uniform
+    assert err == (
+        f"peftx: error: the run collapsed: eval loss {after:.4g} after training ({before:.4g} "
+        f"before) is no better than a uniform prediction over the {vocab} tokens (ln {vocab} "
+        f"= {math.log(vocab):.4g}); lower train.learning_rate (now 1e+09). No adapter was "
+        "written"
+    )
+    assert not (out / "adapter").exists() and not (out / "summary.json").exists()
+
+
+UNIFORM = math.log(1000)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "collapsed"),
+    [
+        (2.0, UNIFORM, True),  # uniform output, from a trained base
+        (2.0, UNIFORM + 1.0, True),  # worse than uniform, and than before
+        (UNIFORM + 1.0, UNIFORM * (1 + 1e-6), True),  # uniform, from a confidently wrong init
+        (UNIFORM + 1.0, UNIFORM + 0.5, False),  # above uniform, but learning (a short run)
+        (UNIFORM + 1.0, UNIFORM - 0.5, False),
+        (2.0, 1.5, False),
+        (2.0, 2.5, False),  # worse, yet far better than uniform (overfitting, not collapse)
+    ],
+)
+def test_collapse_rule(before, after, collapsed):
+    """A run has collapsed when its eval loss after is not below ln(vocab) (the uniform
+    prediction's) and is worse than before, or is ln(vocab) itself."""
+    assert finetune._collapsed(before, after, vocab_size=1000) == collapsed
+
+
 @pytest.mark.parametrize("key", ["learning_rate", "weight_decay", "max_grad_norm"])
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_non_finite_numbers_are_refused(bert, tmp_path, capsys, key, value):

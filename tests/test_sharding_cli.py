@@ -1,6 +1,7 @@
 """`peftx finetune` on a mesh: the `[mesh]` table (and `--set mesh.*`) gives the adapter
-the one-device run gives, for LoRA and a QLoRA job, with the mesh and each device's
-bytes printed at start; bad `[mesh]` values are one line and change nothing.
+the one-device run gives, for LoRA and a QLoRA job (resumed on another mesh), with the
+mesh and each device's bytes printed at start; bad `[mesh]` values are one line and
+change nothing.
 
 The 8-device runs are child processes with `--xla_force_host_platform_device_count=8`,
 so this suite keeps one device."""
@@ -93,15 +94,38 @@ def test_finetune_on_a_mesh_writes_the_one_device_adapter(llama, lora_one, tmp_p
     assert not (tmp_path / "bad").exists()
 
 
-def test_qlora_without_a_mesh_table_uses_every_device(llama, tmp_path, capsys):
+def _stopped_after_first_checkpoint(job, sets, monkeypatch):
+    """`peftx finetune job --set ...` in this process, on its one device, stopped (as by
+    Ctrl-C) once it has saved its first checkpoint."""
+    from peftx import train
+    from peftx.cli import main
+
+    save = train.save_checkpoint
+
+    def save_and_stop(*args, **kwargs):
+        save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "save_checkpoint", save_and_stop)
+        assert main(["finetune", str(job), *sum((["--set", s] for s in sets), [])]) == 130
+
+
+def test_qlora_without_a_mesh_table_uses_every_device(llama, tmp_path, capsys, monkeypatch):
+    """The 8-device run goes on from the checkpoint of a run stopped on one device, on
+    a one-device mesh of the `dp` rules: another mesh and device count, the same job."""
     job = llama / "job.toml"
     one = _one_device(job, tmp_path / "one", "train.quantize=true")
     assert "mesh " not in capsys.readouterr().out  # one device and no table: the plain path
-    code, out, err = _on_eight(
-        job, f"output.dir={tmp_path / 'eight'}", *QUICK, "train.quantize=true"
-    )
+    sets = [f"output.dir={tmp_path / 'eight'}", *QUICK, "train.quantize=true"]
+    sets += ["train.checkpoint_every=1"]
+    _stopped_after_first_checkpoint(job, [*sets, "mesh.rules=dp"], monkeypatch)
+    assert "mesh data=1, fsdp=1, tensor=1 (1 cpu devices), rules dp" in capsys.readouterr().out
+    code, out, err = _on_eight(job, *sets)
     assert code == 0, err[-3000:]
     _mesh_line(out, "data=1, fsdp=8, tensor=1")  # the default: every device on fsdp
+    checkpoint = tmp_path / "eight" / "checkpoints" / "checkpoint-00000001"
+    assert f"resuming from {checkpoint} (step 1 of 3)" in out
     _same_adapter(tmp_path / "eight", one, "qlora")
 
 

@@ -248,6 +248,22 @@ def adapter_config(toml_path: str | Path) -> Any:
         raise UsageError(f"{toml_path}: {e}") from None
 
 
+def first_non_finite(model: Any) -> str | None:
+    """The dotted path of the first array of `model` that holds NaN or infinity (a broken
+    base or adapter, which would make every output NaN), or None."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from .._select import dotted
+
+    arrays = eqx.filter(model, eqx.is_inexact_array)
+    for keypath, array in jax.tree_util.tree_flatten_with_path(arrays)[0]:
+        if not bool(jnp.all(jnp.isfinite(array))):
+            return dotted(keypath)
+    return None
+
+
 def hf_config(path: Path) -> dict[str, Any]:
     """`config.json` of a checkpoint directory, as a dict."""
     from ..models._checkpoint import read_config

@@ -35,7 +35,7 @@ from ._common import (
     unknown_key,
 )
 from ._mesh import mesh_settings, on_mesh, placement_line, run_mesh
-from ._run_dir import Run, open_run, plan_output
+from ._run_dir import DATA_FILES, Run, data_record, open_run, plan_output
 
 DATA_KEYS = {
     "train": None,
@@ -214,6 +214,7 @@ class Job:
 
     def __init__(self, path: Path, overrides: list[str]):
         self.path = path
+        self._data_record: dict[str, Any] | None = None
         raw = read_toml(path)
         for item in overrides:
             _override(raw, item)
@@ -251,6 +252,7 @@ class Job:
         given = {**table, "total_step": MAX_COUNT} if from_run else table
         try:
             config = cls.from_dict({"task_type": TASK_TYPES[self.model.task], **given}, strict=True)
+            config.check_trainable()
         except (ValueError, TypeError) as e:
             raise UsageError(f"{where}: {e}") from None
         return config, from_run
@@ -334,6 +336,14 @@ class Job:
                     f"{where}: needs exactly one of [adapters.lora] or [adapters.ia3], got "
                     f"{len(kinds)}"
                 )
+            if not TOML_TABLES[kinds[0]].mixed_batches:
+                together = [f"[adapters.{t}]" for t, c in TOML_TABLES.items() if c.mixed_batches]
+                raise UsageError(
+                    f"{where}: [adapters.{kinds[0]}] cannot be trained in [[adapters]], which "
+                    f"mixes its adapters in each batch, as PEFT does not for {kinds[0]} "
+                    f"adapters; [[adapters]] trains {', '.join(together)} together; train a "
+                    f"{kinds[0]} adapter alone, in a job with a [{kinds[0]}] table"
+                )
             first = [t for t in TOML_TABLES if t in entries[0]][0]
             if kinds[0] != first:
                 raise UsageError(
@@ -354,10 +364,14 @@ class Job:
         return adapters
 
     def resolved(self) -> dict[str, Any]:
-        """The job as it runs, for `job.json` (a resumed run must be the same job)."""
+        """The job as it runs, with its data files' sizes and hashes, for `job.json` (a
+        resumed run must be the same job on the same data)."""
         plain = json.loads(json.dumps(self.raw, default=str))
         plain["model"] = {k: str(v) for k, v in vars(self.model).items()}
-        return plain
+        if self._data_record is None:  # hashed once a run
+            files = dict.fromkeys(p for a in self.adapters for p in (a.train, a.eval))
+            self._data_record = data_record(list(files))
+        return {**plain, DATA_FILES: self._data_record}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -919,6 +933,8 @@ def _finish(
             raise RunFailed(
                 f"the evaluation {split} training is not finite ({metrics}); no adapter was written"
             )
+    if not labels:
+        _check_learned(job, before, after, hf_config(job.model.path)["vocab_size"])
     if job.multi:
         check = _serving_check(peft_model, [a.name for a in job.adapters], pairs)
         print(
@@ -961,6 +977,37 @@ def _finish(
         write_text(work / "summary.json", json.dumps(summary, indent=2))
         shutil.rmtree(work / "checkpoints", ignore_errors=True)
     return written
+
+
+# how near ln(vocab_size) an eval loss is the uniform prediction's (float rounding)
+UNIFORM_TOLERANCE = 1e-4
+
+
+def _collapsed(before: float, after: float, vocab_size: int) -> bool:
+    """Whether a causal LM's eval losses before and after training say the run collapsed:
+    the loss after is not below the uniform prediction's, ln(vocab_size), and is worse
+    than before or is the uniform prediction's itself (within `UNIFORM_TOLERANCE`)."""
+    uniform = math.log(vocab_size)
+    margin = UNIFORM_TOLERANCE * uniform
+    return after >= uniform - margin and (after > before or after <= uniform + margin)
+
+
+def _check_learned(job: Job, before: dict, after: dict, vocab_size: int) -> None:
+    """`RunFailed` if a causal LM's run collapsed for any of its adapters (`_collapsed`:
+    it diverged to uniform output, or worse, without overflowing)."""
+    if job.multi:
+        losses = [(f"adapter {a.name!r}: ", before[a.name], after[a.name]) for a in job.adapters]
+    else:
+        losses = [("", before, after)]
+    for who, b, a in losses:
+        if _collapsed(b["loss"], a["loss"], vocab_size):
+            raise RunFailed(
+                f"the run collapsed: {who}eval loss {a['loss']:.4g} after training "
+                f"({b['loss']:.4g} before) is no better than a uniform prediction over the "
+                f"{vocab_size} tokens (ln {vocab_size} = {math.log(vocab_size):.4g}); lower "
+                f"train.learning_rate (now {job.train['learning_rate']:g}). No adapter was "
+                "written"
+            )
 
 
 def _all_finite(tree: Any) -> bool:

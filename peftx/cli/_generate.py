@@ -17,6 +17,8 @@ import numpy as np
 
 from ._common import (
     UsageError,
+    first_non_finite,
+    hf_config,
     load_tokenizer,
     model_class_for,
     model_dir,
@@ -155,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     from ..models import from_pretrained, generate
     from ..sharding import shard
     from ..sharding._hosts import to_host, writes_files
+    from ..train._data import check_vocab
 
     path = model_dir(args.model)
     if args.max_new_tokens < 1:
@@ -169,8 +172,13 @@ def run(args: argparse.Namespace) -> int:
     prompt = _prompt_ids(tokenizer, args.prompt, args.chat, path)
     if not prompt:
         raise UsageError("the prompt encodes to no tokens")
+    try:  # as `peftx finetune` checks its rows
+        check_vocab(tokenizer, np.asarray([prompt]), hf_config(path).get("vocab_size"))
+    except ValueError as e:
+        raise UsageError(f"the prompt's {e}") from None
     with compilation_cache():
         model = from_pretrained(path, model_class=name, **on_mesh(mesh, rules))
+        _check_finite(model, f"the model in {path}")
         positions = model.config.max_position_embeddings
         room = positions - len(prompt)
         if room < 1:
@@ -190,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
                 model = shard(model, mesh, rules)
         if args.adapter is not None:
             model = PeftModel.from_pretrained(model, args.adapter)
+            # the base is finite: what is not is the adapter's
+            _check_finite(model, f"the adapter in {args.adapter}")
         if mesh is not None:
             print(placement_line(mesh, rules, model), file=sys.stderr)
         eos = tokenizer.eos_token_id
@@ -212,6 +222,14 @@ def run(args: argparse.Namespace) -> int:
     if writes_files():  # of several processes, one prints
         print(tokenizer.decode(new, skip_special_tokens=True))
     return 0
+
+
+def _check_finite(model: Any, what: str) -> None:
+    """`ValueError` naming an array of `model` (`what`) that holds NaN or infinity, as
+    `peftx merge` refuses it: every token generated from it would be meaningless."""
+    broken = first_non_finite(model)
+    if broken is not None:
+        raise ValueError(f"{what}: {broken} holds NaN or infinite values; nothing was generated")
 
 
 def _left_padded(prompt: list[int], pad: int) -> tuple[np.ndarray, np.ndarray]:

@@ -12,7 +12,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ._common import UsageError, copy_base_files, hf_config, model_class_for, model_dir
+from ._common import (
+    UsageError,
+    copy_base_files,
+    first_non_finite,
+    hf_config,
+    model_class_for,
+    model_dir,
+)
 from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, placement_line, run_mesh
 
 PEFT_TASKS = {"CAUSAL_LM": "causal-lm", "SEQ_CLS": "classification"}
@@ -76,24 +83,6 @@ def _load_base(
     return from_pretrained(base, model_class=name, **placed)
 
 
-def _check_finite(model: Any, out: Path) -> None:
-    """Raise naming the first array of the merged model that holds NaN or infinity (an
-    adapter's own copy of a head, which merging does not check, or a broken base)."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-
-    from .._select import dotted
-
-    arrays = eqx.filter(model, eqx.is_inexact_array)
-    for keypath, array in jax.tree_util.tree_flatten_with_path(arrays)[0]:
-        if not bool(jnp.all(jnp.isfinite(array))):
-            raise ValueError(
-                f"the merged model's {dotted(keypath)} holds NaN or infinite values; nothing "
-                f"was written to {out}"
-            )
-
-
 def run(args: argparse.Namespace) -> int:
     from .._config import load_config
     from .._peft_model import PeftModel
@@ -123,7 +112,12 @@ def run(args: argparse.Namespace) -> int:
         # each weight merges with its adapter shard by shard, where it lies
         # PEFT's safe_merge: a broken adapter is named, and nothing is written
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload(safe_merge=True)
-        _check_finite(merged, out)
+        broken = first_non_finite(merged)  # an adapter's own copy of a head, or the base
+        if broken is not None:
+            raise ValueError(
+                f"the merged model's {broken} holds NaN or infinite values; nothing was "
+                f"written to {out}"
+            )
         save_pretrained(merged, out)
     if not writes_files():  # of several processes, process 0 writes and reports
         return 0

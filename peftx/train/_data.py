@@ -96,7 +96,7 @@ def _positive_int(value: Any, name: str, *, least: int = 1) -> None:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
-def _check_vocab(tokenizer: Any, ids: np.ndarray, vocab_size: int | None) -> None:
+def check_vocab(tokenizer: Any, ids: np.ndarray, vocab_size: int | None) -> None:
     """Every id (padding included) must index the model's embedding table."""
     if vocab_size is None or ids.size == 0:
         return
@@ -159,7 +159,7 @@ def encode_classification(
     for n, row in enumerate(ids):
         input_ids[n, : len(row)] = row
         mask[n, : len(row)] = 1
-    _check_vocab(tokenizer, input_ids, vocab_size)
+    check_vocab(tokenizer, input_ids, vocab_size)
     return {"input_ids": input_ids, "attention_mask": mask, "labels": np.asarray(labels, np.int32)}
 
 
@@ -243,7 +243,7 @@ def encode_causal_lm(
         rows_labels.append([IGNORE] * len(start) + body)
     pack_or_pad = _pack if pack else _pad
     data, lost = pack_or_pad(rows_ids, rows_labels, max_length, _pad_id(tokenizer))
-    _check_vocab(tokenizer, data["input_ids"], vocab_size)
+    check_vocab(tokenizer, data["input_ids"], vocab_size)
     _check_supervised(data, lost, [len(s) for s in starts], max_length)
     return data
 
@@ -306,7 +306,7 @@ def encode_chat(
         rows_labels.append([i if m else IGNORE for i, m in zip(ids, learned, strict=True)])
     pack_or_pad = _pack if pack else _pad
     data, lost = pack_or_pad(rows_ids, rows_labels, max_length, _pad_id(tokenizer))
-    _check_vocab(tokenizer, data["input_ids"], vocab_size)
+    check_vocab(tokenizer, data["input_ids"], vocab_size)
     starts = [next((k for k, x in enumerate(r) if x != IGNORE), len(r)) for r in rows_labels]
     _check_supervised(data, lost, starts, max_length)
     return data
