@@ -85,11 +85,11 @@ def test_packed_rows_equal_the_examples_run_alone_and_transformers(models, name)
     packed = np.asarray(run(ours, jnp.asarray(ids), position_ids=jnp.asarray(positions)))
     alone_ids = np.zeros((len(spans), ROW), np.int32)
     alone_mask = np.zeros((len(spans), ROW), np.int32)
-    for n, (r, start, length) in spans.items():
+    for n, (r, start, length) in enumerate(spans):
         alone_ids[n, :length] = ids[r, start : start + length]
         alone_mask[n, :length] = 1
     alone = np.asarray(run(ours, jnp.asarray(alone_ids), jnp.asarray(alone_mask)))
-    for n, (r, start, length) in spans.items():
+    for n, (r, start, length) in enumerate(spans):
         np.testing.assert_allclose(
             packed[r, start : start + length], alone[n, :length], atol=TOL, rtol=0
         )
