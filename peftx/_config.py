@@ -628,6 +628,10 @@ class AbstractAdapterConfig:
         or None when it can."""
         return None
 
+    def check_trainable(self) -> None:
+        """Raise `ValueError` if adapters of this config cannot be trained as it stands
+        (a job checks this before it loads a model)."""
+
     def train_hook(self, adapter_name: str, trainable: Any) -> AbstractTrainHook | None:
         """What training adapter `adapter_name` (found in `trainable`, the trainable half
         of the model) does in each step besides the gradient step (AdaLoRA's rank
@@ -683,10 +687,11 @@ class AbstractAdapterConfig:
             self, target_modules=_united([c.target_modules for c in configs])
         )
 
-    def for_loading(self) -> "AbstractAdapterConfig":
-        """The config whose `build` makes the skeleton a saved adapter's weights are read
-        into: without initializations that change the base weight (PiSSA)."""
-        return self
+    @property
+    def changes_base(self) -> bool:
+        """Whether `build` replaces the layer's base weight (PiSSA's residual); the new
+        base is then shared by every adapter on the layer, as PEFT changes it in place."""
+        return False
 
     # -- checks and files -------------------------------------------------------------------
 
@@ -986,8 +991,9 @@ class LoraConfig(AbstractAdapterConfig):
             )
         return None
 
-    def for_loading(self) -> "LoraConfig":
-        return dataclasses.replace(self, init_lora_weights=True)
+    @property
+    def changes_base(self) -> bool:
+        return self.init_lora_weights == "pissa"
 
     def combined(
         self,
@@ -1142,6 +1148,7 @@ class OFTConfig(AbstractAdapterConfig):
 
     toml_table: ClassVar[str | None] = "oft"
     default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
+    mixed_batches: ClassVar[bool] = False
     _KEYS: ClassVar[tuple[str, ...] | None] = _OFT_KEYS
     _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
     _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
@@ -1503,6 +1510,13 @@ class AdaLoraConfig(AbstractAdapterConfig):
                 f"eqx.nn.{type(layer).__name__}."
             )
         return None
+
+    def check_trainable(self) -> None:
+        if self.target_r > self.init_r:  # PEFT fails at its first allocation instead
+            raise ValueError(
+                f"AdaLoRA prunes ranks: target_r={self.target_r} must not exceed "
+                f"init_r={self.init_r} to train."
+            )
 
     def train_hook(self, adapter_name: str, trainable: Any) -> RankAllocator:
         return RankAllocator.start(self, adapter_name, trainable)

@@ -54,3 +54,10 @@ class CheckpointError(ValueError):
 class ConfigFileError(ValueError):
     """A config file (TOML or JSON) cannot be read: not a regular file, not UTF-8 text, not
     valid, or nested too deep."""
+
+
+class DiskFullError(OSError):
+    """A save ran out of space (or quota) on its file system; what was there is kept."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)

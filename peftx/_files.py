@@ -8,7 +8,8 @@ fine-tuning run) is written into a new directory beside its target, and that dir
 replaces the target in one rename. On Linux the swap is `renameat2(RENAME_EXCHANGE)`, so a
 process killed at any point leaves either the old directory or the new one at the target,
 never a mix. Entries of the old directory that the save does not write are carried into
-the new one as hard links, so the user's own files survive the swap.
+the new one as hard links, so the user's own files survive the swap. A target that is a
+symbolic link is followed: the directory it names is replaced, and the link stays.
 """
 
 import contextlib
@@ -25,7 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigFileError
+from ._errors import ConfigFileError, DiskFullError
 
 TMP_SUFFIX = ".peftx-tmp"
 # `.{target}.peftx-{new|old}-{pid}-{random}`: beside a directory being replaced
@@ -67,11 +68,54 @@ def write_text(path: Path, text: str) -> None:
     """Write `path` whole or not at all: a temporary file renamed onto it."""
     tmp = temporary_file(path)
     try:
-        Path(tmp).write_text(text, encoding="utf-8")
+        with naming_a_full_disk(path, len(text.encode())):
+            Path(tmp).write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def copy_file(source: Path, target: Path) -> None:
+    """Copy `source` to `target` whole or not at all (a temporary copy renamed onto it)."""
+    tmp = temporary_file(target)
+    try:
+        with naming_a_full_disk(target, source.stat().st_size):
+            shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _is_disk_full(error: BaseException) -> bool:
+    """An error of a write that found no space (or no quota) left: an `OSError`, or the
+    `SafetensorError` that wraps the same error of the Rust writer."""
+    if isinstance(error, OSError):
+        return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    return type(error).__name__ == "SafetensorError" and (
+        re.search(rf"\bcode: ({errno.ENOSPC}|{errno.EDQUOT})\b", str(error)) is not None
+    )
+
+
+@contextlib.contextmanager
+def naming_a_full_disk(path: Path, size: int) -> Iterator[None]:
+    """Turn a full disk met by the block, which writes `path` (about `size` bytes), into a
+    one-line `DiskFullError` naming `path`, the bytes it needs and the bytes free."""
+    try:
+        yield
+    except Exception as e:
+        if not _is_disk_full(e):
+            raise
+        try:
+            free = f"{shutil.disk_usage(path.parent).free:,} bytes are free there"
+        except OSError:
+            free = "its file system's free space is unknown"
+        raise DiskFullError(
+            e.errno if isinstance(e, OSError) else errno.ENOSPC,
+            f"no space left on the device to write {str(path)!r}: it needs about "
+            f"{size:,} bytes and {free}; free some space and run it again",
+        ) from None
 
 
 def remove_leftovers(directory: Path) -> list[Path]:
@@ -88,7 +132,7 @@ def _tidy(path: Path) -> bool:
         path.unlink(missing_ok=True)
         return True
     m = _SIBLING.fullmatch(path.name)
-    if m is None or not path.is_dir() or _alive(int(m["pid"])):
+    if m is None or path.is_symlink() or not path.is_dir() or _alive(int(m["pid"])):
         return False
     target = path.parent / m["target"]
     if m["kind"] == "old" and not target.exists():
@@ -174,12 +218,25 @@ def _link_or_copy(src: str | Path, dst: str | Path) -> None:
         shutil.copy2(src, dst)
 
 
+def followed(path: Path) -> Path:
+    """`path`, or where it leads if it is a symbolic link: the directory a save replaces
+    (replacing the link itself would put the new directory in its place and leave the old
+    one behind a link beside it)."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
 def swap_in(new: Path, target: Path, *, drop: Callable[[Path], bool] = lambda p: False) -> None:
     """Make the directory `new` (a sibling of `target`) the directory at `target`, keeping
-    the entries of an existing `target` that `new` lacks unless `drop(entry)`.
+    the entries of an existing `target` that `new` lacks unless `drop(entry)`. `target`
+    may not be a symbolic link (see `followed`).
 
     A kill at any point leaves `target` as the old or the new directory; leftovers beside
     it are tidied by the next replacement of `target`."""
+    if target.is_symlink():
+        raise IsADirectoryError(
+            f"{str(target)!r} is a symbolic link; replace the directory it leads to, "
+            f"{os.path.realpath(target)!r}"
+        )
     if not target.exists():
         os.rename(new, target)
         return
@@ -213,11 +270,13 @@ def _follow_umask(directory: Path) -> None:
 
 @contextlib.contextmanager
 def replaced_directory(
-    target: str | os.PathLike[str], *, drop: Callable[[Path], bool] = lambda p: False
+    target: str | os.PathLike[str], *, drop: Callable[[Path], bool] = lambda p: False, size: int
 ) -> Iterator[Path]:
     """A new directory to write into; when the block ends without an error, it replaces
-    `target` as a whole (see `swap_in`; entries of the old `target` that the block did not
-    write are kept unless `drop(entry)`). On an error, `target` is left as it was.
+    `target` (or the directory it links to) as a whole (see `swap_in`; entries of the old
+    `target` that the block did not write are kept unless `drop(entry)`). On an error,
+    `target` is left as it was; a full disk is a `DiskFullError` naming `target` and
+    `size`, about the bytes the block writes.
 
     ```python
     with replaced_directory(out) as tmp:
@@ -225,16 +284,18 @@ def replaced_directory(
         write_config(tmp / "config.json")
     ```
     """
-    target = Path(target)
+    named = Path(target)
+    target = followed(named)
     if target.exists() and not target.is_dir():
-        raise NotADirectoryError(f"{str(target)!r} is a file; name a directory to write into")
+        raise NotADirectoryError(f"{str(named)!r} is a file; name a directory to write into")
     target.parent.mkdir(parents=True, exist_ok=True)
     _recover(target)
     new = _sibling(target, "new")
     try:
-        yield new
-        _follow_umask(new)
-        swap_in(new, target, drop=drop)
+        with naming_a_full_disk(named, size):
+            yield new
+            _follow_umask(new)
+            swap_in(new, target, drop=drop)
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise

@@ -361,8 +361,10 @@ def save_adapters(
     directory: str | os.PathLike[str],
     selected_adapters: Sequence[str] | None = None,
     save_embedding_layers: bool | str = "auto",
+    initial: str | os.PathLike[str] | None = None,
 ) -> None:
-    """`PeftModel.save_pretrained`; see there."""
+    """`PeftModel.save_pretrained`; see there (`initial`: its
+    `path_initial_model_for_weight_conversion`)."""
     if save_embedding_layers not in (True, False, "auto"):
         raise ValueError(
             f"save_embedding_layers must be True, False or 'auto'; got {save_embedding_layers!r}."
@@ -401,10 +403,14 @@ def save_adapters(
             for i, (key, row) in enumerate(zip(t.keys, rows, strict=True)):
                 row = t.to_file(i, np.asarray(row))
                 arrays[t.file_key(key)] = np.ascontiguousarray(row.T if t.transposed else row)
-        text = json.dumps(_saved_config(peft_model, name), indent=2, sort_keys=True) + "\n"
+        saved = _saved_config(peft_model, name)
+        if initial is not None:
+            arrays, saved = _converted(arrays, saved, pathlib.Path(initial), name)
+        text = json.dumps(saved, indent=2, sort_keys=True) + "\n"
         planned.append(("" if name == "default" else name, arrays, text))
     if writes_files():  # of several processes, process 0
-        with replaced_directory(directory) as tmp:
+        size = sum(a.nbytes for _, arrays, _ in planned for a in arrays.values())
+        with replaced_directory(directory, size=size) as tmp:
             for folder, arrays, text in planned:
                 (tmp / folder).mkdir(exist_ok=True)
                 safetensors.numpy.save_file(
@@ -412,6 +418,59 @@ def save_adapters(
                 )
                 (tmp / folder / CONFIG_NAME).write_text(text, encoding="utf-8")
     wait_for_writer(f"peftx save_pretrained {directory}", spread)
+
+
+def _converted(
+    arrays: dict[str, np.ndarray], config: dict[str, Any], initial: pathlib.Path, name: str
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Adapter `name`'s file and config as PEFT's `path_initial_model_for_weight_conversion`
+    writes them: a plain LoRA of rank `2r`, `[A; A₀]` and `[B, −B₀]` with the factors of
+    the initial adapter in `initial`, at the same scaling."""
+    if config.get("peft_type") != "LORA" or config.get("use_dora") or config.get("modules_to_save"):
+        raise ValueError(
+            f"path_initial_model_for_weight_conversion converts a LoRA adapter (PiSSA) "
+            f"without DoRA or modules_to_save into a plain LoRA; adapter {name!r} is not one."
+        )
+    if config["use_rslora"] and (config.get("rank_pattern") or config.get("alpha_pattern")):
+        raise ValueError(
+            "path_initial_model_for_weight_conversion does not support use_rslora with "
+            f"rank_pattern or alpha_pattern (as in PEFT); adapter {name!r} has both."
+        )
+    start = load_config(initial)
+    if getattr(start, "init_lora_weights", True) is not True:
+        raise ValueError(
+            f"the initial adapter in {initial} says init_lora_weights="
+            f"{start.init_lora_weights!r}; save it with init_lora_weights=True (as PEFT "
+            "requires), so that its factors are read as they are."
+        )
+    factors = read_tensors(initial / WEIGHTS_NAME)
+    converted = {}
+    for key, value in arrays.items():
+        axis = 0 if ".lora_A." in key else 1 if ".lora_B." in key else None
+        if axis is None:
+            raise ValueError(
+                f"path_initial_model_for_weight_conversion writes lora_A and lora_B only (as "
+                f"PEFT does); adapter {name!r} also holds {key}, which would be lost."
+            )
+        first = factors.get(key)
+        if first is None or first.shape != value.shape:
+            found = "no such tensor" if first is None else f"shape {first.shape}"
+            raise CheckpointError(
+                f"{initial / WEIGHTS_NAME} has {found} for {key}, which adapter {name!r} "
+                f"holds with shape {value.shape}: it is not this adapter's initial state."
+            )
+        first = first.astype(value.dtype)
+        converted[key] = np.concatenate([value, first if axis == 0 else -first], axis=axis)
+    factor = 2**0.5 if config["use_rslora"] else 2
+    config = {
+        **config,
+        "init_lora_weights": True,
+        "r": 2 * config["r"],
+        "lora_alpha": factor * config["lora_alpha"],
+        "rank_pattern": {k: 2 * v for k, v in (config.get("rank_pattern") or {}).items()},
+        "alpha_pattern": {k: 2 * v for k, v in (config.get("alpha_pattern") or {}).items()},
+    }
+    return converted, config
 
 
 def _saved_config(peft_model: Any, name: str) -> dict[str, Any]:
@@ -502,11 +561,10 @@ def load_adapter_into(
     base = peft_model.disable_adapters()
     origin = _origin(config, base)
     _check_belongs(stored, base, folder, origin)
-    # PEFT's initializers that change the base (PiSSA) must not run: the weights come
-    # from the file.
-    skeleton_config = config.for_loading()
+    # an init that changes the base (PiSSA) runs, as in PEFT's `from_pretrained`: the
+    # file's factors apply to the residual it leaves
     try:
-        skeleton = peft_model._add(adapter_name, skeleton_config, jax.random.key(0), model_type)
+        skeleton = peft_model._add(adapter_name, config, jax.random.key(0), model_type)
     except TargetNotFoundError:
         raise CheckpointError(
             f"{folder / CONFIG_NAME} does not fit this model: its target_modules "
@@ -520,14 +578,7 @@ def load_adapter_into(
         skeleton,
         [v for _, v in values],
     )
-    # the config as the file has it, with what `_add` resolved (default targets)
-    restored = {
-        f.name: getattr(config, f.name)
-        for f in dataclasses.fields(config)
-        if getattr(config, f.name) != getattr(skeleton_config, f.name)
-    }
-    resolved = dataclasses.replace(skeleton.peft_config[adapter_name], **restored)
-    return dataclasses.replace(loaded, configs=(*peft_model.configs, (adapter_name, resolved)))
+    return loaded
 
 
 def _check_floating(stored: dict[str, np.ndarray], file: pathlib.Path) -> None:

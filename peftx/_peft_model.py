@@ -129,6 +129,10 @@ class PeftModel(eqx.Module):
                 )
             active, gate = self._route(adapter_names)
             model = _map_layers(self, lambda layer: _gated(layer, gate, active))
+            # what is left: expert stacks (`target_parameters`), experts on axis -3
+            model = _map_sets(
+                model, lambda s: s if s.gate is not None else _gated_stack(s, gate, active, 3)
+            )
         return _map_layers(self._with_saved(model.base_model, active, gate), _scale_bias)
 
     def _with_saved(self, model: Any, active: tuple[str, ...], gate: Array | None) -> Any:
@@ -291,6 +295,7 @@ class PeftModel(eqx.Module):
         selected_adapters: Sequence[str] | None = None,
         *,
         save_embedding_layers: bool | Literal["auto"] = "auto",
+        path_initial_model_for_weight_conversion: str | os.PathLike[str] | None = None,
     ) -> None:
         """Write adapters in HF PEFT's format, loadable by `peft.PeftModel.from_pretrained`.
 
@@ -313,8 +318,20 @@ class PeftModel(eqx.Module):
         one atomic swap: a save killed at any point leaves the old adapters or the new
         ones, never new weights beside an old config. Other files there (a tokenizer's)
         are kept. Nothing but JSON and safetensors is written.
+
+        `path_initial_model_for_weight_conversion`: PEFT's conversion of a PiSSA adapter
+        into a plain LoRA on the original base: the directory of the adapter as it was
+        initialized (saved with `init_lora_weights=True`); each adapter is written as
+        `ΔW = s·(B·A − B₀·A₀)`, factors `[A; A₀]` and `[B, −B₀]` of rank `2r` at the same
+        scaling (`lora_alpha` doubled, or times √2 with `use_rslora`, patterns doubled).
         """
-        save_adapters(self, save_directory, selected_adapters, save_embedding_layers)
+        save_adapters(
+            self,
+            save_directory,
+            selected_adapters,
+            save_embedding_layers,
+            path_initial_model_for_weight_conversion,
+        )
 
     @classmethod
     def from_pretrained(
@@ -518,7 +535,8 @@ class PeftModel(eqx.Module):
 
     def disable_adapters(self) -> Any:
         """The base model as it was before any adapter: original weights and modules
-        (what PEFT's `disable_adapter()` block runs)."""
+        (what PEFT's `disable_adapter()` block runs), PiSSA's residual where its init
+        replaced a weight, as in PEFT."""
         return _map_sets(self.base_model, lambda s: s.weight)
 
     # -- internals ----------------------------------------------------------------------
@@ -581,7 +599,10 @@ class PeftModel(eqx.Module):
         for target, k in zip(config.planned(found.layers), keys):
             current = target.layer.weight
             base = current.weight if _is_set(current) else current
-            adapter = detach(_stacked(config, target, base, k))
+            built = _stacked(config, target, base, k)
+            if config.changes_base:
+                base = built.weight
+            adapter = detach(built)
             adapter = placed_like(adapter, base, _stack_axes(target.layer, base))
             if _is_set(current):
                 s = AdapterSet(base, {**current.adapters, adapter_name: adapter}, None, (active,))
@@ -744,14 +765,18 @@ def _check_finite(layer: Any, path: str, adapter_name: str) -> None:
 
 
 def _gated(layer: Any, gate: Array, active: tuple[str, ...]) -> Any:
-    """`layer` with `gate` on its adapters; a stacked layer (its weight carrying leading
-    layer axes, scanned by `run_layers`) gets the gate repeated along those axes, so each
-    layer's slice holds the whole gate."""
-    s = layer.weight
+    """`layer` with `gate` on its adapters (see `_gated_stack`)."""
     kernel_ndim = layer.num_spatial_dims if isinstance(layer, eqx.nn.Conv) else 0
-    stacked = s.weight.shape[: len(s.weight.shape) - 2 - kernel_ndim]
-    gate = jnp.broadcast_to(gate, (*stacked, *gate.shape))
-    return eqx.tree_at(lambda m: m.weight, layer, AdapterSet(s.weight, s.adapters, gate, active))
+    s = _gated_stack(layer.weight, gate, active, 2 + kernel_ndim)
+    return eqx.tree_at(lambda m: m.weight, layer, s)
+
+
+def _gated_stack(s: AdapterSet, gate: Array, active: tuple[str, ...], ndim: int) -> AdapterSet:
+    """`s` with `gate` on its adapters; a stack of `ndim`-axis weights (leading layer axes,
+    scanned by `run_layers`) gets the gate repeated along those axes, so each layer's slice
+    holds the whole gate."""
+    stacked = s.weight.shape[: len(s.weight.shape) - ndim]
+    return AdapterSet(s.weight, s.adapters, jnp.broadcast_to(gate, (*stacked, *gate.shape)), active)
 
 
 def _scale_bias(layer: Any) -> Any:

@@ -291,10 +291,12 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Target
     if parameters:
         # PEFT wraps a targeted parameter of a plain layer (`gate.weight`, a router) as it
         # wraps the layer: peftx adapts the layer
-        predicate = predicate | Predicate(
+        by_weight = Predicate(
             lambda p, n: isinstance(n, ADAPTABLE) and names_parameter(parameters, f"{p}.weight"),
             f"layers whose weight is in {list(parameters)}",
         )
+        _refuse_targeted_twice(model, predicate, by_weight)
+        predicate = predicate | by_weight
 
     def settings(path: str, node: Any) -> tuple[Any, ...]:
         return (*config.rank_and_alpha(path), config.is_feedforward(path, node))
@@ -329,6 +331,20 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Target
         for path, node in zip(chosen.paths(), chosen.get())
     )
     return Targets(chosen.model, chosen.matches, config, layers)
+
+
+def _refuse_targeted_twice(model: Any, by_module: Predicate, by_weight: Predicate) -> None:
+    """Raise, as PEFT's `get_peft_model` does, when a layer is named both by
+    `target_modules` and (its weight) by `target_parameters`."""
+    modules = select(model).at(~of_type(jax.Array))
+    for path, node in zip(modules.paths(), modules.get()):
+        for layer in layer_paths(path):
+            if by_module(layer, node) and by_weight(layer, node):
+                raise ValueError(
+                    f"{layer} is targeted twice: by target_modules and, as "
+                    f"'{layer}.weight', by target_parameters (PEFT refuses this too); name "
+                    "it in one of them."
+                )
 
 
 def names_parameter(target_parameters: Sequence[str], path: str) -> bool:

@@ -216,3 +216,24 @@ def run_processes(argv: list, *, processes: int = 1, devices: int = 8, timeout: 
         out, err = child.communicate(timeout=timeout)
         results.append((child.returncode, out, err))
     return results
+
+
+def unpacked(data):
+    """The examples of packed `data`, each `(ids, labels)`, read back from the rows:
+    an example starts where `position_ids` is 0 and counts up by one; each row ends in
+    padding (masked, labelled -100, at position 0). Checks that layout as it goes."""
+    examples = []
+    for ids, mask, labels, positions in zip(
+        *(data[k].tolist() for k in ("input_ids", "attention_mask", "labels", "position_ids"))
+    ):
+        real = sum(mask)
+        assert mask == [1] * real + [0] * (len(mask) - real), "padding only at a row's end"
+        assert labels[real:] == [-100] * (len(mask) - real) and not any(positions[real:])
+        for t in range(real):
+            if positions[t] == 0:
+                examples.append(([], []))
+            else:
+                assert positions[t] == positions[t - 1] + 1
+            examples[-1][0].append(ids[t])
+            examples[-1][1].append(labels[t])
+    return examples

@@ -4,9 +4,11 @@ files beside them survive. A kill is simulated exactly by copying the directory 
 stands before each file-system call of the save (what a kill there would leave)."""
 
 import contextlib
+import errno
 import json
 import os
 import pathlib
+import re
 import shutil
 import stat
 
@@ -16,10 +18,12 @@ import numpy as np
 import optax
 import pytest
 import safetensors.numpy
+from safetensors import SafetensorError
 
 import peftx
 import peftx._files as files
 from peftx import models
+from peftx._errors import DiskFullError
 
 # every call through which a save changes the file system
 MUTATORS = [
@@ -85,23 +89,32 @@ def _watched(monkeypatch, root: pathlib.Path, *, fail_at: int | None = None):
     monkeypatch.undo()
 
 
-def _check_all_kills(monkeypatch, tmp_path, target_name, save_old, save_new, *, exchange):
+def _check_all_kills(
+    monkeypatch, tmp_path, target_name, save_old, save_new, *, exchange, through_link=False
+):
     """Save old, then new, with a copy of the directory before every call of the second
     save: after the recovery the next save does, each copy holds the old files or the new
-    ones at the target, and the user's file."""
+    ones at the target, and the user's file. `through_link`: the second save is given a
+    symbolic link to the target, which must stay a link to it."""
     root = tmp_path / "root"
     target = root / target_name
     save_old(target)
     (target / "notes.txt").write_text("the user's own")
     old = _state(target)
+    named = target
+    if through_link:
+        named = root / "link"
+        named.symlink_to(target_name)
     if not exchange:
         monkeypatch.setattr(files, "_exchange", lambda a, b: False)
     with _watched(monkeypatch, root) as (copies, _):
-        save_new(target)
+        save_new(named)
     new = _state(target)
     assert new != old and new["notes.txt"] == b"the user's own"
     assert len(copies) > 5
     seen = set()
+    if through_link:  # nothing is left beside the link and its target
+        assert sorted(p.name for p in root.iterdir()) == sorted(["link", target_name])
     for copy in copies:
         with monkeypatch.context() as m:
             m.setattr(files, "_alive", lambda pid: False)  # the killed process is gone
@@ -109,6 +122,9 @@ def _check_all_kills(monkeypatch, tmp_path, target_name, save_old, save_new, *, 
         state = _state(copy / target_name)
         assert state in (old, new), f"a kill before call {copy.name} leaves a mix"
         seen.add("old" if state == old else "new")
+        if through_link:  # the link itself is never replaced, nor written beside
+            assert os.readlink(copy / "link") == target_name, copy.name
+            assert not any(p.name.startswith(".link") for p in copy.iterdir()), copy.name
     assert seen == {"old", "new"}
 
 
@@ -167,10 +183,23 @@ def _adapter_saves(model):
     return (lambda d: old.save_pretrained(d)), (lambda d: new.save_pretrained(d))
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
-def test_sharded_checkpoint_killed_anywhere(monkeypatch, tmp_path, llama_model, exchange):
+SAVES = pytest.mark.parametrize(
+    "exchange, through_link",
+    [(True, False), (False, False), (True, True), (False, True)],
+    ids=["renameat2", "two-renames", "renameat2-link", "two-renames-link"],
+)
+
+
+@SAVES
+def test_sharded_checkpoint_killed_anywhere(
+    monkeypatch, tmp_path, llama_model, exchange, through_link
+):
+    """`through_link`: the repro of `peftx merge --overwrite` onto a linked OUT_DIR, which
+    put the new checkpoint in the link's place and failed in `rmtree` on the link."""
     old, new = _model_saves(llama_model)
-    _check_all_kills(monkeypatch, tmp_path, "ckpt", old, new, exchange=exchange)
+    _check_all_kills(
+        monkeypatch, tmp_path, "ckpt", old, new, exchange=exchange, through_link=through_link
+    )
     ckpt = tmp_path / "root" / "ckpt"
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
     assert sorted(p.name for p in ckpt.glob("model-*")) == sorted(set(index["weight_map"].values()))
@@ -256,7 +285,7 @@ def test_leftovers_of_dead_processes_are_tidied(tmp_path):
     mine = tmp_path / ".adapter.notes"  # not peftx's
     mine.write_text("keep")
     tmp = files.temporary_file(target / "adapter_config.json")
-    with files.replaced_directory(target) as new:
+    with files.replaced_directory(target, size=2) as new:
         (new / "adapter_config.json").write_text("{}")
     assert not stale_new.exists() and live.is_dir() and mine.read_text() == "keep"
     assert files.remove_leftovers(target) == [pathlib.Path(tmp)]
@@ -276,8 +305,11 @@ def _fake_run(directory: pathlib.Path, seed: int) -> None:
         (directory / "merged" / "model.safetensors").write_text("merged 0")
 
 
-@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
-def test_a_replacement_run_is_swapped_in_whole(monkeypatch, tmp_path, exchange):
+@SAVES
+def test_a_replacement_run_is_swapped_in_whole(monkeypatch, tmp_path, exchange, through_link):
+    """`through_link`: the repro of `--overwrite` with `output.dir` a link to a finished
+    run, which swapped the link itself and left it as the staging directory of the next
+    run, which cleared the run it led to."""
     from peftx.cli._run_dir import Run, staging_dir
 
     out = tmp_path / "root" / "run"
@@ -285,12 +317,16 @@ def test_a_replacement_run_is_swapped_in_whole(monkeypatch, tmp_path, exchange):
     def save_old(target):
         _fake_run(target, 0)
 
-    def save_new(target):
+    def save_new(output_dir):
+        target = files.followed(output_dir)  # as `peftx finetune` takes output.dir
         staging = staging_dir(target)
         _fake_run(staging, 1)
         Run(target, staging, resume=False).commit()
 
-    _check_all_kills(monkeypatch, tmp_path, "run", save_old, save_new, exchange=exchange)
+    _check_all_kills(
+        monkeypatch, tmp_path, "run", save_old, save_new,
+        exchange=exchange, through_link=through_link,
+    )  # fmt: skip
     assert not (out / "merged").exists()  # the old run's, replaced as a whole
     assert (out / "summary.json").read_text() == "summary.json of run 1"
 
@@ -311,3 +347,66 @@ def test_a_checkpoint_of_the_same_step_is_replaced_whole(monkeypatch, tmp_path, 
     _check_all_kills(
         monkeypatch, tmp_path, "checkpoint-00000000", save(old), save(new), exchange=True
     )
+
+
+def _data_bytes(directory: pathlib.Path) -> int:
+    """The bytes of the tensors in the safetensors files under `directory` (each file less
+    its 8-byte length and JSON header)."""
+    total = 0
+    for f in directory.rglob("*.safetensors"):
+        header = int.from_bytes(f.read_bytes()[:8], "little")
+        total += f.stat().st_size - 8 - header
+    return total
+
+
+def _full_safetensors(real):
+    def save_file(tensors, filename, metadata=None):
+        if "train_state" in str(filename):  # as the Rust writer reports ENOSPC
+            raise SafetensorError(
+                'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                'space left on device" })'
+            )
+        return real(tensors, filename, metadata=metadata)
+
+    return save_file
+
+
+def _full_json(real):
+    def write_text(self, *args, **kwargs):
+        if self.name == "train_state.json":  # Python's write: an errno and no path
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, *args, **kwargs)
+
+    return write_text
+
+
+@pytest.mark.parametrize("writer", ["safetensors", "json"])
+def test_a_full_disk_names_the_checkpoint_and_keeps_the_last(
+    monkeypatch, tmp_path, llama_model, writer
+):
+    """The repro: a full disk at a checkpoint was a `SafetensorError` traceback, or
+    `[Errno 28]` naming no path. Now one line naming the checkpoint and the bytes it
+    needs; the checkpoints before it stay, and nothing is left of the failed one."""
+    from peftx import train
+
+    config = peftx.LoraConfig(r=2, target_modules=["q_proj"])
+    model = peftx.get_peft_model(llama_model, config, key=jax.random.key(0))
+    state, frozen = train.init_state(model, optax.adam(0.1), key=jax.random.key(1))
+    first = train.save_checkpoint(tmp_path, state, frozen, info={"batches": 0})
+    kept = _state(first)
+    later = eqx.tree_at(lambda s: s.step, state, state.step + 1)
+    owner, name, fault = {
+        "safetensors": (safetensors.numpy, "save_file", _full_safetensors),
+        "json": (pathlib.Path, "write_text", _full_json),
+    }[writer]
+    monkeypatch.setattr(owner, name, fault(getattr(owner, name)))
+    failed = tmp_path / "checkpoint-00000001"
+    says = re.escape(
+        f"no space left on the device to write {str(failed)!r}: it needs about "
+        f"{_data_bytes(first):,} bytes and "
+    )
+    with pytest.raises(DiskFullError, match=says + r"[0-9,]+ bytes are free there; free") as e:
+        train.save_checkpoint(tmp_path, later, frozen, info={"batches": 1})
+    assert e.value.errno == errno.ENOSPC and "\n" not in str(e.value)
+    assert train.checkpoints(tmp_path) == [first] and _state(first) == kept
+    assert sorted(tmp_path.iterdir()) == [first]

@@ -4,7 +4,7 @@ rendering prefixes; against labels written out by hand here."""
 
 import numpy as np
 import pytest
-from helpers import word_tokenizer
+from helpers import unpacked, word_tokenizer
 
 from peftx.train import IGNORE, encode_chat
 
@@ -65,20 +65,80 @@ def test_assistant_turns_only_are_learned(template):
 
 
 def test_packed_chats_keep_their_labels():
-    data = encode_chat(_tokenizer(MARKED), CHATS * 4, max_length=8, pack=True)
-    ids, labels = map(np.concatenate, zip(*(map(np.asarray, _by_hand(c)) for c in CHATS * 4)))
-    rows = len(ids) // 8
-    np.testing.assert_array_equal(data["input_ids"], ids[: rows * 8].reshape(rows, 8))
-    np.testing.assert_array_equal(data["labels"], labels[: rows * 8].reshape(rows, 8))
+    data = encode_chat(_tokenizer(MARKED), CHATS * 4, max_length=24, pack=True)
+    want = [(ids, [IGNORE, *labels[1:]]) for ids, labels in map(_by_hand, CHATS * 4)]
+    assert sorted(unpacked(data)) == sorted(want)
 
 
 def test_a_template_that_cannot_mark_the_assistant_is_refused():
     """A template whose rendering of a conversation's beginning is not a beginning of the
     whole (here, it counts the messages first) and has no markers."""
     counting = "{{ messages | length }} turns " + PLAIN
-    refusal = r"row 1: .*no {% generation %} markers.*\(prompt_column\)"
+    refusal = (
+        r"row 1: .*no {% generation %} markers.*a training chat template that has them.*"
+        r"TRL ships one for Qwen3: trl/chat_templates/qwen3_training.jinja.*\(prompt_column\)"
+    )
     with pytest.raises(ValueError, match=refusal):
         encode_chat(_tokenizer(counting), CHATS, max_length=24)
+
+
+# ChatML as Qwen renders it, and the same with TRL's generation markers: TRL's training
+# templates (trl/chat_templates/README.md) leave the `<|im_start|>assistant\n` cue outside and
+# put the content and `<|im_end|>\n` (what the model must learn to produce and stop on) inside
+CHATML_PLAIN = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CHATML_MARKED = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ m.content }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _chatml_tokenizer(template):
+    """Words split at spaces, each newline a token of its own (as in Qwen's vocabulary)."""
+    import tokenizers
+    import transformers
+
+    pre = tokenizers.pre_tokenizers
+    words = ["[PAD]", "[UNK]", "<|im_start|>", "<|im_end|>", "\n", "system", "user"]
+    words += ["assistant", *(f"w{i}" for i in range(20))]
+    model = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")
+    )
+    model.pre_tokenizer = pre.Sequence([pre.Split("\n", "isolated"), pre.Split(" ", "removed")])
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = template
+    return tok, words
+
+
+@pytest.mark.parametrize("template", [CHATML_PLAIN, CHATML_MARKED], ids=["prefixes", "markers"])
+def test_chatml_turns_are_learned_as_trl_marks_them(template):
+    """The newline after `<|im_end|>` closes the assistant's turn: learned, as inside TRL's
+    generation markers; the `<|im_start|>assistant` cue and its newline are not."""
+    tok, words = _chatml_tokenizer(template)
+    data = encode_chat(tok, CHATS, max_length=40)
+    for row, chat in enumerate(CHATS):
+        ids, labels = [], []
+        for m in chat:
+            content = [words.index(w) for w in m["content"].split()]
+            close = [words.index("<|im_end|>"), words.index("\n")]
+            head = [words.index("<|im_start|>"), words.index(m["role"]), words.index("\n")]
+            ids += head + content + close
+            learned = content + close if m["role"] == "assistant" else [IGNORE] * (len(content) + 2)
+            labels += [IGNORE] * 3 + learned
+        n = len(ids)
+        np.testing.assert_array_equal(data["input_ids"][row, :n], ids)
+        np.testing.assert_array_equal(data["labels"][row, :n], labels)
+        assert (data["labels"][row, n:] == IGNORE).all()
 
 
 def test_markers_need_no_rendering_of_prefixes():
@@ -247,15 +307,16 @@ def test_bundled_chat_job_runs_on_a_tiny_qwen3(tmp_path, capsys):
 
     def learned(conversations):
         """Tokens the loss predicts: each message is `<|im_start|>`, its role, its words and
-        `<|im_end|>`; an assistant's words and `<|im_end|>` are learned, but not at a
-        packed row's first position, and not in the dropped last partial row."""
-        flags = []
+        `<|im_end|>`; an assistant's words and `<|im_end|>` are learned, each chat whole
+        in a packed row, cut to its first `length` tokens."""
+        total = 0
         for chat in conversations:
+            flags = []
             for m in chat:
                 mine = m["role"] == "assistant"
                 flags += [False, False] + [mine] * (len(words(m["content"])) + 1)
-        rows = len(flags) // length
-        return sum(f for n, f in enumerate(flags[: rows * length]) if n % length)
+            total += sum(flags[:length])
+        return total
 
     sets = [f"model.path={base}", f"output.dir={tmp_path / 'out'}", "train.steps=3"]
     sets += [f"data.max_length={length}", "train.eval_every=1000", "train.log_every=1"]
@@ -264,4 +325,7 @@ def test_bundled_chat_job_runs_on_a_tiny_qwen3(tmp_path, capsys):
     assert code == 0, err
     want = f"supervised tokens: {learned(chats['train'])} in {data / 'train.jsonl'}, "
     assert want + f"{learned(chats['eval'])} in {data / 'eval.jsonl'}" in out, out
+    for name in ("train", "eval"):
+        assert f"packed {data / name}.jsonl: all {len(chats[name])} examples, each whole" in out
+    assert "are longer than max_length=64 and are truncated to it" in err, err
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()

@@ -2,7 +2,9 @@
 `peftx.cli.main`, with PyTorch PEFT and transformers as the references; one run of the
 installed console script for exit codes and one-line errors."""
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -184,6 +186,38 @@ def test_merge_refuses_a_non_empty_out_dir(llama, tmp_path, capsys):
     assert code == 0 and (out_dir / "model.safetensors").is_file()
 
 
+def test_merge_keeps_the_chat_template_and_generation_config(llama, tmp_path, capsys):
+    """The repro: `peftx merge` dropped chat_template.jinja and generation_config.json, so
+    `peftx generate MERGED --chat` failed. OUT_DIR is also a link to a directory of the
+    user's (`--overwrite`, which swapped the link itself): the merge lands there."""
+    base = tmp_path / "base"
+    shutil.copytree(llama / "base", base)
+    tok = transformers.AutoTokenizer.from_pretrained(base, local_files_only=True)
+    tok.chat_template = (
+        "{% for m in messages %}w3 {{ m.content }} w4 {% endfor %}"
+        "{% if add_generation_prompt %}w9{% endif %}"
+    )
+    tok.save_pretrained(base)
+    kept = ("chat_template.jinja", "generation_config.json", "tokenizer.json")
+    assert all((base / name).is_file() for name in kept)
+    mine, out_dir = tmp_path / "mine", tmp_path / "merged"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    out_dir.symlink_to("mine")
+    code, _, err = run_cli(capsys, "merge", base, llama / "adapter", out_dir, "--overwrite")
+    assert code == 0, err
+    assert os.readlink(out_dir) == "mine" and (mine / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "merged", "mine"]
+    for name in kept:
+        assert (mine / name).read_bytes() == (base / name).read_bytes(), name
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "w5 w6"}], tokenize=False, add_generation_prompt=True
+    )
+    want = transformers_greedy(out_dir, None, prompt, 4)
+    code, out, err = run_cli(capsys, "generate", out_dir, "w5 w6", "--chat", "--max-new-tokens", 4)
+    assert code == 0 and out == want + "\n", err
+
+
 def test_merge_missing_adapter(llama, tmp_path, capsys):
     err = _error(capsys, 2, "merge", llama / "base", tmp_path / "nope", tmp_path / "out")
     assert f"adapter directory '{tmp_path / 'nope'}' does not exist" in err
@@ -360,6 +394,21 @@ def test_inspect_architecture(capsys):
     assert fields["dtype stored"].startswith("float32")
     assert fields["parameters"] == f"{sum(p.numel() for p in torch_model.parameters()):,}"
     assert "trainable params" not in out
+
+
+def test_inspect_job_prints_the_micro_batch_and_the_effective_batch(tmp_path, capsys):
+    """`train.batch_size` is the micro-batch (TRL's `per_device_train_batch_size`); a step
+    takes it `grad_accumulation` times."""
+    (tmp_path / "rows.jsonl").write_text('{"text": "a", "label": 0}\n')
+    (tmp_path / "job.toml").write_text(
+        '[model]\npath = "all-MiniLM-L6-v2"\n\n[data]\ntrain = "rows.jsonl"\n'
+        'eval = "rows.jsonl"\n\n[lora]\nr = 2\ntarget_modules = ["query"]\n\n'
+        "[train]\nbatch_size = 6\ngrad_accumulation = 4\n"
+    )
+    code, out, err = run_cli(capsys, "inspect", tmp_path / "job.toml")
+    assert code == 0, err
+    want = "6 rows a micro-batch (train.batch_size) x 4 (grad_accumulation) = 24 rows a step"
+    assert f"batch         {want} (the effective batch)" in out, out
 
 
 def test_inspect_bare_adapter_toml(tmp_path, capsys):

@@ -18,7 +18,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import transformers
-from helpers import as_users_run, word_tokenizer
+from helpers import as_users_run, unpacked, word_tokenizer
 
 from peftx import train
 
@@ -109,31 +109,28 @@ def test_rows_start_with_the_tokenizers_prompt(name, examples, with_prompt, max_
 @hypothesis.settings(max_examples=30, deadline=None)
 @hypothesis.given(examples=examples, with_prompt=st.booleans(), max_length=st.integers(2, 12))
 def test_packed_rows_start_each_example_the_same_way(name, examples, with_prompt, max_length):
+    """Packed, every example is kept whole in one row (truncated to `max_length`, as an
+    unpacked row is), its positions counting from 0, its first label -100."""
     tok = TOKENIZERS[name]
     prompts = [p for p, _ in examples] if with_prompt else None
     text_list = [t for _, t in examples]
-    flat_ids, flat_labels, flat_positions = [], [], []
+    want = []
     for p, t in examples:
         ids, labels = _expected(tok, t, p if with_prompt else None)
-        flat_ids += ids
-        flat_labels += [-100] + labels[1:]  # packed, nothing before an example predicts it
-        flat_positions += range(len(ids))
-    rows = len(flat_ids) // max_length
-    hypothesis.assume(rows >= 1)
+        # packed, nothing before an example predicts its first token
+        want.append((ids[:max_length], [-100, *labels[1:max_length]]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             data = train.encode_causal_lm(tok, text_list, prompts, max_length=max_length, pack=True)
-        except ValueError as e:  # every label at a row's first position: nothing to predict
-            labels = np.asarray(flat_labels[: rows * max_length]).reshape(rows, max_length)
-            assert (labels[:, 1:] == -100).all() and "no supervised tokens" in str(e)
+        except ValueError as e:  # prompts fill every example: nothing to predict
+            assert all(set(labels) == {-100} for _, labels in want)
+            assert "no supervised tokens" in str(e)
             return
-    assert data["input_ids"].ravel().tolist() == flat_ids[: rows * max_length]
-    assert data["labels"].ravel().tolist() == flat_labels[: rows * max_length]
-    assert (data["attention_mask"] == 1).all()
-    # positions count from each example's start, and from 0 again where a row cuts one
-    positions = np.asarray(flat_positions[: rows * max_length]).reshape(rows, max_length)
-    np.testing.assert_array_equal(data["position_ids"], np.minimum(positions, range(max_length)))
+    assert sorted(unpacked(data)) == sorted(want)
+    assert data["input_ids"].shape[1] == max_length
+    want_tokens = sum(sum(x != -100 for x in labels) for _, labels in want)
+    assert train.supervised_tokens(data) == want_tokens
 
 
 def test_without_a_prompt_a_row_starts_as_tokenizer_text_does():
@@ -200,15 +197,16 @@ def test_no_warning_when_every_row_keeps_a_label():
     assert train.supervised_tokens(data) == want
 
 
-def test_packing_warns_about_no_row_for_the_dropped_tail():
-    """The last partial packed row is dropped by design; its examples are not a warning."""
+def test_packing_keeps_the_tail_that_does_not_fill_a_row():
+    """Examples that fill no whole row are kept in a padded last row, without a warning."""
     tok = TOKENIZERS["gpt2"]
     texts = ["a b", "c d", "e"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         data = train.encode_causal_lm(tok, texts, max_length=4, pack=True)
-    flat = sum((_expected(tok, t, None)[0] for t in texts), [])
-    assert len(flat) % 4 and data["input_ids"].size == len(flat) // 4 * 4
+    want = [_expected(tok, t, None)[0] for t in texts]
+    assert sorted(ids for ids, _ in unpacked(data)) == sorted(want)
+    assert sum(map(len, want)) % 4 and data["attention_mask"][-1, -1] == 0
 
 
 def test_supervised_tokens_of_classification_counts_labelled_rows():

@@ -3,6 +3,7 @@
 transformers as the references for what the jobs write."""
 
 import contextlib
+import hashlib
 import io
 import json
 import shutil
@@ -170,6 +171,25 @@ def test_kill_and_resume_is_exact(bert, tmp_path, capsys):
     )  # fmt: skip
     assert f"{killed} holds checkpoints of a different job; pass --overwrite" in err
 
+    # nor on a train file edited since, even to the same size
+    train_file = bert / "train.jsonl"
+    data = train_file.read_bytes()
+    edited = data.replace(b'"red"', b'"der"', 1)
+    assert len(edited) == len(data) and edited != data
+    try:
+        train_file.write_bytes(edited)
+        err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={killed}", *_sets(sets))
+    finally:
+        train_file.write_bytes(data)
+    size = len(data)
+    then, now = (hashlib.sha256(d).hexdigest() for d in (data, edited))
+    assert err == (
+        f"peftx: error: {killed} holds checkpoints of a run on data file {str(train_file)!r} "
+        f"as it was then ({size} bytes, sha256 {then}); it has changed since ({size} bytes, "
+        f"sha256 {now}): put it back to resume; pass --overwrite to start over, or set "
+        "output.dir"
+    )
+
     out = _finetune(capsys, job, killed, *sets)
     assert f"resuming from {killed / 'checkpoints'}/checkpoint-" in out
     assert "(step " in out and " of 48)" in out
@@ -206,34 +226,24 @@ def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
     assert after["perplexity"] == pytest.approx(np.exp(after["loss"]), rel=1e-6)
     assert f"perplexity {after['perplexity']:.4g}" in out
     assert not (out_dir / "labels.json").exists()
-    # the loss before fine-tuning, recomputed with transformers: examples packed into rows
-    # of 16 tokens, each its prompt (not scored) then its answer and EOS (scored), its
-    # positions from 0 (and from 0 again where a row cuts it), so that it sees no other
+    # the loss before fine-tuning, recomputed with transformers: packing keeps every eval
+    # example whole in a row, where it sees only itself, so each is run alone here; its
+    # prompt is not scored, its answer and EOS are
     tok = transformers.AutoTokenizer.from_pretrained(llama / "base", local_files_only=True)
     rows = [json.loads(line) for line in (llama / "eval.jsonl").read_text().splitlines()]
-    ids, scored, positions = [], [], []
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
+    scored, every = [], []
     for r in rows:
         prompt = tok(r["question"], add_special_tokens=False)["input_ids"]
         answer = tok(r["answer"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        ids += prompt + answer
-        scored += [False] * len(prompt) + [True] * len(answer)
-        positions += range(len(prompt + answer))
-    n = len(ids) // 16 * 16
-    ids = torch.tensor(ids[:n]).reshape(-1, 16)
-    scored = torch.tensor(scored[:n]).reshape(-1, 16)[:, 1:]
-    positions = torch.tensor(positions[:n]).reshape(-1, 16)
-    for row in positions:
-        # before the first example starting in the row: the rest of one cut by the row above
-        cut = int(torch.nonzero(row == 0)[0]) if (row == 0).any() else 16
-        row[:cut] = torch.arange(cut)
-    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
-    with torch.no_grad():
-        logits = base(ids, position_ids=positions, use_cache=False).logits[:, :-1]
-    ce = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
-    ).reshape(scored.shape)
-    assert before["loss"] == pytest.approx(float(ce[scored].mean()), rel=1e-5)
-    assert abs(float(ce.mean()) - before["loss"]) > 0.01  # scoring the prompts too differs
+        ids = torch.tensor([prompt + answer])
+        with torch.no_grad():
+            logits = base(ids, use_cache=False).logits[0, :-1]
+        ce = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none").tolist()
+        scored += ce[len(prompt) - 1 :]
+        every += ce
+    assert before["loss"] == pytest.approx(np.mean(scored), rel=1e-5)
+    assert abs(np.mean(every) - before["loss"]) > 0.01  # scoring the prompts too differs
 
     # the merged checkpoint: transformers loads it, and it computes PEFT's adapted model
     ids = torch.from_numpy(np.random.default_rng(0).integers(5, len(WORDS), size=(2, 12)))
@@ -254,6 +264,11 @@ def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
     np.testing.assert_allclose(mine, want, rtol=0, atol=_tolerance(want))
     tok = transformers.AutoTokenizer.from_pretrained(out_dir / "merged", local_files_only=True)
     assert tok.eos_token == "</s>"
+    # the base's files beside its weights come along, as `peftx merge` copies them
+    beside = [f for f in (llama / "base").iterdir() if not f.name.startswith(("model", "config"))]
+    assert "generation_config.json" in [f.name for f in beside]
+    for f in beside:
+        assert (out_dir / "merged" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -437,6 +452,27 @@ def test_tuner_tables_train_and_write_what_peft_reads(table, bert, tmp_path, cap
     assert np.abs(got - untrained).max() > 100 * _tolerance(got)  # what was trained acts
 
 
+def _no_model(*args, **kwargs):
+    raise AssertionError("the job check let the run load the model")
+
+
+def test_adalora_target_r_above_init_r_is_refused_by_the_job_check(
+    bert, tmp_path, capsys, monkeypatch
+):
+    """PEFT fails at its first allocation; peftx's job check, before the model loads."""
+    monkeypatch.setattr(peftx.models, "from_pretrained", _no_model)
+    text = (bert / "job.toml").read_text()
+    lora = text[text.index("[lora]") : text.index("[train]")]
+    job = bert / f"adalora_{tmp_path.name}.toml"
+    job.write_text(text.replace(lora, "[adalora]\ninit_r = 2\ntarget_r = 3\n\n"))
+    err = _error(capsys, 2, "finetune", job, "--set", f"output.dir={tmp_path / 'run'}")
+    assert err == (
+        f"peftx: error: {job}: [adalora]: AdaLoRA prunes ranks: target_r=3 must not exceed "
+        "init_r=2 to train."
+    )
+    assert not (tmp_path / "run").exists()
+
+
 # -- several adapters in mixed batches ------------------------------------------------------
 
 
@@ -529,6 +565,14 @@ r = 4
 batch_size = 4
 """
 
+# the kinds PEFT runs one at a time, never mixed in a batch
+UNMIXED = {
+    "adalora": "[adapters.adalora]\ninit_r = 4\ntarget_r = 2",
+    "lokr": "[adapters.lokr]\nr = 2",
+    "loha": "[adapters.loha]\nr = 2",
+    "oft": "[adapters.oft]\nr = 2\noft_block_size = 0",
+}
+
 
 @pytest.mark.parametrize(
     "old, new, sets, message",
@@ -554,9 +598,19 @@ batch_size = 4
          "train.batch_size (3) must be a multiple of the number of [[adapters]] (2)"),
         ("", "", ("output.merged=true",), "output.merged merges one adapter"),
         ("", "", ("adapters.name=c",), "[[adapters]] entries are changed in the job file"),
+        *[
+            ("[adapters.lora]\nr = 2", table, (),
+             (f"[[adapters]][1]: [adapters.{kind}] cannot be trained in [[adapters]], which "
+              f"mixes its adapters in each batch, as PEFT does not for {kind} adapters; "
+              "[[adapters]] trains [adapters.lora], [adapters.ia3], [adapters.vera] together; "
+              f"train a {kind} adapter alone, in a job with a [{kind}] table"))
+            for kind, table in UNMIXED.items()
+        ],
     ],
 )  # fmt: skip
-def test_adapters_schema_errors(old, new, sets, message, llama, tmp_path, capsys):
+def test_adapters_schema_errors(old, new, sets, message, llama, tmp_path, capsys, monkeypatch):
+    """Each is refused by the job check, before the model loads."""
+    monkeypatch.setattr(peftx.models, "from_pretrained", _no_model)
     job = llama / f"two_{tmp_path.name}.toml"
     text = TWO.format(base=llama / "base")
     assert old in text

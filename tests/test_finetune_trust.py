@@ -5,6 +5,7 @@ byte for byte, on the tiny BERT job of `conftest.py`."""
 import hashlib
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -71,7 +72,7 @@ def test_output_dir_with_user_files_is_never_touched(
     job = bert / "job.toml"
     err, _ = _fails(capsys, 2, "finetune", job, "--set", "output.dir=.",
                     "--set", "data.train=/nonexistent.jsonl", *extra)  # fmt: skip
-    assert "output.dir '.' is not empty and is not a peftx run directory" in err
+    assert f"output.dir '{home}' is not empty and is not a peftx run directory" in err
     # a valid job too: the directory is not peftx's
     err, _ = _fails(capsys, 2, "finetune", job, "--set", "output.dir=.", *STEPS, *extra)
     assert "is not empty and is not a peftx run directory" in err
@@ -167,6 +168,68 @@ def test_a_killed_replacement_keeps_the_finished_run(bert, tmp_path, capsys):
     assert not staging.exists()
 
 
+def _finished_run(directory: Path) -> None:
+    """What a finished run leaves, as far as `--overwrite` looks."""
+    (directory / "adapter").mkdir(parents=True)
+    for name in (MARKER, "job.json", "summary.json", "adapter/adapter_model.safetensors"):
+        (directory / name).write_text(f"{name} of the finished run")
+    (directory / "notes.txt").write_text("the user's")
+
+
+def test_overwrite_through_a_linked_output_dir(bert, tmp_path, capsys):
+    """The repro: `--overwrite` with output.dir a link to a finished run swapped the link
+    itself and failed; the next run took the stray `.slink.peftx-next` link for its own
+    staging directory and cleared the run it led to. The link is followed: the run is
+    written beside its target and swapped in there; a link in the staging directory's
+    place is never written through."""
+    job, scratch = bert / "job.toml", tmp_path / "scratch"
+    srun, slink = scratch / "srun", scratch / "slink"
+    _finished_run(srun)
+    slink.symlink_to("srun")
+    (scratch / ".slink.peftx-next").symlink_to("srun")  # what the swap of the link left
+    finished = _tree(srun)
+    text = _runs(capsys, "finetune", job, "--set", f"output.dir={slink}", *STEPS, "--overwrite")
+    assert f"it replaces {srun}" in text
+    assert os.readlink(slink) == "srun" and os.readlink(scratch / ".slink.peftx-next") == "srun"
+    replaced = _tree(srun)
+    assert replaced != finished and json.loads((srun / "summary.json").read_text())["steps"] == 6
+    assert (srun / "notes.txt").read_text() == "the user's"
+    assert sorted(p.name for p in scratch.iterdir()) == [".slink.peftx-next", "slink", "srun"]
+
+    # a replacement that diverges leaves the run as it was
+    err, _ = _fails(capsys, 1, "finetune", job, "--set", f"output.dir={slink}", *STEPS,
+                    "--set", "train.learning_rate=1e9", "--set", "train.max_grad_norm=0",
+                    "--overwrite")  # fmt: skip
+    assert "the run diverged at step" in err
+    assert _tree(srun) == replaced
+    # a link where the replacement would be staged is refused, and what it leads to kept
+    staging = scratch / ".srun.peftx-next"
+    shutil.rmtree(staging)  # the diverged replacement
+    shutil.copytree(srun, scratch / "other")
+    other = _tree(scratch / "other")
+    staging.symlink_to("other")
+    err, _ = _fails(capsys, 2, "finetune", job, "--set", f"output.dir={slink}", *STEPS,
+                    "--set", "train.seed=9", "--overwrite")  # fmt: skip
+    assert f"{staging} is in the way of the run replacing {srun}; move it" in err
+    assert _tree(srun) == replaced and _tree(scratch / "other") == other
+    assert os.readlink(staging) == "other"
+
+
+def test_a_relative_output_dir_is_taken_from_the_job_file(bert, tmp_path, monkeypatch):
+    """As every path of a job file: its output.dir from the file's directory; `--set`'s
+    from the current directory; the default `runs/<job name>` in the current directory."""
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    text = (bert / "job.toml").read_text().replace('path = "base"', f'path = "{bert / "base"}"')
+    (jobs / "cls.toml").write_text(text + '\n[output]\ndir = "../runs/cls"\n')
+    (jobs / "plain.toml").write_text(text)
+    monkeypatch.chdir(bert)
+    assert finetune.Job(jobs / "cls.toml", []).out.resolve() == tmp_path / "runs" / "cls"
+    moved = finetune.Job(jobs / "cls.toml", ["output.dir=elsewhere"]).out
+    assert moved.resolve() == bert / "elsewhere"
+    assert finetune.Job(jobs / "plain.toml", []).out.resolve() == bert / "runs" / "plain"
+
+
 def test_a_users_job_json_is_not_a_run(bert, tmp_path, capsys):
     """The repro: a directory holding a `job.json` and no `checkpoints/` was deleted
     without any flag."""
@@ -194,8 +257,6 @@ def test_a_second_run_into_a_locked_directory_is_refused(bert, tmp_path, capsys)
                         *STEPS)  # fmt: skip
     finally:
         holder.release()
-    import os
-
     assert f"is in use by another peftx run (process {os.getpid()}" in err
     assert sorted(p.name for p in out.iterdir()) == [LOCK]
 
@@ -266,6 +327,36 @@ def test_damaged_checkpoints_are_passed_over(bert, tmp_path, capsys, monkeypatch
         assert (got[k] == want[k]).all(), k
 
 
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_resumes(bert, tmp_path, capsys, monkeypatch):
+    """The repro: a full disk at a checkpoint was a `SafetensorError` traceback."""
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    job, out = bert / "job.toml", tmp_path / "run"
+    argv = ["finetune", job, "--set", f"output.dir={out}", *STEPS,
+            "--set", "train.checkpoint_every=2"]  # fmt: skip
+    real = safetensors.numpy.save_file
+
+    def full_at_step_4(tensors, filename, metadata=None):
+        if "checkpoint-00000004" in filename:
+            raise SafetensorError(
+                'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                'space left on device" })'
+            )
+        return real(tensors, filename, metadata=metadata)
+
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.numpy, "save_file", full_at_step_4)
+        err, _ = _fails(capsys, 1, *argv)
+    failed = out / "checkpoints" / "checkpoint-00000004"
+    assert f"no space left on the device to write '{failed}': it needs about " in err
+    assert " bytes are free there; free some space and run it again" in err
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-00000002"]
+    text = _runs(capsys, *argv)
+    assert f"resuming from {out / 'checkpoints' / 'checkpoint-00000002'} (step 2 of 6)" in text
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+
+
 # -- silent wrong results -------------------------------------------------------------------
 
 
@@ -289,6 +380,47 @@ def test_a_diverging_run_fails_and_writes_no_adapter(bert, tmp_path, capsys):
 
     for line in (out / "metrics.jsonl").read_text().splitlines():
         json.loads(line, parse_constant=no_constants)
+
+
+def test_a_collapsing_causal_run_fails_and_writes_no_adapter(llama, tmp_path, capsys):
+    """The repro: learning_rate=1e9 made every prediction uniform (eval loss ln(vocab)),
+    wrote that adapter, and exited 0. The tiny Llama's eval loss starts above ln(vocab)."""
+    out = tmp_path / "run"
+    err, _ = _fails(capsys, 1, "finetune", llama / "job.toml", "--set", f"output.dir={out}",
+                    "--set", "train.learning_rate=1e9", "--set", "train.steps=10")  # fmt: skip
+    vocab = json.loads((llama / "base" / "config.json").read_text())["vocab_size"]
+    before, after = (
+        r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open()) if r["split"] == "eval"
+    )
+    assert after == pytest.approx(math.log(vocab), rel=1e-5) and before > after  # uniform
+    assert err == (
+        f"peftx: error: the run collapsed: eval loss {after:.4g} after training ({before:.4g} "
+        f"before) is no better than a uniform prediction over the {vocab} tokens (ln {vocab} "
+        f"= {math.log(vocab):.4g}); lower train.learning_rate (now 1e+09). No adapter was "
+        "written"
+    )
+    assert not (out / "adapter").exists() and not (out / "summary.json").exists()
+
+
+UNIFORM = math.log(1000)
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "collapsed"),
+    [
+        (2.0, UNIFORM, True),  # uniform output, from a trained base
+        (2.0, UNIFORM + 1.0, True),  # worse than uniform, and than before
+        (UNIFORM + 1.0, UNIFORM * (1 + 1e-6), True),  # uniform, from a confidently wrong init
+        (UNIFORM + 1.0, UNIFORM + 0.5, False),  # above uniform, but learning (a short run)
+        (UNIFORM + 1.0, UNIFORM - 0.5, False),
+        (2.0, 1.5, False),
+        (2.0, 2.5, False),  # worse, yet far better than uniform (overfitting, not collapse)
+    ],
+)
+def test_collapse_rule(before, after, collapsed):
+    """A run has collapsed when its eval loss after is not below ln(vocab) (the uniform
+    prediction's) and is worse than before, or is ln(vocab) itself."""
+    assert finetune._collapsed(before, after, vocab_size=1000) == collapsed
 
 
 @pytest.mark.parametrize("key", ["learning_rate", "weight_decay", "max_grad_norm"])
@@ -432,6 +564,48 @@ def test_a_list_column_is_not_text(llama, tmp_path, capsys):
     with as_users_run():
         err, _ = _fails(capsys, 2, *_causal_job(llama, tmp_path, rows))
     assert f"{tmp_path / 'rows.jsonl'}: column 'answer': row 1 holds a list" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_labels_than_a_saved_classifier_names_the_data(bert, tmp_path, capsys):
+    """The repro: 3 classes of data on a saved 2-label classifier named only the weight
+    shapes. The error says the data has 3 labels and the checkpoint 2."""
+    import transformers
+
+    saved = tmp_path / "two_labels"
+    head = transformers.BertForSequenceClassification.from_pretrained(bert / "base", num_labels=2)
+    head.save_pretrained(saved)
+    for f in (bert / "base").glob("*token*"):
+        shutil.copy(f, saved / f.name)
+    err, _ = _fails(capsys, 2, "finetune", bert / "job.toml", "--set", f"model.path={saved}",
+                    "--set", f"output.dir={tmp_path / 'run'}")  # fmt: skip
+    train = bert / "train.jsonl"
+    assert f"{train} has 3 labels (" in err and f"the classifier saved in {saved} has 2" in err
+    assert not (tmp_path / "run").exists()
+
+
+def _without_tokenizer(base: Path, to: Path) -> Path:
+    shutil.copytree(base, to, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    assert not {p.name for p in to.iterdir()} & {"tokenizer.json", "tokenizer_config.json"}
+    return to
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused(bert, llama, tmp_path, capsys):
+    """The repros: BERT without tokenizer files trained on all-[UNK] input (transformers
+    built an empty vocabulary from config.json) and exited 0; Llama's message was about
+    sentencepiece/tiktoken. Each command that tokenizes refuses it in one line, naming
+    the directory and the files a tokenizer needs, before anything is written."""
+    needs = "has no tokenizer: it needs one of tokenizer.json, tokenizer.model, vocab.json"
+    plain_bert = _without_tokenizer(bert / "base", tmp_path / "bert")
+    err, _ = _fails(capsys, 2, "finetune", bert / "job.toml", "--set", f"model.path={plain_bert}",
+                    "--set", f"output.dir={tmp_path / 'run'}")  # fmt: skip
+    assert f"model directory {str(plain_bert)!r} {needs}" in err
+    plain_llama = _without_tokenizer(llama / "base", tmp_path / "llama")
+    rows = [{"question": "w1 w2", "answer": "w3"}] * 4
+    err, _ = _fails(capsys, 2, *_causal_job(llama, tmp_path, rows, f"model.path={plain_llama}"))
+    assert f"model directory {str(plain_llama)!r} {needs}" in err
+    err, _ = _fails(capsys, 2, "generate", plain_llama, "w1 w2")
+    assert f"model directory {str(plain_llama)!r} {needs}" in err
     assert not (tmp_path / "run").exists()
 
 

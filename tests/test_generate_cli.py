@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import peft
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from helpers import as_users_run, run_cli, tiny_llama_config, transformers_greedy
@@ -190,6 +191,68 @@ def test_max_new_tokens_is_bounded_by_the_positions(llama, capsys):
 def test_sampling_options_are_checked(llama, capsys, option, value, message):
     argv = ("generate", llama / "bos", "a b", "--do-sample", option, value)
     assert _error(capsys, *argv) == message
+
+
+# -- broken input: refused as `peftx merge` and `peftx finetune` refuse it -------------------
+
+# a PEFT adapter of each kind on the tiny Llama
+KINDS = {
+    "lora": lambda: peft.LoraConfig(r=2, target_modules=["q_proj", "down_proj"]),
+    "ia3": lambda: peft.IA3Config(
+        target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]
+    ),
+    "lokr": lambda: peft.LoKrConfig(r=2, target_modules=["q_proj"]),
+    "oft": lambda: peft.OFTConfig(r=0, oft_block_size=4, target_modules=["q_proj"]),
+    "vera": lambda: peft.VeraConfig(r=4, target_modules=["q_proj"], save_projection=True),
+}
+
+
+def _all_nan(file):
+    tensors = safetensors.numpy.load_file(str(file))
+    nan = {k: np.full_like(v, np.nan) if v.dtype.kind == "f" else v for k, v in tensors.items()}
+    safetensors.numpy.save_file(nan, str(file))
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_an_all_nan_adapter_is_refused(llama, kind, tmp_path, capsys):
+    """The repro: an all-NaN adapter printed an empty line and exited 0."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama / "bos")
+    peft.get_peft_model(model, KINDS[kind]()).save_pretrained(tmp_path / kind)
+    _all_nan(tmp_path / kind / "adapter_model.safetensors")
+    capsys.readouterr()  # transformers' progress bars
+    code, out, err = run_cli(capsys, "generate", llama / "bos", "a b", "--adapter", tmp_path / kind)
+    assert code == 1 and out == "" and err.count("\n") == 1, (code, out, err)
+    assert err.startswith(f"peftx: error: the adapter in {tmp_path / kind}: ")
+    assert err.endswith(" holds NaN or infinite values; nothing was generated\n")
+
+
+def test_a_base_with_a_nan_weight_is_refused(llama, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(llama / "bos", broken)
+    file = broken / "model.safetensors"
+    tensors = safetensors.numpy.load_file(str(file))
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = np.nan
+    safetensors.numpy.save_file(tensors, str(file), metadata={"format": "pt"})
+    code, out, err = run_cli(capsys, "generate", broken, "a b")
+    assert code == 1 and out == "" and err.count("\n") == 1, (code, out, err)
+    assert err.startswith(f"peftx: error: the model in {broken}: ")
+    assert err.endswith("down_proj.weight holds NaN or infinite values; nothing was generated\n")
+
+
+def test_prompt_ids_past_the_vocabulary_are_refused(llama, tmp_path, capsys):
+    """A tokenizer with tokens the model's embedding lacks (ids >= vocab_size), as
+    `peftx finetune` refuses them in its rows."""
+    bigger = tmp_path / "bigger"
+    shutil.copytree(llama / "bos", bigger)
+    tok = _auto_tokenizer(bigger)
+    vocab_size = transformers.AutoConfig.from_pretrained(bigger).vocab_size
+    assert len(tok) == vocab_size
+    tok.add_tokens(["zebra"])
+    tok.save_pretrained(bigger)
+    assert _error(capsys, "generate", bigger, "a zebra") == (
+        f"the prompt's token id {vocab_size} (row 1) is outside the model's vocab_size "
+        f"{vocab_size} (the tokenizer has {vocab_size + 1} tokens); use the model's own tokenizer"
+    )
 
 
 # -- --quantize -----------------------------------------------------------------------------

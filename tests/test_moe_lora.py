@@ -20,7 +20,7 @@ from test_llama import BF16_U, TOL, real_diff, torch_forward
 import peftx
 import peftx.models as pm
 from peftx import LoraConfig, get_peft_model, partition
-from peftx.adapters import ExpertLoraArray, expert_lora
+from peftx.adapters import AdapterSet, ExpertLoraArray, expert_lora
 from peftx.implicit import assert_no_dense, materialize, strict, use_implicit_args
 from peftx.models._moe import SparseMoeBlock, sparse_moe
 
@@ -418,3 +418,97 @@ def test_half_of_a_fused_pair_is_refused(checkpoints):
     model = pm.from_pretrained(checkpoints["qwen3_moe"][0])
     with pytest.raises(ValueError, match="fused into one `gate_up_proj`"):
         get_peft_model(model, LoraConfig(r=2, target_modules=["gate_proj"]), key=jax.random.key(0))
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_a_layer_in_target_modules_and_target_parameters_is_refused(checkpoints, layout):
+    """PEFT refuses a layer named by `target_modules` and, by its weight, by
+    `target_parameters`; so does peftx, naming the layer."""
+    path = checkpoints["qwen3_moe"][0]
+    kwargs = dict(r=2, target_modules=["q_proj"], target_parameters=["self_attn.q_proj.weight"])
+    with pytest.raises(ValueError, match="not also targeted with `target_modules`"):
+        peft.get_peft_model(_torch_model(path), peft.LoraConfig(**kwargs))
+    model = pm.from_pretrained(path, layout=layout)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj is targeted twice"):
+        get_peft_model(model, LoraConfig(**kwargs), key=jax.random.key(0))
+    # one layer named twice among others named once is refused too
+    kwargs.update(target_modules=["v_proj", "layers.1.self_attn.q_proj"])
+    with pytest.raises(ValueError, match="not also targeted"):
+        peft.get_peft_model(_torch_model(path), peft.LoraConfig(**kwargs))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.q_proj is targeted twice"):
+        get_peft_model(model, LoraConfig(**kwargs), key=jax.random.key(0))
+
+
+# ---------------------------------------------------------------- mixed batches
+
+# five examples (no activation axis of a weight's length) routed to three adapters and
+# the base; the router `gate`, v_proj and both expert stacks adapted
+MIXED_IDS = np.array([[0, 0, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7], [5, 6, 7, 8, 9, 10, 11]] * 2)[
+    :5
+]
+MIXED_MASK = (MIXED_IDS != 0).astype(np.int64)
+ROWS = ["e1", "__base__", "e2", "e0", "e1"]
+
+
+@pytest.fixture(scope="module")
+def three_adapters(checkpoints, tmp_path_factory):
+    """(directory holding PEFT's adapters e0, e1, e2 on Qwen3-MoE, {name: PEFT's logits
+    with that adapter alone, "__base__": with none})."""
+    path = checkpoints["qwen3_moe"][0]
+    directory = tmp_path_factory.mktemp("three_adapters")
+    kwargs = dict(_peft_config("qwen3_moe"), target_modules=["v_proj", "gate"])
+    for i, name in enumerate(("e0", "e1", "e2")):
+        torch.manual_seed(10 + i)
+        model = peft.get_peft_model(_torch_model(path), peft.LoraConfig(**kwargs))
+        model.save_pretrained(directory / name)
+    # PEFT refuses mixed batches on target_parameters: each row is compared with its
+    # adapter run alone
+    theirs = peft.PeftModel.from_pretrained(_torch_model(path), directory / "e0", "e0").eval()
+    for name in ("e1", "e2"):
+        theirs.load_adapter(directory / name, name)
+    logits = {}
+    for name in ("e0", "e1", "e2"):
+        theirs.set_adapter(name)
+        logits[name] = torch_forward(theirs, MIXED_IDS, MIXED_MASK).logits.numpy()
+    with theirs.disable_adapter():
+        logits["__base__"] = torch_forward(theirs, MIXED_IDS, MIXED_MASK).logits.numpy()
+    return directory, logits
+
+
+@pytest.mark.parametrize("layout, path", [("stacked", "blocked"), ("unrolled", "ragged")])
+def test_mixed_batches_on_experts_equal_peft_row_by_row(
+    checkpoints, three_adapters, layout, path, monkeypatch
+):
+    """`adapter_names` routes every adapted weight, the expert stacks included, row by
+    row: each row equals PEFT's logits with that row's adapter alone (or none), on the
+    CPU's blocked products and on `ragged_dot_general`, building no dense update."""
+    if path == "ragged":
+        monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    directory, theirs = three_adapters
+    model = pm.from_pretrained(checkpoints["qwen3_moe"][0], layout=layout)
+    ours = peftx.PeftModel.from_pretrained(model, directory / "e0", "e0")
+    for name in ("e1", "e2"):
+        ours = ours.load_adapter(directory / name, name)
+    ids, mask = jnp.asarray(MIXED_IDS), jnp.asarray(MIXED_MASK)
+
+    @eqx.filter_jit
+    def run(model, names):
+        return model(ids, mask, adapter_names=names).logits
+
+    for names in (ROWS, ["e1"] * 5):
+        with strict():
+            got = np.asarray(run(ours, names))
+        for i, name in enumerate(names):
+            real = MIXED_MASK[i] == 1
+            assert np.abs(got[i][real] - theirs[name][i][real]).max() < TOL, (names, i)
+    for name in ("e0", "e1", "e2"):  # each adapter matters on every row
+        assert real_diff(theirs[name], theirs["__base__"], MIXED_MASK) > 100 * TOL
+    if path == "ragged":
+        # the router left out: its weight (experts, hidden) has the shape of a factor's
+        # expert slices
+        def unrouted(x):
+            return x.weight if isinstance(x, AdapterSet) and x.shape == (4, 32) else x
+
+        is_set = lambda x: isinstance(x, AdapterSet)  # noqa: E731
+        checked = jax.tree.map(unrouted, ours, is_leaf=is_set)
+        assert_no_dense(lambda m: m(ids, mask, adapter_names=ROWS).logits, checked)

@@ -6,13 +6,15 @@ References share no code with peftx: the same examples run one per row by peftx,
 packed row run by transformers on the same random weights; the resets of
 `encode_causal_lm`/`encode_chat` are written out by hand."""
 
+import warnings
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import word_tokenizer
+from helpers import unpacked, word_tokenizer
 from test_chat_data import CHATS, MARKED, _by_hand, _tokenizer
 from test_gemma import torch_gemma
 from test_gpt2 import torch_model as torch_gpt2
@@ -107,9 +109,9 @@ def test_packed_rows_equal_the_examples_run_alone_and_transformers(models, name)
 def test_packed_loss_equals_the_unpacked_loss(models):
     """`causal_lm_loss` (the training loss, through `train.logits`) on
     `encode_causal_lm(..., pack=True)` rows: each example's summed loss and count equal
-    those of the same examples one per row. The examples fill the packed rows exactly,
-    so none is cut in two; the text has no prompt, so the first token of each example
-    would be a label if packing did not leave it out."""
+    those of the same examples one per row. The examples fill the packed rows exactly;
+    the text has no prompt, so the first token of each example would be a label if
+    packing did not leave it out."""
     words = ["[PAD]", "[UNK]", "</s>", *(f"w{i}" for i in range(40))]
     tok = word_tokenizer(words)
     rng = np.random.default_rng(1)
@@ -120,7 +122,16 @@ def test_packed_loss_equals_the_unpacked_loss(models):
     assert packed["input_ids"].shape == (len(LENGTHS), ROW)
     _, model = models("qwen3")
     loss = eqx.filter_jit(train.causal_lm_loss)
-    _, _, spans = packed_rows()
+    # where packing put each example: (row, start, length) of each run of positions 0, 1, ...
+    spans = {}
+    for r, positions in enumerate(packed["position_ids"].tolist()):
+        for start in [t for t, p in enumerate(positions) if p == 0]:
+            length = next((k for k in range(1, ROW - start) if positions[start + k] == 0), None)
+            length = length or ROW - start
+            ids = packed["input_ids"][r, start : start + length].tolist()
+            n = next(n for n in range(len(texts)) if alone["input_ids"][n, :length].tolist() == ids)
+            spans[n] = r, start, length
+    assert sorted(spans) == list(range(len(texts)))
 
     def one_example(data, row, start, length):
         """`data` with every label but those of one example's tokens left out."""
@@ -128,7 +139,7 @@ def test_packed_loss_equals_the_unpacked_loss(models):
         keep[row, start : start + length] = True
         return {**data, "labels": np.where(keep, data["labels"], IGNORE)}
 
-    for n, (r, start, length) in enumerate(spans):
+    for n, (r, start, length) in spans.items():
         total, sums = loss(model, one_example(packed, r, start, length))
         want, want_sums = loss(model, one_example(alone, n, 0, length))
         assert float(sums["count"]) == float(want_sums["count"]) == length - 1
@@ -138,33 +149,69 @@ def test_packed_loss_equals_the_unpacked_loss(models):
     assert abs(float(whole) - float(without_resets)) > 100 * TOL
 
 
-def test_encode_causal_lm_restarts_positions_at_each_example():
-    """Examples of 3, 2 and 5 tokens (words, EOS) in rows of 4: the third is cut in two
-    and its remainder counts from 0 in its row; the last partial row is dropped. The
-    second keeps no label the loss predicts (its EOS starts a row), and is warned about."""
+def _packed(examples):
+    """Each example `(ids, labels)` as packing keeps it: its first token labelled -100,
+    since nothing before it is seen to predict it."""
+    return sorted((list(ids), [IGNORE, *labels[1:]]) for ids, labels in examples)
+
+
+def test_encode_causal_lm_keeps_every_example_whole_in_a_row():
+    """Examples of 3, 2 and 5 tokens (words, EOS) in rows of 6: none is dropped or split
+    (cut into rows of 6, they left 4 tokens out); the 5 has a row, the 3 and the 2 share
+    the other, positions restarting at each, each row padded at its end."""
     words = ["[PAD]", "[UNK]", "</s>", "a", "b", "c", "d", "e", "f", "g"]
     tok = word_tokenizer(words)
-    with pytest.warns(UserWarning, match=r"1 of 3 rows keep no supervised tokens .*\(rows 2\)"):
-        data = train.encode_causal_lm(tok, ["a b", "c", "d e f g"], max_length=4, pack=True)
-    a, b, c, d, e, f, eos = (words.index(w) for w in [*"abcdef", "</s>"])
-    np.testing.assert_array_equal(data["input_ids"], [[a, b, eos, c], [eos, d, e, f]])
-    np.testing.assert_array_equal(data["position_ids"], [[0, 1, 2, 0], [0, 0, 1, 2]])
-    # no example predicts the next one's first token
-    np.testing.assert_array_equal(data["labels"], [[IGNORE, b, eos, IGNORE], [eos, IGNORE, e, f]])
-    assert (data["attention_mask"] == 1).all()
+    texts = ["a b", "c", "d e f g"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing truncated, no example without a label
+        data = train.encode_causal_lm(tok, texts, max_length=6, pack=True)
+    a, b, c, d, e, f, g, eos = (words.index(w) for w in [*"abcdefg", "</s>"])
+    want = [([a, b, eos], [a, b, eos]), ([c, eos], [c, eos]), ([d, e, f, g, eos],) * 2]
+    assert sorted(unpacked(data)) == _packed(want)
+    assert data["input_ids"].shape == (2, 6)
+    assert sorted(data["position_ids"].tolist()) == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 0]]
+
+
+def test_eight_chats_of_23_tokens_are_all_kept_in_rows_of_64():
+    """The new user's case: 8 chats of 23 tokens, packed in rows of 64, were 34 of 56
+    supervised tokens (one chat never trained, one cut from its user turn). Every chat
+    is kept whole, two to a row, learning what it learns unpacked."""
+    chats = [
+        [
+            {"role": "user", "content": " ".join(f"w{(n + k) % 20}" for k in range(9))},
+            {"role": "assistant", "content": " ".join(f"w{(3 * n + k) % 20}" for k in range(10))},
+        ]
+        for n in range(8)
+    ]
+    assert {len(_by_hand(c)[0]) for c in chats} == {23}
+    data = train.encode_chat(_tokenizer(MARKED), chats, max_length=64, pack=True)
+    assert data["input_ids"].shape == (4, 64)
+    assert sorted(unpacked(data)) == _packed(_by_hand(c) for c in chats)
+    unpacked_rows = train.encode_chat(_tokenizer(MARKED), chats, max_length=64)
+    assert train.supervised_tokens(data) == train.supervised_tokens(unpacked_rows) == 8 * 11
+
+
+def test_packing_truncates_a_long_example_as_unpacked_rows_do():
+    """An example longer than `max_length` is cut to it (and warned about), as an unpacked
+    row is, never continued in another row."""
+    words = ["[PAD]", "[UNK]", "</s>", "a", "b", "c", "d", "e", "f", "g"]
+    tok = word_tokenizer(words)
+    texts = ["a b c d e f", "g"]
+    with pytest.warns(UserWarning, match=r"1 of 2 examples are longer than max_length=4 .*rows 1"):
+        data = train.encode_causal_lm(tok, texts, max_length=4, pack=True)
+    unpacked_rows = train.encode_causal_lm(tok, texts, max_length=4)
+    long = unpacked_rows["input_ids"][0].tolist()
+    g, eos = words.index("g"), words.index("</s>")
+    assert sorted(unpacked(data)) == _packed([(long, long), ([g, eos], [g, eos])])
 
 
 def test_encode_chat_restarts_positions_at_each_conversation():
-    """The two chats of test_chat_data (18 and 8 tokens) in rows of 13: the first fills
-    the first row and goes on from 0 in the second, where the other starts at its 5th
-    token. The labels are the chats' own (their first tokens are the roles' words)."""
-    data = train.encode_chat(_tokenizer(MARKED), CHATS, max_length=13, pack=True)
-    np.testing.assert_array_equal(
-        data["position_ids"], [list(range(13)), [0, 1, 2, 3, 4, *range(8)]]
-    )
-    ids, labels = map(np.concatenate, zip(*(_by_hand(c) for c in CHATS)))
-    np.testing.assert_array_equal(data["input_ids"], ids.reshape(2, 13))
-    np.testing.assert_array_equal(data["labels"], labels.reshape(2, 13))
+    """The two chats of test_chat_data (18 and 8 tokens) in rows of 18: each in a row of
+    its own, counted from 0, with the chats' own labels (their first tokens are the
+    roles' words)."""
+    data = train.encode_chat(_tokenizer(MARKED), CHATS, max_length=18, pack=True)
+    assert sorted(data["position_ids"].tolist()) == [[*range(8), *[0] * 10], list(range(18))]
+    assert sorted(unpacked(data)) == _packed(_by_hand(c) for c in CHATS)
 
 
 def test_padded_packed_rows_keep_their_examples_apart(models):

@@ -13,6 +13,9 @@ PEFT's tensors back exactly.
 Every model is a tiny random-init transformers checkpoint in fp32 (one real MiniLM case).
 """
 
+import dataclasses
+import json
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,7 @@ VOCAB = 97
 TOL = 1e-4
 EFFECT = 1e-2  # an adapter must move the outputs by at least this much, or it tests nothing
 WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -734,6 +738,73 @@ def assert_same_leaves_of(a, b):
     assert len(la) == len(lb)
     for x, y in zip(la, lb):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---------------------------------------------------------------- PiSSA
+
+PISSA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+
+@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+def test_pissa_places_the_residual_as_peft_does(layout, checkpoint, base, tmp_path):
+    """PiSSA changes the base weight to `W - s·B·A`: at init the logits are the base
+    model's, the residual alone is PEFT's residual, a PEFT file saying `"pissa"` applies to
+    the residual PEFT derives on loading, a peftx file loads in PEFT alike, and PEFT's
+    conversion to a plain LoRA on the original base (`path_initial_model_for_weight_
+    conversion`) is read and written as PEFT does."""
+    path = checkpoint("llama")
+    ids, mask = batch("llama")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    theirs = peft.get_peft_model(
+        torch_base(path, "llama"), peft.LoraConfig(**PISSA, init_lora_weights="pissa")
+    ).eval()
+    with theirs.disable_adapter():
+        their_residual = torch_out(theirs, ids, mask, "llama")
+    assert np.abs(their_residual - reference).max() > EFFECT  # the residual differs
+    theirs.peft_config["default"].init_lora_weights = True  # PEFT's recipe for conversion
+    theirs.save_pretrained(tmp_path / "peft_init")
+    theirs.peft_config["default"].init_lora_weights = "pissa"
+
+    config = peftx.LoraConfig(**PISSA, init_lora_weights="pissa")
+    ours = peftx.get_peft_model(base("llama", layout), config, key=jax.random.key(0))
+    assert_same(jax_out(ours, ids, mask), reference, mask)
+    assert_same(jax_out(ours.disable_adapters(), ids, mask), their_residual, mask, reference)
+    initial = dataclasses.replace(config, init_lora_weights=True)
+    ours.with_config("default", initial).save_pretrained(tmp_path / "ours_init")
+
+    # a trained PEFT PiSSA file (its config says "pissa"), loaded by both; and converted
+    theirs = randomize_torch_adapters(theirs, seed=5)
+    theirs.save_pretrained(tmp_path / "peft")
+    their_trained = torch_out(theirs, ids, mask, "llama")
+    theirs.save_pretrained(
+        tmp_path / "peft_lora", path_initial_model_for_weight_conversion=tmp_path / "peft_init"
+    )
+    loaded = peftx.PeftModel.from_pretrained(base("llama", layout), tmp_path / "peft")
+    assert loaded.peft_config["default"].init_lora_weights == "pissa"
+    assert_same(jax_out(loaded, ids, mask), their_trained, mask, reference)
+    again = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path / "peft")
+    assert_same(torch_out(again.eval(), ids, mask, "llama"), their_trained, mask)
+    converted = peftx.PeftModel.from_pretrained(base("llama", layout), tmp_path / "peft_lora")
+    assert converted.peft_config["default"].r == 2 * PISSA["r"]
+    assert_same(jax_out(converted, ids, mask), their_trained, mask, reference)
+
+    # a trained peftx PiSSA adapter, loaded by PEFT, as it is and converted
+    ours = randomized(ours, jax.random.key(6))
+    ours.save_pretrained(tmp_path / "ours")
+    ours.save_pretrained(
+        tmp_path / "ours_lora", path_initial_model_for_weight_conversion=tmp_path / "ours_init"
+    )
+    ours_trained = jax_out(ours, ids, mask)
+    for saved in ("ours", "ours_lora"):
+        back = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path / saved)
+        assert_same(ours_trained, torch_out(back.eval(), ids, mask, "llama"), mask, reference)
+    configs = [json.loads((tmp_path / d / CONFIG).read_text()) for d in ("peft_lora", "ours_lora")]
+    fields = ("r", "lora_alpha", "init_lora_weights", "rank_pattern", "alpha_pattern")
+    assert [{f: c[f] for f in fields} for c in configs][0] == {f: configs[1][f] for f in fields}
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa'; save it with"):
+        ours.save_pretrained(
+            tmp_path / "refused", path_initial_model_for_weight_conversion=tmp_path / "ours"
+        )
 
 
 # ---------------------------------------------------------------- the real MiniLM

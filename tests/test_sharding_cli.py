@@ -1,10 +1,12 @@
 """`peftx finetune` on a mesh: the `[mesh]` table (and `--set mesh.*`) gives the adapter
-the one-device run gives, for LoRA and a QLoRA job, with the mesh and each device's
-bytes printed at start; bad `[mesh]` values are one line and change nothing.
+the one-device run gives, for LoRA and a QLoRA job (resumed on another mesh), with the
+mesh and each device's bytes printed at start; bad `[mesh]` values are one line and
+change nothing.
 
 The 8-device runs are child processes with `--xla_force_host_platform_device_count=8`,
 so this suite keeps one device."""
 
+import json
 import re
 import signal
 import sys
@@ -95,15 +97,38 @@ def test_finetune_on_a_mesh_writes_the_one_device_adapter(llama, lora_one, tmp_p
     assert not (tmp_path / "bad").exists()
 
 
-def test_qlora_without_a_mesh_table_uses_every_device(llama, tmp_path, capsys):
+def _stopped_after_first_checkpoint(job, sets, monkeypatch):
+    """`peftx finetune job --set ...` in this process, on its one device, stopped (as by
+    Ctrl-C) once it has saved its first checkpoint."""
+    from peftx import train
+    from peftx.cli import main
+
+    save = train.save_checkpoint
+
+    def save_and_stop(*args, **kwargs):
+        save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(train, "save_checkpoint", save_and_stop)
+        assert main(["finetune", str(job), *sum((["--set", s] for s in sets), [])]) == 130
+
+
+def test_qlora_without_a_mesh_table_uses_every_device(llama, tmp_path, capsys, monkeypatch):
+    """The 8-device run goes on from the checkpoint of a run stopped on one device, on
+    a one-device mesh of the `dp` rules: another mesh and device count, the same job."""
     job = llama / "job.toml"
     one = _one_device(job, tmp_path / "one", "train.quantize=true")
     assert "mesh " not in capsys.readouterr().out  # one device and no table: the plain path
-    code, out, err = _on_eight(
-        job, f"output.dir={tmp_path / 'eight'}", *QUICK, "train.quantize=true"
-    )
+    sets = [f"output.dir={tmp_path / 'eight'}", *QUICK, "train.quantize=true"]
+    sets += ["train.checkpoint_every=1"]
+    _stopped_after_first_checkpoint(job, [*sets, "mesh.rules=dp"], monkeypatch)
+    assert "mesh data=1, fsdp=1, tensor=1 (1 cpu devices), rules dp" in capsys.readouterr().out
+    code, out, err = _on_eight(job, *sets)
     assert code == 0, err[-3000:]
     _mesh_line(out, "data=1, fsdp=8, tensor=1")  # the default: every device on fsdp
+    checkpoint = tmp_path / "eight" / "checkpoints" / "checkpoint-00000001"
+    assert f"resuming from {checkpoint} (step 1 of 3)" in out
     _same_adapter(tmp_path / "eight", one, "qlora")
 
 
@@ -123,9 +148,31 @@ def test_generate_and_merge_take_the_mesh_as_options(llama, lora_one, tmp_path, 
     code, out, err = _on_eight(None, command=["merge", base, adapter, tmp_path / "merged eight"])
     assert code == 0, err[-3000:]
     assert "mesh data=1, fsdp=8, tensor=1 (8 cpu devices), rules fsdp" in out
-    for name in ("config.json", "model.safetensors"):
-        want = (tmp_path / "merged one" / name).read_bytes()
-        assert (tmp_path / "merged eight" / name).read_bytes() == want, name
+    one, eight = tmp_path / "merged one", tmp_path / "merged eight"
+    assert (eight / "config.json").read_bytes() == (one / "config.json").read_bytes()
+    # weights the adapter leaves are the same bytes; a merged one W + s·B·A within 1 ulp of
+    # |W| + s·|B|·|A| (XLA compiles the sharded B·A apart from the one-device one: on AMD
+    # EPYC about 10% of these weights differ, by 1 such ulp)
+    got, want = (safetensors.numpy.load_file(str(d / "model.safetensors")) for d in (eight, one))
+    weights = safetensors.numpy.load_file(str(base / "model.safetensors"))
+    factors = safetensors.numpy.load_file(str(adapter / "adapter_model.safetensors"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    assert got.keys() == want.keys()
+    merged = 0
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        lora_a = f"base_model.model.{k.removesuffix('.weight')}.lora_A.weight"
+        if lora_a not in factors:
+            assert got[k].tobytes() == want[k].tobytes(), k
+            continue
+        merged += 1
+        a = factors[lora_a].astype(np.float64)
+        b = factors[lora_a.replace("lora_A", "lora_B")].astype(np.float64)
+        terms = np.abs(weights[k].astype(np.float64)) + scale * (np.abs(b) @ np.abs(a))
+        ulp = np.spacing(terms.astype(np.float32))
+        assert (np.abs(got[k].astype(np.float64) - want[k]) <= ulp).all(), k
+    assert merged == 3 * 2  # q_proj, v_proj and down_proj of both layers
 
 
 def test_bad_mesh_tables_are_one_line(llama, tmp_path, capsys):

@@ -25,6 +25,7 @@ import pytest
 import safetensors.numpy
 import tokenizers
 import transformers
+from helpers import unpacked
 
 import peftx
 from peftx import train
@@ -350,23 +351,19 @@ def test_bf16_base_trains_fp32_adapters(causal_batch):
 # ---------------------------------------------------------------------------- data
 
 
-def test_encode_causal_lm_packs_examples_in_order():
+def test_encode_causal_lm_packs_every_example_whole():
     texts = [_words(10 + i, 2 + 3 * i % 7) for i in range(6)]
     prompts = [_words(20 + i, i % 3) for i in range(6)]
-    data = train.encode_causal_lm(_tokenizer(), texts, prompts, max_length=8, pack=True)
-    flat_ids, flat_labels = [], []
+    data = train.encode_causal_lm(_tokenizer(), texts, prompts, max_length=12, pack=True)
+    want = []
     for prompt, text in zip(prompts, texts, strict=True):
-        flat_ids += _ids(prompt) + _ids(text) + [EOS]
+        ids = _ids(prompt) + _ids(text) + [EOS]
         labels = [-100] * len(_ids(prompt)) + _ids(text) + [EOS]
-        flat_labels += [-100] + labels[1:]  # packed: nothing seen predicts the first token
-    rows = len(flat_ids) // 8
-    assert len(flat_ids) % 8 and rows >= 3  # a remainder to drop
-    assert data["input_ids"].shape == (rows, 8)
-    np.testing.assert_array_equal(data["input_ids"].ravel(), flat_ids[: rows * 8])
-    np.testing.assert_array_equal(data["labels"].ravel(), flat_labels[: rows * 8])
-    np.testing.assert_array_equal(data["attention_mask"], np.ones((rows, 8)))
-    with pytest.raises(ValueError, match="fewer than one packed row"):
-        train.encode_causal_lm(_tokenizer(), ["w1"], max_length=8, pack=True)
+        want.append((ids, [-100] + labels[1:]))  # packed: nothing seen predicts the first
+    assert sum(len(ids) for ids, _ in want) % 12  # a remainder, kept in a padded row
+    assert max(len(ids) for ids, _ in want) <= 12
+    assert sorted(unpacked(data)) == sorted(want)
+    assert data["input_ids"].shape[1] == 12
 
 
 def test_encode_causal_lm_pads_right_without_packing():
@@ -443,6 +440,25 @@ def test_train_batches_draw_a_new_order_each_epoch_and_seed():
     assert len({tuple(order(0, e)) for e in range(3)} | {tuple(order(1, 0))}) == 4
     with pytest.raises(ValueError, match="3 rows, fewer than one batch of 4"):
         next(train.train_batches(_rows(3), 4, seed=0))
+
+
+def test_batch_size_is_the_micro_batch_as_in_a_job():
+    """`batch_size` is the micro-batch everywhere, as a job's `train.batch_size` and TRL's
+    `per_device_train_batch_size`: a step takes `batch_size * grad_accumulation` rows,
+    here the rows of each epoch's permutation written out, 4 x 3 at a time."""
+    data = _rows(30)
+    it = train.train_batches(data, 4, seed=7, grad_accumulation=3)
+    for n in range(4):  # two steps of 12 a epoch
+        epoch, index = divmod(n, 2)
+        order = np.random.default_rng([7, epoch]).permutation(30)
+        np.testing.assert_array_equal(next(it)["x"], order[12 * index : 12 * (index + 1)])
+    # two datasets: each micro-batch of 4 holds 2 rows of each, 3 micro-batches a step
+    mixed = next(train.mixed_batches([_rows(30), _rows(30)], 4, seed=7, grad_accumulation=3))
+    assert mixed["source"].tolist() == [0, 0, 1, 1] * 3
+    order = np.random.default_rng([7, 0]).permutation(30)[:6]
+    assert mixed["x"].tolist() == [x for k in range(3) for x in [*order[2 * k : 2 * k + 2]] * 2]
+    with pytest.raises(ValueError, match="a micro-batch of 3 rows .* equal rows of 2 datasets"):
+        next(train.mixed_batches([_rows(30), _rows(30)], 3, seed=7, grad_accumulation=2))
 
 
 def test_eval_batches_cover_every_row_once_and_padding_is_ignored():

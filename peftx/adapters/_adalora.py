@@ -299,11 +299,7 @@ class RankAllocator(AbstractTrainHook):
     def start(cls, config: Any, adapter_name: str, trainable: Any) -> "RankAllocator":
         """The allocator of the run about to train adapter `adapter_name` (with
         `config`, an `AdaLoraConfig`) in `trainable`: nothing smoothed, every rank kept."""
-        if config.target_r > config.init_r:  # PEFT fails at its first allocation instead
-            raise ValueError(
-                f"AdaLoRA prunes ranks: target_r={config.target_r} must not exceed "
-                f"init_r={config.init_r} to train adapter {adapter_name!r}."
-            )
+        config.check_trainable()
         layers = _layers(trainable, adapter_name)
         if not layers:
             raise ValueError(f"adapter {adapter_name!r} has no AdaLoRA layers to allocate.")

@@ -198,12 +198,21 @@ def _grouped(
         return NotImplemented
     dims = {"ragged_dot_dimension_numbers": _GROUPED, **params}
     base = primitive.bind(x, w.weight, group_sizes, **dims)
+    return add_update(base, grouped_update(primitive, x, w, group_sizes, dims))
+
+
+def grouped_update(
+    primitive: Any, x: jax.Array, w: ExpertLoraArray, group_sizes: jax.Array, params: Any
+) -> Any:
+    """The adapter branch of the grouped product (`ragged_dot_general`, its `params`) of
+    `x`'s rows with `w`, in the factors' dtype; NotImplemented for any other product."""
+    if w.stack_ndim or params["ragged_dot_dimension_numbers"] != _GROUPED:
+        return NotImplemented
     a, b = w.factors()
     dtype = a.dtype
-    branch = {**dims, "preferred_element_type": None}
+    branch = {**params, "preferred_element_type": None}
     t = primitive.bind(x.astype(dtype), a, group_sizes, **branch)
-    delta = primitive.bind(jnp.asarray(w.scaling, dtype) * t, b, group_sizes, **branch)
-    return add_update(base, delta)
+    return primitive.bind(jnp.asarray(w.scaling, dtype) * t, b, group_sizes, **branch)
 
 
 @primitive_handler("gather")

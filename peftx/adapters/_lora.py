@@ -303,8 +303,8 @@ def _mixed_lora_update(
 ) -> Any:
     """`Σ_k gate_k · scaling_k · B_k·A_k·x` as one low-rank product of rank `Σ r_k`: the
     factors concatenated along `r`, the gate and scalings applied to the small `(tokens,
-    Σ r)` intermediate. `gate` is `(n,)` (one row) or `(batch, n)` (rows along `x`'s leading
-    axis). The result is in the adapters' compute dtype. Plain LoRA without active dropout
+    Σ r)` intermediate. `gate` is `(n,)` (one row) or `(*lead, n)` (rows along `x`'s
+    leading axes). The result is in the adapters' compute dtype. Plain LoRA without active dropout
     only; otherwise `NotImplemented`."""
     if (
         any(w.kernel_ndim or (w.lora_dropout and w.dropout_key is not None) for w in ws)
@@ -325,7 +325,7 @@ def _mixed_lora_update(
     scale = jnp.take(gate.astype(dtype), repeat, axis=-1) * scalings.reshape(
         (1,) * (gate.ndim - 1) + (-1,)
     )
-    scale_labels = ("r",) if gate.ndim == 1 else (p.x[0], "r")
+    scale_labels = (*p.x[: gate.ndim - 1], "r")
     first, second = order(a, b)
     return low_rank(p, *order(*_factor_labels(w0, p)), scale_labels)(
         x.astype(dtype), first, second, scale

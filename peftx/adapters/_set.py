@@ -8,10 +8,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ..implicit import ImplicitArray, Slot, materialize, primitive_handler, use_implicit_args
+from ..implicit import (
+    ImplicitArray,
+    Slot,
+    materialize,
+    primitive_handler,
+    use_implicit_args,
+)
+from ._experts import ExpertLoraArray, grouped_update
 from ._kind import AbstractWeight
 from ._layout import WeightProduct, weight_dot_handlers, weight_product
-from ._products import add_update, wider_dtype
+from ._products import add_update, taken_rows, wider_dtype
 
 
 def _is_slot(x: Any) -> bool:
@@ -31,8 +38,9 @@ class AdapterSet(AbstractWeight):
     in place of its weight; `adapter(name)` returns it on the shared base. Active adapters
     add their updates to the base product: `W·x + Σ_k g_k · update_k(x)`, where `g_k` is
     1, or, with a `gate`, column `k` of `gate` (one row per example along the leading axis
-    of the activations, or a single row inside `jax.vmap`). A one-hot gate gives each
-    example its own adapter (HF PEFT's mixed-adapter batches); a zero row gives the base.
+    of the activations, or a single row inside `jax.vmap`; `peftx.implicit.gate_rows`
+    makes it follow rows that a model reorders). A one-hot gate gives each example its own
+    adapter (HF PEFT's mixed-adapter batches); a zero row gives the base.
     Names in `active` that this weight does not carry contribute nothing.
 
     With one active adapter and no gate, every primitive sees that adapter itself, so its
@@ -113,6 +121,17 @@ def adapter_set(
     return AdapterSet(weight, {n: detach(a) for n, a in adapters.items()}, None, active)
 
 
+@primitive_handler("gate_rows")
+def _gate_rows(primitive: Any, s: AdapterSet, rows: Array) -> Any:
+    """A per-example gate taken at `rows`: row `i` of the product's input is row
+    `rows[i]` of the activations (`peftx.implicit.gate_rows`)."""
+    if s.gate is None or s.gate.ndim < 2:
+        return s
+    # tree_at, not the constructor: inside a scan over stacked layers the slots keep the
+    # whole stack's shape
+    return eqx.tree_at(lambda t: t.gate, s, jnp.take(s.gate, rows, axis=0))
+
+
 def _set_dot(s: AdapterSet, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
     single = s.single()
     if single is not None:
@@ -138,23 +157,25 @@ def _set_dot(s: AdapterSet, x: Array, w_is_lhs: bool, params: dict[str, Any]) ->
         u = update(adapter, x, w_is_lhs, params, base)
         if u is NotImplemented:
             return NotImplemented
-        g = gate[k] if gate.ndim == 1 else p.along(gate[:, k], (p.x[0],), p.out)
+        g = gate[k] if gate.ndim == 1 else p.along(gate[..., k], p.x[: gate.ndim - 1], p.out)
         updates.append(g.astype(u.dtype) * u)
     wide = wider_dtype(*(u.dtype for u in updates))
     return add_update(base, sum((u.astype(wide) for u in updates[1:]), updates[0].astype(wide)))
 
 
 def _checked_gate(s: AdapterSet, p: WeightProduct, x: Array) -> Array:
-    """The gate (ones when there is none), checked to route along `x`'s leading axis."""
+    """The gate (ones when there is none), checked to route along `x`'s leading axes."""
     if s.gate is None:
         return jnp.ones((len(s.active),), jnp.float32)
     if s.gate.ndim == 1:
         return s.gate
-    if s.gate.ndim != 2 or p.x[0] not in p.out or x.shape[0] != s.gate.shape[0]:
+    lead = s.gate.ndim - 1
+    kept = all(label in p.out for label in p.x[:lead])
+    if not kept or x.shape[:lead] != s.gate.shape[:lead]:
         raise ValueError(
             f"a per-example adapter gate of shape {tuple(s.gate.shape)} routes along the "
             f"leading axis of the activations, but this product's input has shape "
-            f"{tuple(x.shape)} (leading axis {'contracted' if p.x[0] not in p.out else 'kept'})."
+            f"{tuple(x.shape)} (leading axis {'kept' if kept else 'contracted'})."
             " If the model loops over examples itself (e.g. `jax.vmap` inside), call it "
             "under your own `jax.vmap` with one adapter id per example instead."
         )
@@ -210,7 +231,7 @@ def _reduced(primitive: Any, args: tuple[Any, ...], params: dict[str, Any]) -> A
     if s.gate is None:
         return NotImplemented
     if s.gate.ndim != 1:
-        raise ValueError(_batch_gate_message(s, f"`{primitive.name}`"))
+        return _rows_gated(primitive, bind, args, i, params)
 
     def with_weight(w: Any) -> list[Any]:
         return [*args[:i], w, *args[i + 1 :]]
@@ -220,6 +241,40 @@ def _reduced(primitive: Any, args: tuple[Any, ...], params: dict[str, Any]) -> A
     for k, name in s.used():
         out = out + s.gate[k].astype(base.dtype) * (bind(*with_weight(s.adapter(name))) - base)
     return out
+
+
+def _rows_gated(
+    primitive: Any, bind: Any, args: tuple[Any, ...], i: int, params: dict[str, Any]
+) -> Any:
+    """A primitive on a set whose gate routes rows of activations: whole matrices taken
+    from a stack (experts, `jnp.take(w, idx, axis=0)`) keep the gate; a grouped product
+    adds each row's updates to the base product."""
+    s = args[i]
+    used = s.used()
+    if primitive.name == "gather" and i == 0 and len(s.shape) > 2:
+        if not taken_rows(s.shape, args[1], params):
+            raise ValueError(_batch_gate_message(s, "this `gather`"))
+        weight = bind(s.weight, *args[1:])
+        taken = {name: detach(bind(s.adapter(name), *args[1:])) for _, name in used}
+        return AdapterSet(weight, taken, s.gate, s.active)
+    if primitive.name == "ragged_dot_general" and i == 1:
+        x, _, group_sizes = args
+        if s.gate.shape[:-1] != x.shape[:1]:
+            raise ValueError(_batch_gate_message(s, "this grouped product's input"))
+        base = bind(x, s.weight, group_sizes)
+        updates = []
+        for k, name in used:
+            adapter = s.adapter(name)
+            if not isinstance(adapter, ExpertLoraArray):
+                return NotImplemented
+            u = grouped_update(primitive, x, adapter, group_sizes, params)
+            if u is NotImplemented:
+                return NotImplemented
+            updates.append(s.gate[:, k, None].astype(u.dtype) * u)
+        if not updates:
+            return base
+        return add_update(base, sum(updates[1:], updates[0]))
+    raise ValueError(_batch_gate_message(s, f"`{primitive.name}`"))
 
 
 @primitive_handler(list(_REDUCIBLE))

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import ConfigFileError
-from .._files import read_toml as read_toml_file
+from .._files import copy_file, read_toml as read_toml_file
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
 
@@ -47,6 +47,65 @@ def model_dir(value: str | None) -> Path:
             f"directory (config.json + model.safetensors), or {BUNDLED_MODEL!r}"
         )
     return path
+
+
+# what a merged checkpoint takes from its base beside the weights: the tokenizer, its chat
+# template (transformers writes it apart from tokenizer_config.json) and the generation settings
+BASE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+    "merges.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+def copy_base_files(base: Path, out: Path) -> list[str]:
+    """Copy the `BASE_FILES` that checkpoint directory `base` has into `out` (`peftx merge`
+    and `output.merged` both); returns their names."""
+    copied = [name for name in BASE_FILES if (base / name).is_file()]
+    for name in copied:
+        copy_file(base / name, out / name)
+    return copied
+
+
+# the files a saved tokenizer keeps its vocabulary in (`tokenizer.save_pretrained` writes one)
+TOKENIZER_VOCABULARIES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The tokenizer saved in the model directory `path`, which every subcommand that
+    tokenizes loads here. A directory with no vocabulary file is a `UsageError` naming
+    the files: transformers would build BERT an empty vocabulary from `config.json`
+    (every token `[UNK]`), and fail on Llama with a sentencepiece/tiktoken message."""
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in TOKENIZER_VOCABULARIES):
+        raise UsageError(
+            f"model directory {str(path)!r} has no tokenizer: it needs one of "
+            f"{', '.join(TOKENIZER_VOCABULARIES)} (with tokenizer_config.json), as "
+            "tokenizer.save_pretrained(DIR) writes them"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        reason = " ".join(str(e).split())
+        raise UsageError(f"no tokenizer could be loaded from {str(path)!r}: {reason}") from None
 
 
 TASKS = {
@@ -187,6 +246,22 @@ def adapter_config(toml_path: str | Path) -> Any:
         return from_toml(toml_path)
     except (ValueError, TypeError) as e:
         raise UsageError(f"{toml_path}: {e}") from None
+
+
+def first_non_finite(model: Any) -> str | None:
+    """The dotted path of the first array of `model` that holds NaN or infinity (a broken
+    base or adapter, which would make every output NaN), or None."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    from .._select import dotted
+
+    arrays = eqx.filter(model, eqx.is_inexact_array)
+    for keypath, array in jax.tree_util.tree_flatten_with_path(arrays)[0]:
+        if not bool(jnp.all(jnp.isfinite(array))):
+            return dotted(keypath)
+    return None
 
 
 def hf_config(path: Path) -> dict[str, Any]:

@@ -19,21 +19,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._files import temporary_file, write_text
+from .._files import followed, naming_a_full_disk, temporary_file, write_text
 from ._common import (
     BUNDLED_MODEL,
     ModelSettings,
     RunFailed,
     UsageError,
     adapter_tables,
+    copy_base_files,
     hf_config,
     job_model,
+    load_tokenizer,
     model_class_for,
     read_toml,
     unknown_key,
 )
 from ._mesh import mesh_settings, on_mesh, placement_line, run_mesh
-from ._run_dir import Run, open_run, plan_output
+from ._run_dir import DATA_FILES, Run, data_record, open_run, plan_output
 
 DATA_KEYS = {
     "train": None,
@@ -66,7 +68,7 @@ TRAIN_KEYS = {
 OUTPUT_KEYS = {"dir": None, "merged": False, "keep_checkpoints": 2}
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
-PATHS = {("model", "path"), ("data", "train"), ("data", "eval")}
+PATHS = {("model", "path"), ("data", "train"), ("data", "eval"), ("output", "dir")}
 TASK_TYPES = {"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
 # a name is a folder of the output (PEFT saves an adapter in a subfolder of its name)
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -212,6 +214,7 @@ class Job:
 
     def __init__(self, path: Path, overrides: list[str]):
         self.path = path
+        self._data_record: dict[str, Any] | None = None
         raw = read_toml(path)
         for item in overrides:
             _override(raw, item)
@@ -228,8 +231,11 @@ class Job:
         self.mesh = mesh_settings(raw.get("mesh"), str(path))
         self.multi = "adapters" in raw
         self.adapters = self._several(raw, path) if self.multi else [self._single(raw, path)]
-        out = self.output["dir"] or f"runs/{path.stem}"
-        self.out = Path(out)
+        # the file's output.dir is taken from its directory, the default from the current one
+        out = self.output["dir"]
+        out = path.parent / Path(out).expanduser() if out else Path("runs", path.stem)
+        # a link is followed: the run is written beside its target and swapped in there
+        self.out = followed(out)
 
     def _config(self, kind: str, table: Any, where: str) -> tuple[Any, bool]:
         """The config of an adapter table, and whether it takes the run's number of steps
@@ -246,6 +252,7 @@ class Job:
         given = {**table, "total_step": MAX_COUNT} if from_run else table
         try:
             config = cls.from_dict({"task_type": TASK_TYPES[self.model.task], **given}, strict=True)
+            config.check_trainable()
         except (ValueError, TypeError) as e:
             raise UsageError(f"{where}: {e}") from None
         return config, from_run
@@ -327,8 +334,15 @@ class Job:
             kinds = [t for t in TOML_TABLES if t in entry]
             if len(kinds) != 1:
                 raise UsageError(
-                    f"{where}: needs exactly one of {table_names('adapters.')}, got "
-                    f"{len(kinds)}"
+                    f"{where}: needs exactly one of {table_names('adapters.')}, got {len(kinds)}"
+                )
+            if not TOML_TABLES[kinds[0]].mixed_batches:
+                together = [f"[adapters.{t}]" for t, c in TOML_TABLES.items() if c.mixed_batches]
+                raise UsageError(
+                    f"{where}: [adapters.{kinds[0]}] cannot be trained in [[adapters]], which "
+                    f"mixes its adapters in each batch, as PEFT does not for {kinds[0]} "
+                    f"adapters; [[adapters]] trains {', '.join(together)} together; train a "
+                    f"{kinds[0]} adapter alone, in a job with a [{kinds[0]}] table"
                 )
             first = [t for t in TOML_TABLES if t in entries[0]][0]
             if kinds[0] != first:
@@ -350,10 +364,14 @@ class Job:
         return adapters
 
     def resolved(self) -> dict[str, Any]:
-        """The job as it runs, for `job.json` (a resumed run must be the same job)."""
+        """The job as it runs, with its data files' sizes and hashes, for `job.json` (a
+        resumed run must be the same job on the same data)."""
         plain = json.loads(json.dumps(self.raw, default=str))
         plain["model"] = {k: str(v) for k, v in vars(self.model).items()}
-        return plain
+        if self._data_record is None:  # hashed once a run
+            files = dict.fromkeys(p for a in self.adapters for p in (a.train, a.eval))
+            self._data_record = data_record(list(files))
+        return {**plain, DATA_FILES: self._data_record}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -422,12 +440,19 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
         rows = dict(max_length=d["max_length"], pack=d["pack"], vocab_size=vocab_size)
         if d["messages_column"]:
             chats = [r[d["messages_column"]] for r in rs]
-            return _encoded(file, names, lambda: train.encode_chat(tokenizer, chats, **rows))
-        texts = [r[d["text_column"]] for r in rs]
-        prompts = [r[d["prompt_column"]] for r in rs] if d["prompt_column"] else None
-        return _encoded(
-            file, names, lambda: train.encode_causal_lm(tokenizer, texts, prompts, **rows)
-        )
+            data = _encoded(file, names, lambda: train.encode_chat(tokenizer, chats, **rows))
+        else:
+            texts = [r[d["text_column"]] for r in rs]
+            prompts = [r[d["prompt_column"]] for r in rs] if d["prompt_column"] else None
+            data = _encoded(
+                file, names, lambda: train.encode_causal_lm(tokenizer, texts, prompts, **rows)
+            )
+        if d["pack"]:
+            print(
+                f"packed {file}: all {len(rs)} examples, each whole in one row, in "
+                f"{len(data['input_ids'])} rows of {d['max_length']} tokens"
+            )
+        return data
 
     data = encode_lm(adapter.train), encode_lm(adapter.eval)
     counts = [train.supervised_tokens(x) for x in data]
@@ -460,6 +485,16 @@ def _datasets(job: Job, tokenizer: Any) -> tuple[list[tuple[dict, dict]], Any]:
     return pairs, labels
 
 
+def _saved_head_classes(path: Path) -> int | None:
+    """The classes of the classification head saved in the checkpoint at `path` (the rows
+    of its `classifier` or `score` weight; headers only), or None without one."""
+    from ..models._checkpoint import Reader
+
+    with Reader(path) as reader:
+        heads = [k for k in reader.keys() if re.fullmatch(r"(classifier|score)\.weight", k)]
+        return reader.shape(heads[0])[0] if heads else None
+
+
 def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any:
     """The base model with every adapter of the job on it (the first one active), read
     straight onto `mesh` when there is one."""
@@ -470,6 +505,13 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
 
     first = next(iter(labels.values())) if isinstance(labels, dict) else labels
     extra = {"num_labels": len(first)} if first else {}
+    saved = _saved_head_classes(job.model.path) if first else None
+    if saved is not None and saved != len(first):
+        raise UsageError(
+            f"{job.adapters[0].train} has {len(first)} labels ({', '.join(first)}), but the "
+            f"classifier saved in {job.model.path} has {saved}: give data with {saved} "
+            "labels, or fine-tune from its base model (a checkpoint without a classifier)"
+        )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*initialized fresh.*")
         model = models.from_pretrained(
@@ -634,7 +676,6 @@ def _run(
     job: Job, mesh: Any, rules: str | None, *, overwrite: bool, protected: list[tuple[str, Path]]
 ) -> None:
     import jax
-    from transformers import AutoTokenizer
 
     from .. import train
     from ..sharding import batch_parts
@@ -649,7 +690,7 @@ def _run(
             )
     # the whole job is checked (model, data, adapters) before the output is touched
     t = job.train
-    tokenizer = AutoTokenizer.from_pretrained(job.model.path, local_files_only=True)
+    tokenizer = load_tokenizer(job.model.path)
     pairs, labels = _datasets(job, tokenizer)
     names = [a.name for a in job.adapters]
     batch = t["batch_size"] * t["grad_accumulation"]
@@ -740,18 +781,16 @@ def _train(
         log.write(*_eval_records(job, 0, before))
     _report(job, "before fine-tuning:", before)
 
-    seed = t["seed"]
+    seed, ga = t["seed"], t["grad_accumulation"]
     if job.multi:
         mixed = train.mixed_batches(
-            [tr for tr, _ in pairs],
-            batch,
-            seed=seed,
-            start=start,
-            micro_batches=t["grad_accumulation"],
+            [tr for tr, _ in pairs], t["batch_size"], seed=seed, start=start, grad_accumulation=ga
         )
         batches = ({**b, "adapter_ids": ids[b.pop("source")]} for b in mixed)
     else:
-        batches = train.train_batches(pairs[0][0], batch, seed=seed, start=start)
+        batches = train.train_batches(
+            pairs[0][0], t["batch_size"], seed=seed, start=start, grad_accumulation=ga
+        )
     every = lambda n, k: bool(k) and n % k == 0  # noqa: E731
     check = lambda n, m: _check_finite(n, m, last_ckpt, t["learning_rate"])  # noqa: E731
     tick, seen, pending = time.perf_counter(), 0, None
@@ -894,6 +933,8 @@ def _finish(
             raise RunFailed(
                 f"the evaluation {split} training is not finite ({metrics}); no adapter was written"
             )
+    if not labels:
+        _check_learned(job, before, after, hf_config(job.model.path)["vocab_size"])
     if job.multi:
         check = _serving_check(peft_model, [a.name for a in job.adapters], pairs)
         print(
@@ -929,13 +970,44 @@ def _finish(
             )
         models.save_pretrained(peft_model.merge_and_unload(safe_merge=True), work / "merged")
         if writer:
-            tokenizer.save_pretrained(work / "merged")
+            copy_base_files(job.model.path, work / "merged")
         written.append(f"merged model: {out / 'merged'}")
     written += [f"metrics: {out / 'metrics.jsonl'}", f"curves: {out / 'curves.png'}"]
     if writer:
         write_text(work / "summary.json", json.dumps(summary, indent=2))
         shutil.rmtree(work / "checkpoints", ignore_errors=True)
     return written
+
+
+# how near ln(vocab_size) an eval loss is the uniform prediction's (float rounding)
+UNIFORM_TOLERANCE = 1e-4
+
+
+def _collapsed(before: float, after: float, vocab_size: int) -> bool:
+    """Whether a causal LM's eval losses before and after training say the run collapsed:
+    the loss after is not below the uniform prediction's, ln(vocab_size), and is worse
+    than before or is the uniform prediction's itself (within `UNIFORM_TOLERANCE`)."""
+    uniform = math.log(vocab_size)
+    margin = UNIFORM_TOLERANCE * uniform
+    return after >= uniform - margin and (after > before or after <= uniform + margin)
+
+
+def _check_learned(job: Job, before: dict, after: dict, vocab_size: int) -> None:
+    """`RunFailed` if a causal LM's run collapsed for any of its adapters (`_collapsed`:
+    it diverged to uniform output, or worse, without overflowing)."""
+    if job.multi:
+        losses = [(f"adapter {a.name!r}: ", before[a.name], after[a.name]) for a in job.adapters]
+    else:
+        losses = [("", before, after)]
+    for who, b, a in losses:
+        if _collapsed(b["loss"], a["loss"], vocab_size):
+            raise RunFailed(
+                f"the run collapsed: {who}eval loss {a['loss']:.4g} after training "
+                f"({b['loss']:.4g} before) is no better than a uniform prediction over the "
+                f"{vocab_size} tokens (ln {vocab_size} = {math.log(vocab_size):.4g}); lower "
+                f"train.learning_rate (now {job.train['learning_rate']:g}). No adapter was "
+                "written"
+            )
 
 
 def _all_finite(tree: Any) -> bool:
@@ -965,9 +1037,10 @@ class Log:
 
         if not writes_files():
             return
-        lines = [json.dumps(_finite_or_null(r), allow_nan=False) + "\n" for r in records]
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write("".join(lines))
+        lines = "".join(json.dumps(_finite_or_null(r), allow_nan=False) + "\n" for r in records)
+        data = lines.encode("utf-8")
+        with naming_a_full_disk(self.path, len(data)), self.path.open("ab") as f:
+            f.write(data)
 
     def truncate(self, after: int) -> None:
         """Drop the records past step `after` (a killed run's, after its last checkpoint),

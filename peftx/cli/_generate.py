@@ -15,7 +15,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._common import UsageError, model_class_for, model_dir, option_value, unknown_key
+from ._common import (
+    UsageError,
+    first_non_finite,
+    hf_config,
+    load_tokenizer,
+    model_class_for,
+    model_dir,
+    option_value,
+    unknown_key,
+)
 from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, placement_line, run_mesh
 
 SEED_LIMIT = 2**32  # jax.random.key keeps 32 bits of a seed without x64
@@ -143,13 +152,12 @@ def _prompt_ids(tokenizer: Any, prompt: str, chat: bool, path: Path) -> list[int
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from .. import quantize_model
     from .._peft_model import PeftModel
     from ..models import from_pretrained, generate
     from ..sharding import shard
     from ..sharding._hosts import to_host, writes_files
+    from ..train._data import check_vocab
 
     path = model_dir(args.model)
     if args.max_new_tokens < 1:
@@ -160,15 +168,17 @@ def run(args: argparse.Namespace) -> int:
     name = model_class_for("causal-lm", path)
     if args.adapter is not None and not Path(args.adapter).is_dir():
         raise UsageError(f"adapter directory {args.adapter!r} does not exist")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UsageError(f"no tokenizer could be loaded from {path}: {e}") from None
+    tokenizer = load_tokenizer(path)
     prompt = _prompt_ids(tokenizer, args.prompt, args.chat, path)
     if not prompt:
         raise UsageError("the prompt encodes to no tokens")
+    try:  # as `peftx finetune` checks its rows
+        check_vocab(tokenizer, np.asarray([prompt]), hf_config(path).get("vocab_size"))
+    except ValueError as e:
+        raise UsageError(f"the prompt's {e}") from None
     with compilation_cache():
         model = from_pretrained(path, model_class=name, **on_mesh(mesh, rules))
+        _check_finite(model, f"the model in {path}")
         positions = model.config.max_position_embeddings
         room = positions - len(prompt)
         if room < 1:
@@ -188,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
                 model = shard(model, mesh, rules)
         if args.adapter is not None:
             model = PeftModel.from_pretrained(model, args.adapter)
+            # the base is finite: what is not is the adapter's
+            _check_finite(model, f"the adapter in {args.adapter}")
         if mesh is not None:
             print(placement_line(mesh, rules, model), file=sys.stderr)
         eos = tokenizer.eos_token_id
@@ -210,6 +222,14 @@ def run(args: argparse.Namespace) -> int:
     if writes_files():  # of several processes, one prints
         print(tokenizer.decode(new, skip_special_tokens=True))
     return 0
+
+
+def _check_finite(model: Any, what: str) -> None:
+    """`ValueError` naming an array of `model` (`what`) that holds NaN or infinity, as
+    `peftx merge` refuses it: every token generated from it would be meaningless."""
+    broken = first_non_finite(model)
+    if broken is not None:
+        raise ValueError(f"{what}: {broken} holds NaN or infinite values; nothing was generated")
 
 
 def _left_padded(prompt: list[int], pad: int) -> tuple[np.ndarray, np.ndarray]:

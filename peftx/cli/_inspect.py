@@ -59,6 +59,7 @@ class _Plan:
     layout: str
     adapters: tuple[tuple[str, Any], ...] = ()
     named: bool = False
+    batch: tuple[int, int] | None = None  # a job's (batch_size, grad_accumulation)
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
@@ -87,7 +88,9 @@ def _plan(args: argparse.Namespace) -> _Plan:
     job = Job(Path(toml), [] if path is None else [f"model.path={json.dumps(str(path))}"])
     m = job.model
     adapters = tuple((a.name, a.config) for a in job.adapters)
-    return _Plan(m.path, model_class_for(m.task, m.path), m.dtype, m.layout, adapters, job.multi)
+    batch = job.train["batch_size"], job.train["grad_accumulation"]
+    name = model_class_for(m.task, m.path)
+    return _Plan(m.path, name, m.dtype, m.layout, adapters, job.multi, batch)
 
 
 def _default_class(path: Path) -> str:
@@ -195,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
         ("dtype stored", _stored_dtypes(plan.path)),
         ("parameters", f"{found['total']:,}"),
     ]
+    if plan.batch is not None:
+        size, steps = plan.batch
+        micro = f"{size} rows a micro-batch (train.batch_size) x {steps} (grad_accumulation)"
+        info.append(("batch", f"{micro} = {size * steps} rows a step (the effective batch)"))
     width = max(len(k) for k, _ in info)
     for k, v in info:
         print(f"{k:<{width}}  {v}")

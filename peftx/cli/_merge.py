@@ -1,30 +1,27 @@
 """`peftx merge BASE_DIR ADAPTER_DIR OUT_DIR`: an adapter (peftx's or PEFT's) merged into
-its base, saved as a transformers checkpoint with the base's tokenizer. The merge is
+its base, saved as a transformers checkpoint with the base's tokenizer, chat template and
+generation settings (`BASE_FILES`, as `output.merged` of a fine-tune). The merge is
 PEFT's `safe_merge`: a merged weight with NaN or infinity is an error naming the layer,
 and nothing is written."""
 
 import argparse
 import json
 import re
-import shutil
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
-from ._common import UsageError, hf_config, model_class_for, model_dir
+from ._common import (
+    UsageError,
+    copy_base_files,
+    first_non_finite,
+    hf_config,
+    model_class_for,
+    model_dir,
+)
 from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, placement_line, run_mesh
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.txt",
-    "merges.txt",
-    "vocab.json",
-    "tokenizer.model",
-    "added_tokens.json",
-)
 PEFT_TASKS = {"CAUSAL_LM": "causal-lm", "SEQ_CLS": "classification"}
 # PEFT's key of a classification head saved with the adapter (modules_to_save)
 _HEAD_KEY = re.compile(r"base_model\.model\.(.*\.)?(classifier|score)\.weight")
@@ -86,24 +83,6 @@ def _load_base(
     return from_pretrained(base, model_class=name, **placed)
 
 
-def _check_finite(model: Any, out: Path) -> None:
-    """Raise naming the first array of the merged model that holds NaN or infinity (an
-    adapter's own copy of a head, which merging does not check, or a broken base)."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-
-    from .._select import dotted
-
-    arrays = eqx.filter(model, eqx.is_inexact_array)
-    for keypath, array in jax.tree_util.tree_flatten_with_path(arrays)[0]:
-        if not bool(jnp.all(jnp.isfinite(array))):
-            raise ValueError(
-                f"the merged model's {dotted(keypath)} holds NaN or infinite values; nothing "
-                f"was written to {out}"
-            )
-
-
 def run(args: argparse.Namespace) -> int:
     from .._config import load_config
     from .._peft_model import PeftModel
@@ -133,13 +112,16 @@ def run(args: argparse.Namespace) -> int:
         # each weight merges with its adapter shard by shard, where it lies
         # PEFT's safe_merge: a broken adapter is named, and nothing is written
         merged = PeftModel.from_pretrained(model, adapter).merge_and_unload(safe_merge=True)
-        _check_finite(merged, out)
+        broken = first_non_finite(merged)  # an adapter's own copy of a head, or the base
+        if broken is not None:
+            raise ValueError(
+                f"the merged model's {broken} holds NaN or infinite values; nothing was "
+                f"written to {out}"
+            )
         save_pretrained(merged, out)
     if not writes_files():  # of several processes, process 0 writes and reports
         return 0
-    copied = [name for name in TOKENIZER_FILES if (base / name).is_file()]
-    for name in copied:
-        shutil.copyfile(base / name, out / name)
+    copied = copy_base_files(base, out)
     print(f"merged {adapter} into {base}: wrote {out}")
     if not copied:
         print(f"(no tokenizer files in {base} to copy)")

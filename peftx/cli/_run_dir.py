@@ -3,6 +3,7 @@ and replaced only by a run that has succeeded, keeping every file peftx did not 
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -23,6 +24,24 @@ RUN_ENTRIES = frozenset(
     | {"adapter", "merged", "checkpoints"}
 )
 Plan = Literal["new", "resume", "replace"]
+# the job's record of its data files (`data_record`): a run resumes only on the same bytes
+DATA_FILES = "data_files"
+# where a run computes, not what: its checkpoints restore onto any mesh and device count
+PLACEMENT = "mesh"
+
+
+def data_record(paths: list[Path]) -> dict[str, dict[str, Any] | None]:
+    """Each data file's size and SHA-256, for `job.json` (None for a file that cannot be
+    read: reading the data reports it)."""
+    record: dict[str, dict[str, Any] | None] = {}
+    for path in paths:
+        try:
+            with path.open("rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+                record[str(path)] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": digest}
+        except OSError:
+            record[str(path)] = None
+    return record
 
 
 def staging_dir(out: Path) -> Path:
@@ -73,14 +92,42 @@ def plan_output(
         return "replace"
     if not (out / JOB).exists() or not (out / "checkpoints").is_dir():
         return "new"  # killed before its first checkpoint: nothing to go on from
-    if _read_job(out) != job:
+    mismatch = _mismatch(_read_job(out), job)
+    if mismatch is not None:
         if not overwrite:
             raise UsageError(
-                f"{out} holds checkpoints of a different job; pass --overwrite to start over, "
-                "or set output.dir"
+                f"{out} holds checkpoints of {mismatch}; pass --overwrite to start over, or set "
+                "output.dir"
             )
         return "replace"
     return "replace" if overwrite else "resume"
+
+
+def _mismatch(recorded: Any, job: dict[str, Any]) -> str | None:
+    """What keeps the run of `recorded` (a `job.json`) from going on as `job`, or None:
+    the job (on any mesh) and its data files must be the same."""
+
+    def computed(j: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in j.items() if k not in (PLACEMENT, DATA_FILES)}
+
+    if not isinstance(recorded, dict) or computed(recorded) != computed(job):
+        return "a different job"
+    then = recorded.get(DATA_FILES)
+    if not isinstance(then, dict):
+        return "a different job"
+    for path, now in job[DATA_FILES].items():
+        old = then.get(path)
+        if now is not None and now != old:
+            was = "a file not read" if not isinstance(old, dict) else _describe(old)
+            return (
+                f"a run on data file {path!r} as it was then ({was}); it has changed since "
+                f"({_describe(now)}): put it back to resume"
+            )
+    return None
+
+
+def _describe(file: dict[str, Any]) -> str:
+    return f"{file['bytes']} bytes, sha256 {file['sha256']}"
 
 
 def _read_job(run: Path) -> Any:
@@ -179,7 +226,8 @@ def _open_run(
         work = out
         if plan == "replace":
             work = staging_dir(out)
-            if work.exists() and not is_run_dir(work):
+            if work.is_symlink() or (work.exists() and not is_run_dir(work)):
+                # a link is not a directory a run made: never cleared or written through
                 raise UsageError(f"{work} is in the way of the run replacing {out}; move it")
             work.mkdir(exist_ok=True)
             locks.append(Lock(work))
@@ -204,7 +252,7 @@ def _open_run(
 def _resumable(run: Path, job: dict[str, Any]) -> bool:
     """Whether `run` (a replacement run's directory) holds checkpoints of `job` to go on from."""
     unfinished = is_run_dir(run) and not (run / SUMMARY).exists()
-    return unfinished and (run / "checkpoints").is_dir() and _read_job(run) == job
+    return unfinished and (run / "checkpoints").is_dir() and _mismatch(_read_job(run), job) is None
 
 
 def _clear(run: Path) -> None:

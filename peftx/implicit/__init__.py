@@ -15,6 +15,7 @@ from ._core import (
     MaterializationPolicy as MaterializationPolicy,
     Slot as Slot,
     default_handler as default_handler,
+    gate_rows as gate_rows,
     is_implicit as is_implicit,
     is_template as is_template,
     materialization_policy as materialization_policy,

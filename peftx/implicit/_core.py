@@ -586,6 +586,20 @@ def materialize(x: Any) -> Array:
     return x if inner is None else _materialize_nested(inner)
 
 
+def gate_rows(w: Any, rows: Array) -> Any:
+    """`w`, for a product whose input row `i` (along its leading axes, `rows`' shape) is
+    row `rows[i]` of the activations a model was called with. The identity on dense
+    arrays; an implicit array's handler (`primitive_handler("gate_rows")`) may use it: an
+    `AdapterSet`'s per-example gate follows the rows. For models that reorder rows before
+    a product (a mixture of experts sorting tokens by expert)."""
+    return _engine.gate_rows_p.bind(w, rows)
+
+
+@primitive_handler("gate_rows")
+def _rows_of_any(primitive: Any, w: ImplicitArray, rows: Array) -> Any:
+    return w
+
+
 def is_implicit(x: Any) -> bool:
     """Whether `x` is an `ImplicitArray` (a convenient `is_leaf` for tree functions)."""
     return isinstance(x, ImplicitArray)

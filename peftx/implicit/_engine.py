@@ -51,6 +51,7 @@ import jax.extend.core.primitives as jprims
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import quax
+from jax.interpreters import ad, batching, mlir
 from jaxtyping import ArrayLike
 
 from .._errors import HandlerRegistrationError, UnsupportedVersionError, UntestedVersionWarning
@@ -228,6 +229,20 @@ def implicit_value(x: Any) -> Any:
     if isinstance(x, jax.core.Tracer) and isinstance(x, _internals().QuaxTracer):
         return x.value if _is_implicit(x.value) else None
     return None
+
+
+# `gate_rows(w, rows)`: `w` itself, recorded in traced programs (a primitive, so that a
+# `scan` or `checkpoint` body replayed by the engine still carries it) for a product
+# whose input rows are `rows` of the activations. The identity on dense arrays, in
+# values, derivatives (jax.interpreters' rules, jax >=0.10) and batching; implicit
+# arrays' handlers give it a meaning (an `AdapterSet`'s per-example gate follows the rows).
+gate_rows_p = jexc.Primitive("gate_rows")
+gate_rows_p.def_impl(lambda w, rows: w)
+gate_rows_p.def_abstract_eval(lambda w, rows: w)
+mlir.register_lowering(gate_rows_p, mlir.lower_fun(lambda w, rows: w, multiple_results=False))
+ad.primitive_jvps[gate_rows_p] = lambda primals, tangents: (gate_rows_p.bind(*primals), tangents[0])
+batching.primitive_batchers[gate_rows_p] = lambda args, dims: (args[0], dims[0])
+_PRIMITIVES[gate_rows_p.name] = gate_rows_p
 
 
 # --------------------------------------------------------------------------------------

@@ -758,7 +758,7 @@ def save_pretrained(
     else:
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     if writes_files():  # of several processes, process 0
-        with replaced_directory(path, drop=_is_weight_file) as tmp:
+        with replaced_directory(path, drop=_is_weight_file, size=sum(sizes)) as tmp:
             for shard, fname in zip(shards, names):
                 safetensors.numpy.save_file(shard, str(tmp / fname), metadata={"format": "pt"})
             if len(shards) > 1:

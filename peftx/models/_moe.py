@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ..implicit import gate_rows
 from ._common import linear, normal_linear
 
 # the grouped product's dimension numbers: rows of `x` (dim 0) ragged by expert, `x`'s
@@ -60,7 +61,9 @@ def _blocked(x: Array, w: Array, group_sizes: Array) -> Array:
     first_row = jnp.arange(n_blocks, dtype=jnp.int32) * block
     # blocks past the last expert's rows hold zeros; any weight serves them
     owner = jnp.minimum(jnp.searchsorted(padded_end, first_row, side="right"), experts - 1)
-    wb = jnp.take(w, owner, axis=0)
+    # the row of `x` in each block's slot (padding: any row), for mixed-adapter gates
+    source = jnp.zeros(n_blocks * block, jnp.int32).at[slot].set(jnp.arange(rows, dtype=jnp.int32))
+    wb = gate_rows(jnp.take(w, owner, axis=0), source.reshape(n_blocks, block))
     yb = lax.dot_general(xb, wb, (((2,), (2,)), ((0,), (0,))))
     return yb.reshape(n_blocks * block, -1)[slot]
 
@@ -120,18 +123,24 @@ def sparse_moe(
 ) -> tuple[Float[Array, "*batch hidden"], Float[Array, "tokens experts"]]:
     """The block's output for `x`, and the router's logits (one row per token)."""
     shape = x.shape
+    # the router on the batch's shape, so that a mixed-adapter batch routes its rows
+    router_logits = linear(block.gate, x).reshape(-1, block.gate.out_features)
     x = x.reshape(-1, shape[-1])
     tokens = x.shape[0]
-    router_logits = linear(block.gate, x)
     weights, chosen = route(router_logits, top_k, normalize)
     experts = block.experts.gate_up_proj.shape[0]
     flat = chosen.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // top_k
     group_sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
-    gate_up = grouped_matmul(x[token], block.experts.gate_up_proj, group_sizes)
+    # each row's example (along `x`'s leading axis), which a mixed-adapter batch routes by
+    example = token // (tokens // shape[0] if len(shape) > 1 else tokens)
+    gate_up_proj, down_proj = (
+        gate_rows(w, example) for w in (block.experts.gate_up_proj, block.experts.down_proj)
+    )
+    gate_up = grouped_matmul(x[token], gate_up_proj, group_sizes)
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    y = grouped_matmul(act(gate) * up, block.experts.down_proj, group_sizes)
+    y = grouped_matmul(act(gate) * up, down_proj, group_sizes)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     out = jnp.zeros((tokens, shape[-1]), y.dtype).at[token].add(y)
     return out.reshape(shape).astype(x.dtype), router_logits

@@ -64,7 +64,9 @@ def save_checkpoint(
     if writes_files():
         directory.mkdir(parents=True, exist_ok=True)
         remove_leftovers(directory)  # of a run killed while saving
-        with replaced_directory(final) as tmp:
+        adapter = jax.tree.leaves(eqx.filter(trainable, eqx.is_array))
+        size = sum(x.nbytes for x in [*host.values(), *adapter])  # the state, then the adapter
+        with replaced_directory(final, size=size) as tmp:
             trained_model(with_host, frozen).save_pretrained(tmp)
             safetensors.numpy.save_file(host, str(tmp / STATE_FILE))
             record = {"step": step, "processes": jax.process_count(), **(info or {})}

@@ -1,6 +1,7 @@
 """Data for fine-tuning: records from JSONL or CSV, tokenized to fixed shapes, packed
 for causal LM, and batched in an order a run can resume from."""
 
+import bisect
 import csv
 import io
 import json
@@ -95,7 +96,7 @@ def _positive_int(value: Any, name: str, *, least: int = 1) -> None:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 
-def _check_vocab(tokenizer: Any, ids: np.ndarray, vocab_size: int | None) -> None:
+def check_vocab(tokenizer: Any, ids: np.ndarray, vocab_size: int | None) -> None:
     """Every id (padding included) must index the model's embedding table."""
     if vocab_size is None or ids.size == 0:
         return
@@ -158,7 +159,7 @@ def encode_classification(
     for n, row in enumerate(ids):
         input_ids[n, : len(row)] = row
         mask[n, : len(row)] = 1
-    _check_vocab(tokenizer, input_ids, vocab_size)
+    check_vocab(tokenizer, input_ids, vocab_size)
     return {"input_ids": input_ids, "attention_mask": mask, "labels": np.asarray(labels, np.int32)}
 
 
@@ -201,14 +202,15 @@ def encode_causal_lm(
     token. Without `prompts`, an example starts with the special tokens `tokenizer(text)`
     puts in front of the text.
 
-    With `pack`, examples are concatenated and cut into rows of exactly `max_length`
-    tokens (the last partial row is dropped), so no compute goes to padding, and the data
-    gets `position_ids` that restart at 0 at each example (and at each row: an example
-    cut in two continues in the next row as one of its own). Passed to the model without
-    an attention mask (as `peftx.train.logits` does), they keep each example from seeing
-    the others, as transformers' packed rows (TRL's `padding_free`) do; and each
-    example's first token is labelled -100, since nothing before it is seen to predict
-    it. Else each example is one right-padded row, truncated to `max_length`.
+    Each example is truncated to `max_length`. Without `pack` it is one right-padded
+    row. With `pack`, several examples share a row of `max_length` tokens, each whole
+    (none is dropped or split across rows; rows are filled best-fit decreasing, TRL's
+    `bfd`, and right-padded), and a truncated one is warned about. The data gets
+    `position_ids` that restart at 0 at each example (the padding is at 0, masked and
+    labelled -100): passed to the model without an attention mask (as
+    `peftx.train.logits` does), they keep each example from seeing the others, as
+    transformers' packed rows (TRL's `padding_free`) do; and each example's first token
+    is labelled -100, since nothing before it is seen to predict it.
 
     **Arguments:**
 
@@ -239,13 +241,10 @@ def encode_causal_lm(
         body = body + ([eos] if eos is not None else [])
         rows_ids.append(start + body)
         rows_labels.append([IGNORE] * len(start) + body)
-    if pack:
-        data, lost = _pack(rows_ids, rows_labels, max_length)
-    else:
-        data, lost = _pad(tokenizer, rows_ids, rows_labels, max_length)
-    _check_vocab(tokenizer, data["input_ids"], vocab_size)
-    # a prompt fills an unpacked row; packed, it only shifts the text into the next row
-    _check_supervised(data, lost, [0 if pack else len(s) for s in starts], max_length)
+    pack_or_pad = _pack if pack else _pad
+    data, lost = pack_or_pad(rows_ids, rows_labels, max_length, _pad_id(tokenizer))
+    check_vocab(tokenizer, data["input_ids"], vocab_size)
+    _check_supervised(data, lost, [len(s) for s in starts], max_length)
     return data
 
 
@@ -262,8 +261,10 @@ def encode_chat(
 
     Each row is a list of messages, `{"role": ..., "content": str}` (OpenAI's and TRL's
     format), rendered with the tokenizer's own chat template (`apply_chat_template`, its
-    special tokens included). The assistant's tokens, its end-of-turn tokens included, are
-    found from the template's `{% generation %}` markers where it has them, else by
+    special tokens included). The assistant's tokens, its end-of-turn tokens and what
+    closes its turn included (ChatML's `<|im_end|>` and newline, as TRL's training
+    templates mark them; not the role header before), are found from the template's
+    `{% generation %}` markers where it has them, else by
     rendering each conversation up to every assistant turn (with the generation prompt)
     and through it: the text between is the turn. `pack` and `vocab_size` are as
     `encode_causal_lm`'s.
@@ -271,7 +272,8 @@ def encode_chat(
     **Raises** `TypeError` for a row that is not a list of such messages, and
     `ValueError` for a tokenizer without a chat template, or a template whose renderings
     of a conversation's beginnings are not beginnings of the whole (the assistant's turns
-    cannot be found: give prompt/completion columns instead).
+    cannot be found: set a training template with generation markers, or give
+    prompt/completion columns instead).
     """
     _positive_int(max_length, "max_length", least=2)
     if vocab_size is not None:
@@ -302,13 +304,11 @@ def encode_chat(
             ids, learned = _turns_by_prefixes(tokenizer, messages, n)
         rows_ids.append(ids)
         rows_labels.append([i if m else IGNORE for i, m in zip(ids, learned, strict=True)])
-    if pack:
-        data, lost = _pack(rows_ids, rows_labels, max_length)
-    else:
-        data, lost = _pad(tokenizer, rows_ids, rows_labels, max_length)
-    _check_vocab(tokenizer, data["input_ids"], vocab_size)
+    pack_or_pad = _pack if pack else _pad
+    data, lost = pack_or_pad(rows_ids, rows_labels, max_length, _pad_id(tokenizer))
+    check_vocab(tokenizer, data["input_ids"], vocab_size)
     starts = [next((k for k, x in enumerate(r) if x != IGNORE), len(r)) for r in rows_labels]
-    _check_supervised(data, lost, [0 if pack else k for k in starts], max_length)
+    _check_supervised(data, lost, starts, max_length)
     return data
 
 
@@ -350,6 +350,9 @@ def _turns_by_prefixes(tokenizer: Any, messages: list[dict], row: int) -> tuple[
                 f"conversations: row {row}: the chat template renders the conversation up to "
                 f"message {k + 1} as something other than a beginning of the whole, and has "
                 "no {% generation %} markers, so the assistant's tokens cannot be told apart; "
+                "set a training chat template that has them around each assistant turn (TRL "
+                "ships one for Qwen3: trl/chat_templates/qwen3_training.jinja, saved as the "
+                "model directory's chat_template.jinja or set as tokenizer.chat_template), or "
                 "give the data as prompt/completion columns (prompt_column) instead"
             )
         spans.append((len(before), len(through)))
@@ -362,49 +365,68 @@ def _turns_by_prefixes(tokenizer: Any, messages: list[dict], row: int) -> tuple[
 
 
 def _pack(
-    rows_ids: list[list[int]], rows_labels: list[list[int]], max_length: int
+    rows_ids: list[list[int]], rows_labels: list[list[int]], max_length: int, pad: int
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The packed rows, with `position_ids` that restart at each example (and at each
-    row, for an example cut in two), and which examples give the loss no label (those
-    reaching into the dropped last partial row aside: dropping it is documented)."""
-    lengths = [len(r) for r in rows_ids]
-    flat_ids = np.concatenate([np.asarray(r, np.int32) for r in rows_ids])
-    flat_labels = np.concatenate([np.asarray(r, np.int32) for r in rows_labels])
-    rows = len(flat_ids) // max_length
-    if rows == 0:
-        raise ValueError(
-            f"the data has {len(flat_ids)} tokens, fewer than one packed row of "
-            f"max_length={max_length}"
+    """Every example, truncated to `max_length` as an unpacked row is, whole in one row:
+    best-fit decreasing (TRL's `bfd` packing), each row right-padded. `position_ids`
+    restart at 0 at each example; the padding is at position 0, masked, labelled -100.
+    Also, which examples give the loss no label; warns naming those truncated."""
+    lengths = [min(len(r), max_length) for r in rows_ids]
+    cut = [n for n, r in enumerate(rows_ids) if len(r) > max_length]
+    if cut:
+        listed = ", ".join(str(n + 1) for n in cut[:10]) + (", ..." if len(cut) > 10 else "")
+        warnings.warn(
+            f"{len(cut)} of {len(rows_ids)} examples are longer than max_length={max_length} "
+            f"and are truncated to it (rows {listed}); packing never splits an example, so "
+            "raise max_length to keep them whole",
+            stacklevel=3,
         )
-    kept_tokens = rows * max_length
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    example = np.repeat(np.arange(len(rows_ids)), lengths)
-    within = np.arange(len(flat_ids)) - starts[example]  # each token's place in its example
-    # no example sees the one before it, so none predicts the first token of the next
-    flat_labels[starts[np.asarray(lengths) > 0]] = IGNORE
-    shape = (rows, max_length)
-    positions = np.minimum(within[:kept_tokens].reshape(shape), np.arange(max_length))
-    # the loss predicts every label but each packed row's first
-    column = np.arange(kept_tokens) % max_length
-    predicted = (flat_labels[:kept_tokens] != IGNORE) & (column != 0)
-    kept = np.bincount(example[:kept_tokens][predicted], minlength=len(rows_ids))
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted: the best fit is a bisect
+    for n in sorted(range(len(rows_ids)), key=lambda n: -lengths[n]):
+        if not lengths[n]:  # no token to place (and no label: warned about below)
+            continue
+        at = bisect.bisect_left(free, (lengths[n], -1))
+        if at == len(free):
+            rows.append([n])
+            bisect.insort(free, (max_length - lengths[n], len(rows) - 1))
+        else:
+            room, row = free.pop(at)
+            rows[row].append(n)
+            bisect.insort(free, (room - lengths[n], row))
+    shape = (len(rows), max_length)
     data = {
-        "input_ids": flat_ids[:kept_tokens].reshape(shape),
-        "attention_mask": np.ones(shape, np.int32),
-        "labels": flat_labels[:kept_tokens].reshape(shape),
-        "position_ids": positions.astype(np.int32),
+        "input_ids": np.full(shape, pad, np.int32),
+        "attention_mask": np.zeros(shape, np.int32),
+        "labels": np.full(shape, IGNORE, np.int32),
+        "position_ids": np.zeros(shape, np.int32),
     }
-    return data, (kept == 0) & (ends <= kept_tokens)
+    kept = np.zeros(len(rows_ids), np.int64)
+    for r, examples in enumerate(rows):
+        at = 0
+        for n in sorted(examples):
+            k = lengths[n]
+            labels = [IGNORE, *rows_labels[n][1:k]]  # nothing seen before predicts the first
+            data["input_ids"][r, at : at + k] = rows_ids[n][:k]
+            data["attention_mask"][r, at : at + k] = 1
+            data["labels"][r, at : at + k] = labels
+            data["position_ids"][r, at : at + k] = np.arange(k)
+            kept[n] = sum(x != IGNORE for x in labels)
+            at += k
+    return data, kept == 0
+
+
+def _pad_id(tokenizer: Any) -> int:
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return tokenizer.eos_token_id or 0
 
 
 def _pad(
-    tokenizer: Any, rows_ids: list[list[int]], rows_labels: list[list[int]], max_length: int
+    rows_ids: list[list[int]], rows_labels: list[list[int]], max_length: int, pad: int
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """One right-padded row per example, and which rows give the loss no label."""
-    eos = tokenizer.eos_token_id
     length = _padded_length([len(r) for r in rows_ids], max_length)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     input_ids = np.full((len(rows_ids), length), pad, np.int32)
     mask = np.zeros((len(rows_ids), length), np.int32)
     labels = np.full((len(rows_ids), length), IGNORE, np.int32)
@@ -454,18 +476,29 @@ def batches_per_epoch(data: dict[str, np.ndarray], batch_size: int) -> int:
 
 
 def train_batches(
-    data: dict[str, np.ndarray], batch_size: int, *, seed: int, start: int = 0
+    data: dict[str, np.ndarray],
+    batch_size: int,
+    *,
+    seed: int,
+    start: int = 0,
+    grad_accumulation: int = 1,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Batches number `start`, `start + 1`, ... without end: each epoch is a fresh
-    permutation drawn from `(seed, epoch)`, and its last partial batch is dropped, so
-    batch `n` is the same whether a run starts at 0 or resumes at `n`."""
-    per_epoch = batches_per_epoch(data, batch_size)
+    """Batches number `start`, `start + 1`, ... without end, each the rows of one step:
+    `batch_size` rows per micro-batch, `grad_accumulation` micro-batches (the effective
+    batch, `batch_size * grad_accumulation` rows, as TRL's `per_device_train_batch_size`
+    and `gradient_accumulation_steps`; pass the same `grad_accumulation` to
+    `make_train_step`). Each epoch is a fresh permutation drawn from `(seed, epoch)`,
+    and its last partial batch is dropped, so batch `n` is the same whether a run starts
+    at 0 or resumes at `n`."""
+    _positive_int(grad_accumulation, "grad_accumulation")
+    rows_per_step = batch_size * grad_accumulation
+    per_epoch = batches_per_epoch(data, rows_per_step)
     rows = len(next(iter(data.values())))
     n = start
     while True:
         epoch, index = divmod(n, per_epoch)
         order = np.random.default_rng([seed, epoch]).permutation(rows)
-        take = order[index * batch_size : (index + 1) * batch_size]
+        take = order[index * rows_per_step : (index + 1) * rows_per_step]
         yield {k: v[take] for k, v in data.items()}
         n += 1
 
@@ -476,26 +509,27 @@ def mixed_batches(
     *,
     seed: int,
     start: int = 0,
-    micro_batches: int = 1,
+    grad_accumulation: int = 1,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """`train_batches` of several datasets (rows of one length: see `pad_to`) at once:
-    each batch holds `batch_size / len(datasets)` rows of each, drawn in each dataset's
-    own resumable order, and `source`, each row's dataset index. With `micro_batches`
-    (gradient accumulation), each of that many equal parts of the batch mixes them
-    equally too."""
+    """`train_batches` of several datasets (rows of one length: see `pad_to`) at once,
+    `batch_size` and `grad_accumulation` as there: each micro-batch holds
+    `batch_size / len(datasets)` rows of each, drawn in each dataset's own resumable
+    order, and `source`, each row's dataset index."""
     k = len(datasets)
-    if batch_size % (k * micro_batches):
+    _positive_int(grad_accumulation, "grad_accumulation")
+    if batch_size % k:
         raise ValueError(
-            f"a batch of {batch_size} rows does not split into {micro_batches} micro-batches "
-            f"with equal rows of {k} datasets"
+            f"a micro-batch of {batch_size} rows (batch_size) does not split into equal rows "
+            f"of {k} datasets"
         )
-    share = batch_size // k
+    share = batch_size // k * grad_accumulation  # each dataset's rows of a step
     streams = [train_batches(d, share, seed=seed, start=start) for d in datasets]
-    source = np.tile(np.repeat(np.arange(k, dtype=np.int32), share // micro_batches), micro_batches)
+    micro = np.repeat(np.arange(k, dtype=np.int32), batch_size // k)
+    source = np.tile(micro, grad_accumulation)
 
     def interleave(parts: list[np.ndarray]) -> np.ndarray:
-        split = [p.reshape(micro_batches, share // micro_batches, *p.shape[1:]) for p in parts]
-        return np.stack(split, axis=1).reshape(batch_size, *parts[0].shape[1:])
+        split = [p.reshape(grad_accumulation, batch_size // k, *p.shape[1:]) for p in parts]
+        return np.stack(split, axis=1).reshape(batch_size * grad_accumulation, *parts[0].shape[1:])
 
     while True:
         parts = [next(s) for s in streams]

@@ -274,7 +274,7 @@ def make_train_step(
     if mesh is None:
         return step
 
-    def arguments(state: TrainState, batch: Batch) -> tuple[Batch, Any]:
+    def arguments(state: TrainState, batch: dict) -> tuple[dict, Any]:
         """The global batch (checked to split over the mesh) and the state's own
         shardings, a static argument: the jitted step returns the state placed as it came."""
         batch = process_rows(mesh, batch)
@@ -288,7 +288,8 @@ def make_train_step(
             )
         return batch, jax.tree.map(lambda x: x.sharding, state)
 
-    def sharded_step(state: TrainState, frozen: Any, batch: Batch) -> tuple[TrainState, dict]:
+    # a batch of numpy rows (each process's own) or arrays: `arguments` places it
+    def sharded_step(state: TrainState, frozen: Any, batch: dict) -> tuple[TrainState, dict]:
         batch, placed = arguments(state, batch)
         with jax.set_mesh(mesh):  # the model keeps its activations split by rows
             return step(state, frozen, batch, placed)
