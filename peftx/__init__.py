@@ -17,6 +17,7 @@ from ._config import (
 from ._errors import (
     CheckpointError as CheckpointError,
     ConfigFileError as ConfigFileError,
+    RunFailed as RunFailed,
     TargetNotFoundError as TargetNotFoundError,
     UnknownAdapterError as UnknownAdapterError,
     UnsupportedTargetError as UnsupportedTargetError,

@@ -61,3 +61,8 @@ class DiskFullError(OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+class RunFailed(Exception):
+    """A training run that cannot give a usable result (it diverged, collapsed, or learned
+    nothing); `peftx finetune` prints it as one line, exits 1, and writes no adapter."""

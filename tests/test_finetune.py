@@ -737,13 +737,13 @@ def test_failed_serving_check_saves_no_adapter(llama, tmp_path, capsys, monkeypa
     text = TWO.format(base=llama / "base")
     job.write_text(text.replace('"train.jsonl"', f'"{llama / "train.jsonl"}"').replace(
         '"eval.jsonl"', f'"{llama / "eval.jsonl"}"'))  # fmt: skip
-    checked = peftx.cli._finetune._serving_check
+    checked = peftx.train._fit._serving_check
 
     def over(*args):
         check = checked(*args)
         return {**check, "max_abs_diff": 2 * check["tolerance"]}
 
-    monkeypatch.setattr(peftx.cli._finetune, "_serving_check", over)
+    monkeypatch.setattr(peftx.train._fit, "_serving_check", over)
     out_dir = tmp_path / "run"
     err = _error(capsys, 1, "finetune", job, "--set", f"output.dir={out_dir}", "--set",
                  "train.steps=1")  # fmt: skip

@@ -19,8 +19,11 @@ from helpers import as_users_run, run_cli, write_jsonl
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import peftx.cli._finetune as finetune
+from peftx import train
+from peftx.cli import _job
 from peftx.cli._common import RunFailed, UsageError
 from peftx.cli._run_dir import LOCK, MARKER, Lock
+from peftx.train import _fit
 
 STEPS = ("--set", "train.steps=6", "--set", "train.eval_every=3")
 
@@ -224,10 +227,10 @@ def test_a_relative_output_dir_is_taken_from_the_job_file(bert, tmp_path, monkey
     (jobs / "cls.toml").write_text(text + '\n[output]\ndir = "../runs/cls"\n')
     (jobs / "plain.toml").write_text(text)
     monkeypatch.chdir(bert)
-    assert finetune.Job(jobs / "cls.toml", []).out.resolve() == tmp_path / "runs" / "cls"
-    moved = finetune.Job(jobs / "cls.toml", ["output.dir=elsewhere"]).out
+    assert _job.Job(jobs / "cls.toml", []).out.resolve() == tmp_path / "runs" / "cls"
+    moved = _job.Job(jobs / "cls.toml", ["output.dir=elsewhere"]).out
     assert moved.resolve() == bert / "elsewhere"
-    assert finetune.Job(jobs / "plain.toml", []).out.resolve() == bert / "runs" / "plain"
+    assert _job.Job(jobs / "plain.toml", []).out.resolve() == bert / "runs" / "plain"
 
 
 def test_a_users_job_json_is_not_a_run(bert, tmp_path, capsys):
@@ -420,7 +423,7 @@ UNIFORM = math.log(1000)
 def test_collapse_rule(before, after, collapsed):
     """A run has collapsed when its eval loss after is not below ln(vocab) (the uniform
     prediction's) and is worse than before, or is ln(vocab) itself."""
-    assert finetune._collapsed(before, after, vocab_size=1000) == collapsed
+    assert _fit._collapsed(before, after, vocab_size=1000) == collapsed
 
 
 @pytest.mark.parametrize("key", ["learning_rate", "weight_decay", "max_grad_norm"])
@@ -463,11 +466,11 @@ def test_non_finite_adapter_numbers_are_refused(bert, tmp_path, capsys):
 def test_a_run_that_changes_nothing_fails():
     weights = {"lora_A": jnp.ones((2, 3)), "lora_B": jnp.zeros((3, 2))}
     with pytest.raises(RunFailed, match="changed no trained weight"):
-        finetune._check_trained(weights, dict(weights), steps=5)
+        _fit._check_trained(weights, dict(weights), steps=5)
     broken = {**weights, "lora_B": jnp.full((3, 2), jnp.nan)}
     with pytest.raises(RunFailed, match="not finite"):
-        finetune._check_trained(weights, broken, steps=5)
-    finetune._check_trained(weights, {**weights, "lora_B": jnp.ones((3, 2))}, steps=5)
+        _fit._check_trained(weights, broken, steps=5)
+    _fit._check_trained(weights, {**weights, "lora_B": jnp.ones((3, 2))}, steps=5)
 
 
 # -- the job validator, on any value ---------------------------------------------------------
@@ -525,7 +528,7 @@ def test_the_job_validator_on_any_value(bert, field, value):
     numbers are all in range, with an optimizer whose schedule is finite."""
     table, key = field
     try:
-        job = finetune.Job(bert / "job.toml", [f"{table}.{key}={_toml(value)}"])
+        job = _job.Job(bert / "job.toml", [f"{table}.{key}={_toml(value)}"])
     except UsageError as e:
         assert f"{table}.{key}" in str(e) or key in str(e)
         return
@@ -542,7 +545,7 @@ def test_the_job_validator_on_any_value(bert, field, value):
     assert t["learning_rate"] > 0
     config = job.adapters[0].config
     assert 1 <= config.r and math.isfinite(config.lora_alpha) and 0 <= config.lora_dropout < 1
-    _, schedule = finetune._optimizer(job, t["steps"] or 10)
+    _, schedule = train.make_optimizer(t["steps"] or 10, **job.optimizer_settings())
     assert all(math.isfinite(float(schedule(n))) for n in (0, 1, (t["steps"] or 10) - 1))
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .._errors import ConfigFileError
+from .._errors import ConfigFileError, RunFailed as RunFailed
 from .._files import copy_file, read_toml as read_toml_file
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
@@ -15,11 +15,6 @@ BUNDLED_MODEL = "all-MiniLM-L6-v2"
 
 class UsageError(Exception):
     """A mistake of the user's (a missing file, a bad key): printed as one line, exit 2."""
-
-
-class RunFailed(Exception):
-    """A run that cannot give a usable result (it diverged, or learned nothing): printed as
-    one line, exit 1, and nothing written."""
 
 
 def model_dir(value: str | None) -> Path:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..sharding import placement_line
 from ._common import (
     UsageError,
     first_non_finite,
@@ -25,7 +26,7 @@ from ._common import (
     option_value,
     unknown_key,
 )
-from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, placement_line, run_mesh
+from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, run_mesh
 
 SEED_LIMIT = 2**32  # jax.random.key keeps 32 bits of a seed without x64
 # The prompt is left-padded to a multiple of this many tokens, so that prompts of

@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..sharding import placement_line
 from ._common import (
     UsageError,
     copy_base_files,
@@ -20,7 +21,7 @@ from ._common import (
     model_class_for,
     model_dir,
 )
-from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, placement_line, run_mesh
+from ._mesh import add_mesh_argument, mesh_from_arguments, on_mesh, run_mesh
 
 PEFT_TASKS = {"CAUSAL_LM": "causal-lm", "SEQ_CLS": "classification"}
 # PEFT's key of a classification head saved with the adapter (modules_to_save)

@@ -1,5 +1,5 @@
-"""Where a command runs: a job's `[mesh]` table (or `--mesh KEY=VALUE` options), the
-mesh it makes, and the line the command prints about it."""
+"""Where a command runs: a job's `[mesh]` table (or `--mesh KEY=VALUE` options), and the
+mesh it makes."""
 
 import argparse
 import dataclasses
@@ -105,26 +105,3 @@ def run_mesh(settings: MeshSettings | None) -> tuple[Any, str | None]:
 def on_mesh(mesh: Any, rules: str | None) -> dict[str, Any]:
     """`from_pretrained`'s keywords that read a model straight onto `mesh` (none without)."""
     return {} if mesh is None else {"mesh": mesh, "rules": rules}
-
-
-def placement_line(mesh: Any, rules: str, parameters: Any, optimizer_state: Any = None) -> str:
-    """What the command prints at start: the mesh, and the bytes of parameters (and
-    optimizer state) held by its first device, against the whole."""
-    import jax
-
-    device = mesh.devices.flat[0]
-    sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
-    parts = [f"mesh {sizes} ({mesh.devices.size} {device.platform} devices), rules {rules}"]
-    for name, tree in (("parameters", parameters), ("optimizer state", optimizer_state)):
-        if tree is None:
-            continue
-        arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-        total = sum(x.nbytes for x in arrays)
-        shards = [s for x in arrays for s in x.addressable_shards if s.device == device]
-        held = sum(s.data.nbytes for s in shards)
-        parts.append(f"{name} {_mib(held)} of {_mib(total)} per device")
-    return "; ".join(parts)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"

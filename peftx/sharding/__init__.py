@@ -17,6 +17,7 @@ from ._place import (
     batch_sharding as batch_sharding,
     partition_specs as partition_specs,
     placed_like as placed_like,
+    placement_line as placement_line,
     shard as shard,
 )
 from ._rules import PRESETS as PRESETS, Rules as Rules

@@ -240,3 +240,24 @@ def placed_like(adapter: Any, weight: Any, stack: int) -> Any:
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """The sharding of a batch: its leading axis split over `data` and `fsdp`."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+
+
+def placement_line(mesh: Mesh, rules: Any, parameters: Any, optimizer_state: Any = None) -> str:
+    """The line a run prints at start: the mesh, and the bytes of `parameters` (and
+    `optimizer_state`) held by its first device, against the whole."""
+    device = mesh.devices.flat[0]
+    sizes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    parts = [f"mesh {sizes} ({mesh.devices.size} {device.platform} devices), rules {rules}"]
+    for name, tree in (("parameters", parameters), ("optimizer state", optimizer_state)):
+        if tree is None:
+            continue
+        arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+        total = sum(x.nbytes for x in arrays)
+        shards = [s for x in arrays for s in x.addressable_shards if s.device == device]
+        held = sum(s.data.nbytes for s in shards)
+        parts.append(f"{name} {_mib(held)} of {_mib(total)} per device")
+    return "; ".join(parts)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"

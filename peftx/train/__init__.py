@@ -1,5 +1,5 @@
-"""Training utilities: the jitted train and eval steps, data to fixed-shape batches, and
-checkpoints a run resumes from. Each is small; the README writes the same loop by hand."""
+"""Training: `fit`, the loop `peftx finetune` runs, and what it is made of: the jitted
+train and eval steps, data to fixed-shape batches, and checkpoints a run resumes from."""
 
 from ._checkpoints import (
     checkpoints as checkpoints,
@@ -19,6 +19,13 @@ from ._data import (
     read_records as read_records,
     supervised_tokens as supervised_tokens,
     train_batches as train_batches,
+)
+from ._fit import (
+    OPTIMIZERS as OPTIMIZERS,
+    SCHEDULES as SCHEDULES,
+    FitResult as FitResult,
+    fit as fit,
+    make_optimizer as make_optimizer,
 )
 from ._step import (
     TrainState as TrainState,

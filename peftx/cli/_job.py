@@ -1,0 +1,348 @@
+"""The `peftx finetune` job: its TOML's tables, checked, with `--set` overrides applied."""
+
+import dataclasses
+import json
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from .. import BASE
+from .._config import TOML_TABLES, table_names
+from .._files import followed
+from ..train import OPTIMIZERS, SCHEDULES
+from ._common import (
+    BUNDLED_MODEL,
+    ModelSettings,
+    UsageError,
+    adapter_tables,
+    job_model,
+    read_toml,
+    unknown_key,
+)
+from ._mesh import mesh_settings
+from ._run_dir import DATA_FILES, data_record
+
+DATA_KEYS = {
+    "train": None,
+    "eval": None,
+    "text_column": "text",
+    "label_column": "label",
+    "prompt_column": None,
+    "messages_column": None,
+    "max_length": 128,
+    "pack": False,
+}
+TRAIN_KEYS = {
+    "seed": 0,
+    "epochs": 1,
+    "steps": None,
+    "batch_size": 16,
+    "eval_batch_size": 64,
+    "grad_accumulation": 1,
+    "optimizer": "adamw",
+    "learning_rate": 1e-3,
+    "weight_decay": 0.0,
+    "schedule": "linear",
+    "warmup_steps": 0,
+    "max_grad_norm": 1.0,
+    "log_every": 10,
+    "eval_every": None,
+    "checkpoint_every": None,
+    "quantize": False,
+}
+OUTPUT_KEYS = {"dir": None, "merged": False, "keep_checkpoints": 2}
+PATHS = {("model", "path"), ("data", "train"), ("data", "eval"), ("output", "dir")}
+TASK_TYPES = {"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
+# a name is a folder of the output (PEFT saves an adapter in a subfolder of its name)
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+# the [train] keys that make the optimizer (`peftx.train.make_optimizer`'s keywords)
+OPTIMIZER_KEYS = (
+    "optimizer",
+    "learning_rate",
+    "weight_decay",
+    "schedule",
+    "warmup_steps",
+    "max_grad_norm",
+)
+
+
+def _override(job: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    table, dot, name = key.strip().partition(".")
+    if not sep or not dot or not name:
+        raise UsageError(f"--set {item!r}: expected TABLE.KEY=VALUE, e.g. train.steps=100")
+    if table == "adapters":
+        raise UsageError(f"--set {item!r}: [[adapters]] entries are changed in the job file")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word: a string
+    if (table, name) in PATHS and isinstance(value, str) and value != BUNDLED_MODEL:
+        value = str(Path(value).expanduser().absolute())  # on the command line: from the cwd
+    job.setdefault(table, {})[name] = value
+
+
+def _settings(job: dict[str, Any], table: str, defaults: dict[str, Any], path: Path) -> dict:
+    given = job.get(table, {})
+    if not isinstance(given, dict):
+        raise UsageError(f"{path}: {table!r} must be a table ([{table}])")
+    for key in given:
+        if key not in defaults:
+            raise unknown_key(f"[{table}] of {path}", key, defaults)
+    return {**defaults, **given}
+
+
+# the largest count a job may give: steps and sizes are int32 on the device
+MAX_COUNT = 2**31 - 1
+COUNTS = [("data", "max_length"), ("output", "keep_checkpoints")] + [
+    ("train", k)
+    for k in ("batch_size", "eval_batch_size", "grad_accumulation", "epochs", "log_every")
+]
+OPTIONAL_COUNTS = [("train", k) for k in ("steps", "eval_every", "checkpoint_every")]
+FLOAT32_MAX = 3.4028234663852886e38
+# (key, smallest allowed, whether the smallest is allowed)
+RATES = [("learning_rate", 0.0, False), ("weight_decay", 0.0, True), ("max_grad_norm", 0.0, True)]
+FLAGS = [("data", "pack"), ("output", "merged"), ("train", "quantize")]
+TEXT = [("data", "text_column"), ("data", "label_column")]
+
+
+def _check_numbers(job: "Job", path: Path) -> None:
+    """Every number, flag and name of `[data]`, `[train]` and `[output]` has the type and
+    range it must: counts are integers in 1..2**31-1, rates finite numbers."""
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for table, key in COUNTS + OPTIONAL_COUNTS:
+        value = getattr(job, table)[key]
+        if value is None and (table, key) in OPTIONAL_COUNTS:
+            continue
+        if not is_int(value) or value < 1:
+            raise UsageError(f"{path}: {table}.{key} must be a positive integer, got {value!r}")
+        if value > MAX_COUNT:
+            raise UsageError(f"{path}: {table}.{key} must be at most {MAX_COUNT}, got {value}")
+    t = job.train
+    if not is_int(t["warmup_steps"]) or not 0 <= t["warmup_steps"] <= MAX_COUNT:
+        raise UsageError(
+            f"{path}: train.warmup_steps must be an integer >= 0, got {t['warmup_steps']!r}"
+        )
+    if not is_int(t["seed"]) or not 0 <= t["seed"] < 2**32:
+        raise UsageError(f"{path}: train.seed must be an integer in 0..2**32-1, got {t['seed']!r}")
+    for key, low, inclusive in RATES:
+        value = t[key]
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise UsageError(f"{path}: train.{key} must be a number, got {value!r}")
+        # the optimizer computes in float32: a larger value is infinite there
+        finite = math.isfinite(value) and abs(value) <= FLOAT32_MAX
+        if not finite or value < low or (value == low and not inclusive):
+            bound = f">= {low:g}" if inclusive else f"> {low:g}"
+            raise UsageError(
+                f"{path}: train.{key} must be a finite number {bound} (float32: at most "
+                f"{FLOAT32_MAX:.4g}), got {value!r}"
+            )
+        t[key] = float(value)
+    for table, key in FLAGS:
+        value = getattr(job, table)[key]
+        if not isinstance(value, bool):
+            raise UsageError(f"{path}: {table}.{key} must be true or false, got {value!r}")
+    optional = [("data", "prompt_column"), ("data", "messages_column"), ("output", "dir")]
+    for table, key in TEXT + optional:
+        value = getattr(job, table)[key]
+        if not isinstance(value, str) and not (value is None and (table, key) in optional):
+            raise UsageError(f"{path}: {table}.{key} must be a string, got {value!r}")
+    if job.data["messages_column"] is not None:
+        if job.model.task != "causal-lm":
+            raise UsageError(f'{path}: data.messages_column needs model.task = "causal-lm"')
+        if job.data["prompt_column"] is not None:
+            raise UsageError(
+                f"{path}: data.messages_column and data.prompt_column are two formats; "
+                "give one (a chat's prompt is its messages before the assistant's turn)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """One adapter a job trains: its name, config, and its own train and eval files."""
+
+    name: str
+    config: Any
+    train: Path
+    eval: Path
+    # a config whose `total_step` the table left out takes the run's number of steps
+    steps_from_run: bool = False
+
+    def for_steps(self, total: int, where: str) -> "Adapter":
+        """This adapter with `total_step` set to the run's `total` steps, if it takes it."""
+        if not self.steps_from_run:
+            return self
+        try:
+            config = dataclasses.replace(self.config, total_step=total)
+        except ValueError as e:
+            raise UsageError(f"{where}: {e} (total_step is the run's {total} steps)") from None
+        return dataclasses.replace(self, config=config, steps_from_run=False)
+
+
+class Job:
+    """A fine-tune job's TOML, checked, with `--set` overrides applied: one adapter
+    (`[lora]`/`[ia3]`, named "default", data in `[data]`), or several (`[[adapters]]`,
+    `multi`) trained and evaluated in mixed batches."""
+
+    def __init__(self, path: Path, overrides: list[str]):
+        self.path = path
+        self._data_record: dict[str, Any] | None = None
+        raw = read_toml(path)
+        for item in overrides:
+            _override(raw, item)
+        self.raw = raw
+        self.model: ModelSettings = job_model(raw, path)
+        self.data = _settings(raw, "data", DATA_KEYS, path)
+        self.train = _settings(raw, "train", TRAIN_KEYS, path)
+        self.output = _settings(raw, "output", OUTPUT_KEYS, path)
+        if self.train["optimizer"] not in OPTIMIZERS:
+            raise UsageError(f"{path}: train.optimizer must be one of {', '.join(OPTIMIZERS)}")
+        if self.train["schedule"] not in SCHEDULES:
+            raise UsageError(f"{path}: train.schedule must be one of {', '.join(SCHEDULES)}")
+        _check_numbers(self, path)
+        self.mesh = mesh_settings(raw.get("mesh"), str(path))
+        self.multi = "adapters" in raw
+        self.adapters = self._several(raw, path) if self.multi else [self._single(raw, path)]
+        # the file's output.dir is taken from its directory, the default from the current one
+        out = self.output["dir"]
+        out = path.parent / Path(out).expanduser() if out else Path("runs", path.stem)
+        # a link is followed: the run is written beside its target and swapped in there
+        self.out = followed(out)
+
+    def _config(self, kind: str, table: Any, where: str) -> tuple[Any, bool]:
+        """The config of an adapter table, and whether it takes the run's number of steps
+        as its `total_step` (AdaLoRA's schedule, where the table leaves it out; checked
+        here with the most steps a run may have, and again once the run's are known)."""
+        if not isinstance(table, dict):
+            raise UsageError(f"{where}: must be a table, got {table!r}")
+        cls = TOML_TABLES[kind]
+        from_run = "total_step" in {f.name for f in dataclasses.fields(cls)} and (
+            table.get("total_step") is None
+        )
+        given = {**table, "total_step": MAX_COUNT} if from_run else table
+        try:
+            config = cls.from_dict({"task_type": TASK_TYPES[self.model.task], **given}, strict=True)
+            config.check_trainable()
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"{where}: {e}") from None
+        return config, from_run
+
+    def _single(self, raw: dict[str, Any], path: Path) -> Adapter:
+        tables = [t for t in TOML_TABLES if t in raw]
+        if len(tables) != 1:
+            raise UsageError(
+                f"{path}: a job needs exactly one adapter table, {table_names()} (or "
+                "[[adapters]] entries)"
+            )
+        for name in ("train", "eval"):
+            if self.data[name] is None:
+                raise UsageError(f"{path}: [data] needs {name!r}, a .jsonl or .csv file")
+            if not isinstance(self.data[name], str):
+                raise UsageError(
+                    f"{path}: data.{name} must be a file name, got {self.data[name]!r}"
+                )
+        config, from_run = self._config(tables[0], raw[tables[0]], f"{path}: [{tables[0]}]")
+        return Adapter(
+            "default",
+            config,
+            path.parent / self.data["train"],
+            path.parent / self.data["eval"],
+            from_run,
+        )
+
+    def _several(self, raw: dict[str, Any], path: Path) -> list[Adapter]:
+        entries = raw["adapters"]
+        given = [t for t in TOML_TABLES if t in raw]
+        if given:
+            raise UsageError(
+                f"{path}: [{given[0]}] and [[adapters]] are both given; a job has one adapter "
+                "table, or [[adapters]] entries each with its own "
+                f"{table_names('adapters.')}"
+            )
+        if (
+            not isinstance(entries, list)
+            or not entries
+            or not all(isinstance(e, dict) for e in entries)
+        ):
+            raise UsageError(f"{path}: 'adapters' must be one or more tables, [[adapters]]")
+        for key in ("train", "eval"):
+            if self.data[key] is not None:
+                raise UsageError(
+                    f"{path}: data.{key} is set per adapter in a job with [[adapters]]; move it "
+                    "into each [[adapters]] entry"
+                )
+        if self.output["merged"]:
+            raise UsageError(f"{path}: output.merged merges one adapter; not with [[adapters]]")
+        adapters: list[Adapter] = []
+        for n, entry in enumerate(entries, 1):
+            where = f"{path}: [[adapters]][{n}]"
+            keys = ("name", "train", "eval", *adapter_tables())
+            for key in entry:
+                if key not in keys:
+                    raise unknown_key(f"[[adapters]][{n}] of {path}", key, keys)
+            for key in ("name", "train", "eval"):
+                if key not in entry:
+                    raise UsageError(f"{where}: missing {key!r}")
+                if not isinstance(entry[key], str):
+                    raise UsageError(f"{where}: {key} must be a string, got {entry[key]!r}")
+            name = entry["name"]
+            if not ADAPTER_NAME.fullmatch(name) or name == BASE:
+                raise UsageError(
+                    f"{where}: name {name!r} is not an adapter name: letters, digits, '_', '.' "
+                    f"and '-', not starting with '.' or '-', and not {BASE!r} (the base model)"
+                )
+            taken = [a.name for a in adapters]
+            if name in taken:
+                raise UsageError(
+                    f"{where}: name {name!r} is taken by [[adapters]][{taken.index(name) + 1}]"
+                )
+            kinds = [t for t in TOML_TABLES if t in entry]
+            if len(kinds) != 1:
+                raise UsageError(
+                    f"{where}: needs exactly one of {table_names('adapters.')}, got {len(kinds)}"
+                )
+            if not TOML_TABLES[kinds[0]].mixed_batches:
+                together = [f"[adapters.{t}]" for t, c in TOML_TABLES.items() if c.mixed_batches]
+                raise UsageError(
+                    f"{where}: [adapters.{kinds[0]}] cannot be trained in [[adapters]], which "
+                    f"mixes its adapters in each batch, as PEFT does not for {kinds[0]} "
+                    f"adapters; [[adapters]] trains {', '.join(together)} together; train a "
+                    f"{kinds[0]} adapter alone, in a job with a [{kinds[0]}] table"
+                )
+            first = [t for t in TOML_TABLES if t in entries[0]][0]
+            if kinds[0] != first:
+                raise UsageError(
+                    f"{where}: [adapters.{kinds[0]}] cannot join [adapters.{first}] in one model "
+                    "(as in PEFT); give every entry the same kind"
+                )
+            config, from_run = self._config(
+                kinds[0], entry[kinds[0]], f"{where}: [adapters.{kinds[0]}]"
+            )
+            files = (path.parent / entry["train"], path.parent / entry["eval"])
+            adapters.append(Adapter(name, config, *files, from_run))
+        share = self.train["batch_size"] / len(adapters)
+        if share != int(share):
+            raise UsageError(
+                f"{path}: train.batch_size ({self.train['batch_size']}) must be a multiple of "
+                f"the number of [[adapters]] ({len(adapters)}), so each batch mixes them evenly"
+            )
+        return adapters
+
+    def optimizer_settings(self) -> dict[str, Any]:
+        """The `[train]` settings of `peftx.train.make_optimizer` (and `fit`)."""
+        return {key: self.train[key] for key in OPTIMIZER_KEYS}
+
+    def resolved(self) -> dict[str, Any]:
+        """The job as it runs, with its data files' sizes and hashes, for `job.json` (a
+        resumed run must be the same job on the same data)."""
+        plain = json.loads(json.dumps(self.raw, default=str))
+        plain["model"] = {k: str(v) for k, v in vars(self.model).items()}
+        if self._data_record is None:  # hashed once a run
+            files = dict.fromkeys(p for a in self.adapters for p in (a.train, a.eval))
+            self._data_record = data_record(list(files))
+        return {**plain, DATA_FILES: self._data_record}
