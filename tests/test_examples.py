@@ -88,10 +88,17 @@ def test_structure_editing_example(capsys):
 
 
 def test_readme_training_loop_runs(capsys, tmp_path, monkeypatch):
+    """The loop by hand, then `fit` on the same model and data (the block after it)."""
     monkeypatch.chdir(tmp_path)
-    code = _readme_code("## Training utilities")
+    namespace = {}
     with jax.numpy_dtype_promotion("standard"), pytest.warns(UserWarning, match="fresh"):
-        exec(compile(code, "README.md", "exec"), {})
-    loss = float(capsys.readouterr().out.split("loss ")[1].split()[0])
+        for section in ("## Training utilities", "### The command's loop"):
+            exec(compile(_readme_code(section), "README.md", "exec"), namespace)
+    by_hand, fitted = capsys.readouterr().out.split("eval loss ")
+    loss = float(by_hand.split("loss ")[1].split()[0])
     assert loss < 0.6931  # below chance (ln 2) for the two repeated classes
     assert (tmp_path / "runs/by_hand/checkpoint-00000010/adapter_model.safetensors").is_file()
+    before, after = (float(x) for x in fitted.split("\n")[0].split(" -> "))
+    assert after < before
+    for name in ("metrics.jsonl", "curves.png", "adapter/adapter_model.safetensors"):
+        assert (tmp_path / "runs/fit" / name).is_file(), name

@@ -14,6 +14,7 @@ import time
 import warnings
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import peft
@@ -24,6 +25,7 @@ import transformers
 from helpers import WORDS, run_cli, write_jsonl
 
 import peftx
+from peftx import train
 from peftx.cli import main
 
 EPS = np.finfo(np.float32).eps
@@ -133,6 +135,47 @@ def test_classification_job(bert, finished):
     predicted = [labels[i] for i in want.argmax(-1)]
     accuracy = np.mean([p == r["intent"] for p, r in zip(predicted, eval_rows, strict=True)])
     assert accuracy == pytest.approx(summary["after"]["accuracy"])
+
+
+def test_fit_from_python_trains_the_commands_adapter(bert, finished, tmp_path):
+    """`peftx.train.fit`, called from Python with the BERT job's model, data and `[train]`
+    settings, trains the adapter the command wrote, byte for byte, with its metrics."""
+    out_dir, _ = finished
+    labels = json.loads((out_dir / "labels.json").read_text())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bert / "base")
+
+    def encode(name):
+        rows = train.read_records(bert / name, ["sentence", "intent"])
+        texts, ids = [r["sentence"] for r in rows], [labels.index(r["intent"]) for r in rows]
+        return train.encode_classification(tokenizer, texts, ids, max_length=16)
+
+    model_key, key = jax.random.split(jax.random.key(3))  # the job's seed, as the command
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the encoder's fresh classifier
+        base = peftx.from_pretrained(
+            bert / "base", model_class="BertForSequenceClassification", num_labels=3
+        )
+    config = peftx.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["query", "value"], task_type="SEQ_CLS"
+    )
+    model = peftx.get_peft_model(base, config, key=model_key)
+    result = train.fit(
+        model, encode("train.jsonl"), encode("eval.jsonl"), loss_fn=train.classification_loss,
+        steps=80, batch_size=16, eval_batch_size=32, seed=3, learning_rate=2e-2,
+        warmup_steps=2, log_every=5, eval_every=10, out=tmp_path, key=key,
+    )  # fmt: skip
+    result.model.save_pretrained(tmp_path / "adapter")
+    got, want = _tensors(tmp_path / "adapter"), _tensors(out_dir / "adapter")
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].tobytes() == want[name].tobytes(), name
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert (result.before, result.after, result.steps) == (
+        summary["before"], summary["after"], summary["steps"]
+    )  # fmt: skip
+    timeless = lambda rs: [{k: v for k, v in r.items() if k != "examples_per_s"} for r in rs]  # noqa: E731
+    assert timeless(_records(tmp_path)) == timeless(_records(out_dir))
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 
 def _wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, timeout: float) -> None:

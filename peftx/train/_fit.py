@@ -132,10 +132,11 @@ def fit(
     - `loss_fn`: `causal_lm_loss` or `classification_loss`.
     - `steps`, `batch_size`, `grad_accumulation`, `seed`: `train_batches`' order.
     - `optimizer` ... `max_grad_norm`: `make_optimizer`'s.
-    - `out`: where `metrics.jsonl` (a line per `log_every` steps and per evaluation),
-      `curves.png` and `checkpoints/` (every `checkpoint_every` steps, the newest
-      `keep_checkpoints` kept) are written; `None` writes nothing. With `resume`, the
-      run goes on from the newest checkpoint there that restores.
+    - `out`: the directory (made if missing) of `metrics.jsonl` (a line per `log_every`
+      steps and per evaluation), `curves.png` and `checkpoints/` (every
+      `checkpoint_every` steps, the newest `keep_checkpoints` kept); `None` writes
+      nothing. With `resume`, the run goes on from the newest checkpoint there that
+      restores.
     - `vocab_size`: a causal LM's vocabulary, for the collapse check (below).
     - `mesh`, `rules`: train on a mesh, as `init_state` places the model.
     - `key`: dropout's PRNG key.
@@ -214,6 +215,8 @@ class _Loop:
         self.loss_fn, self.eval_batch_size = loss_fn, eval_batch_size
         self.learning_rate, self.out = learning_rate, out
         self.log = None if out is None else MetricsLog(out / "metrics.jsonl")
+        if out is not None and writes_files():
+            out.mkdir(parents=True, exist_ok=True)
 
     def train(
         self,
