@@ -503,6 +503,16 @@ def test_summarize_gives_perplexity_for_causal_lm():
 # ----------------------------------------------------------------------- read_records
 
 
+def test_fit_refuses_unpaired_datasets():
+    """Several adapters need a train and an eval dataset each: one `ValueError` naming
+    them, before any step."""
+    _, model = _llama()
+    data = {"input_ids": np.zeros((4, 3), np.int32)}
+    with pytest.raises(ValueError, match=r"adapters \['a', 'b'\] need a train and an eval"):
+        train.fit(model, [data, data], [data], adapters=["a", "b"], steps=1, batch_size=2,
+                  key=jax.random.key(0))  # fmt: skip
+
+
 def test_read_records_jsonl_and_csv(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"text": "hi", "label": 1}\n\n{"text": "yo", "label": 0}\n')
     assert train.read_records(tmp_path / "a.jsonl", ["text", "label"]) == [

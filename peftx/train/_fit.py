@@ -150,6 +150,12 @@ def fit(
     prediction's `ln(vocab_size)`, or several adapters in one batch differ from each run
     alone.
     """
+    names = None if adapters is None else list(adapters)
+    if names is not None and not len(names) == len(train_data) == len(eval_data):
+        raise ValueError(
+            f"adapters {names} need a train and an eval dataset each, in their order; got "
+            f"{len(train_data)} train and {len(eval_data)} eval datasets"
+        )
     with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
         tx, rates = make_optimizer(
             steps,
@@ -160,7 +166,6 @@ def fit(
             warmup_steps=warmup_steps,
             max_grad_norm=max_grad_norm,
         )
-        names = None if adapters is None else list(adapters)
         state, frozen = init_state(model, tx, key=key, adapters=names, mesh=mesh, rules=rules)
         if mesh is not None:
             print(placement_line(mesh, rules, (state.trainable, frozen), state.opt_state))
@@ -206,11 +211,6 @@ class _Loop:
         learning_rate: float,
         out: Path | None,
     ):
-        if names is not None and len({len(names), len(train_sets), len(eval_sets)}) != 1:
-            raise ValueError(
-                f"{len(names)} adapters need as many train and eval datasets, got "
-                f"{len(train_sets)} and {len(eval_sets)}"
-            )
         self.names, self.train_sets, self.eval_sets = names, train_sets, eval_sets
         self.loss_fn, self.eval_batch_size = loss_fn, eval_batch_size
         self.learning_rate, self.out = learning_rate, out
