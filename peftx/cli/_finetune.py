@@ -75,8 +75,6 @@ def _encoded(file: Path, columns: dict[str, str], encode: Callable[[], dict]) ->
 
 
 def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, list[str] | None]:
-    from .. import train
-
     d = job.data
     vocab_size = hf_config(job.model.path).get("vocab_size")
     if job.model.task == "classification":
@@ -138,8 +136,6 @@ def _datasets(job: Job, tokenizer: Any) -> tuple[list[tuple[dict, dict]], Any]:
     """Each adapter's (train, eval) data, and the labels (classification: a list, or each
     adapter's by name). Several adapters' rows are padded to one length, so that they mix
     in a batch."""
-    from .. import train
-
     loaded = [_load_data(job, tokenizer, a) for a in job.adapters]
     pairs = [(tr, ev) for tr, ev, _ in loaded]
     if not job.multi:
