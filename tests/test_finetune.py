@@ -88,6 +88,7 @@ def _three_label_classifiers(bert):
     return base, model
 
 
+@pytest.mark.command_run
 def test_classification_job(bert, finished):
     out_dir, out = finished
     assert "trainable params:" in out
@@ -146,6 +147,7 @@ def _wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, timeout: float)
     raise AssertionError(f"no checkpoint in {timeout} s")
 
 
+@pytest.mark.command_run
 def test_kill_and_resume_is_exact(bert, tmp_path, capsys):
     job = bert / "job.toml"
     sets = ["train.steps=48", "train.checkpoint_every=4", "train.eval_every=16"]
@@ -216,6 +218,7 @@ def _sets(items):
 # -- causal LM ------------------------------------------------------------------------------
 
 
+@pytest.mark.command_run
 def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
     out_dir = tmp_path / "run"
     out = _finetune(capsys, llama / "job.toml", out_dir, "train.steps=40")
@@ -334,6 +337,7 @@ def test_errors(bert, tmp_path, capsys):
     )
 
 
+@pytest.mark.command_run
 def test_finished_run_and_overwrite_with_grad_accumulation(bert, finished, tmp_path, capsys):
     job = bert / "job.toml"
     out_dir = tmp_path / "run"
@@ -370,7 +374,11 @@ def test_finished_run_and_overwrite_with_grad_accumulation(bert, finished, tmp_p
 # -- the shipped configs --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["lora_minilm_intents", "ia3_minilm_intents"])
+# the demo's job is the fast tier's one command run
+@pytest.mark.parametrize(
+    "name",
+    ["lora_minilm_intents", pytest.param("ia3_minilm_intents", marks=pytest.mark.command_run)],
+)
 def test_minilm_configs_run(name, bert, tmp_path, capsys):
     """On the tiny BERT (its module names are MiniLM's) for speed: the texts become
     mostly [UNK], but every table of the job is exercised."""
@@ -383,6 +391,7 @@ def test_minilm_configs_run(name, bert, tmp_path, capsys):
     assert len(json.loads((out_dir / "labels.json").read_text())) == 4
 
 
+@pytest.mark.command_run
 def test_llama_configs_run(llama, tmp_path, capsys):
     """Both Llama jobs on the tiny Llama; the QLoRA one evaluates an NF4 bf16 base, whose
     loss before fine-tuning is near but not that of the float32 base."""
@@ -413,6 +422,7 @@ TUNER_TABLES = {
 }
 
 
+@pytest.mark.command_run
 @pytest.mark.parametrize("table", sorted(TUNER_TABLES))
 def test_tuner_tables_train_and_write_what_peft_reads(table, bert, tmp_path, capsys):
     """Each tuner's table in a job: the run writes PEFT's adapter, which PEFT reads to
@@ -476,6 +486,7 @@ def test_adalora_target_r_above_init_r_is_refused_by_the_job_check(
 # -- several adapters in mixed batches ------------------------------------------------------
 
 
+@pytest.mark.command_run
 def test_two_adapters_config_trains_and_serves_as_peft(llama, tmp_path, capsys):
     """The two-adapter job on the tiny Llama (the texts become mostly [UNK], still
     learnable): each adapter improves on its own data, and the saved adapters served by
@@ -657,6 +668,7 @@ eval = "eval.jsonl"
     return job
 
 
+@pytest.mark.command_run
 def test_two_classifiers_in_mixed_batches_as_peft(bert, tmp_path, capsys):
     """Two classification adapters, each with its own classifier copy (modules_to_save),
     on data whose labels are permuted for the second: each learns its own labelling, and
@@ -730,6 +742,7 @@ def test_classifiers_with_different_label_counts_are_refused(bert, tmp_path, cap
     assert not (tmp_path / "run" / "adapter").exists()
 
 
+@pytest.mark.command_run
 def test_failed_serving_check_saves_no_adapter(llama, tmp_path, capsys, monkeypatch):
     """A mixed batch that differs from the adapters run alone beyond the tolerance fails
     the job (the check's result doubled past it here), and no adapter is written."""
