@@ -412,42 +412,33 @@ def test_llama_configs_run(llama, tmp_path, capsys):
     assert qlora != lora and abs(qlora - lora) < 0.1 * lora
 
 
-# the tables of OFT, LoHa and LoKr reach the same job code (test_cli's inspect reads
-# each); VeRA's file holds the shared projections, AdaLoRA's its allocator's pruning
-TUNER_TABLES = {
-    "vera": 'r = 16\ntarget_modules = ["query", "value"]',
-    # no total_step: the run's steps
-    "adalora": "init_r = 4\ntarget_r = 2\ntinit = 2\ntfinal = 2\n"
-    'target_modules = ["query", "value"]',
-}
+# one non-LoRA job end to end: AdaLoRA's, whose allocator prunes in the loop (every
+# table's config and PEFT-readable file: test_cli's inspect test)
+ADALORA = 'init_r = 4\ntarget_r = 2\ntinit = 2\ntfinal = 2\ntarget_modules = ["query", "value"]'
 
 
 @pytest.mark.command_run
-@pytest.mark.parametrize("table", sorted(TUNER_TABLES))
-def test_tuner_tables_train_and_write_what_peft_reads(table, bert, tmp_path, capsys):
-    """Each tuner's table in a job: the run writes PEFT's adapter, which PEFT reads to
-    peftx's logits. AdaLoRA's allocator runs with no call of the user's, and its file is
-    PEFT's pruned one."""
+def test_adalora_table_trains_and_writes_what_peft_reads(bert, tmp_path, capsys):
+    """An [adalora] job (no total_step: the run's steps) writes PEFT's adapter, which PEFT
+    reads to peftx's logits. AdaLoRA's allocator runs with no call of the user's, and its
+    file is PEFT's pruned one."""
     text = (bert / "job.toml").read_text()
     for name in ("base", "train.jsonl", "eval.jsonl"):
         text = text.replace(f'"{name}"', f'"{bert / name}"')
     lora = text[text.index("[lora]") : text.index("[train]")]
     job = tmp_path / "job.toml"
-    job.write_text(text.replace(lora, f"[{table}]\n{TUNER_TABLES[table]}\n\n"))
+    job.write_text(text.replace(lora, f"[adalora]\n{ADALORA}\n\n"))
     out_dir = tmp_path / "run"
-    steps = 8 if table == "adalora" else 3  # AdaLoRA: prune at 3-5, the final ranks at 6
-    _finetune(capsys, job, out_dir, f"train.steps={steps}")
+    _finetune(capsys, job, out_dir, "train.steps=8")  # prune at 3-5, the final ranks at 6
     adapter = out_dir / "adapter"
     saved = json.loads((adapter / "adapter_config.json").read_text())
-    assert saved["peft_type"] == table.upper()
-    if table == "adalora":
-        assert saved["total_step"] == 8
-        pattern = saved["rank_pattern"]
-        assert len(pattern) == 2 * 2 and sum(map(sum, pattern.values())) == 2 * len(pattern)
-        tensors = _tensors(adapter)
-        for key, kept in pattern.items():
-            module = "base_model.model." + key.removesuffix(".lora_E")
-            assert tensors[f"{module}.lora_A"].shape[0] == sum(kept)
+    assert saved["peft_type"] == "ADALORA" and saved["total_step"] == 8
+    pattern = saved["rank_pattern"]
+    assert len(pattern) == 2 * 2 and sum(map(sum, pattern.values())) == 2 * len(pattern)
+    tensors = _tensors(adapter)
+    for key, kept in pattern.items():
+        module = "base_model.model." + key.removesuffix(".lora_E")
+        assert tensors[f"{module}.lora_A"].shape[0] == sum(kept)
 
     base, model = _three_label_classifiers(bert)
     reference = peft.PeftModel.from_pretrained(base, adapter).eval()
