@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-fast bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,7 +19,11 @@ demo: $(VENV)/.installed
 	$(PY) examples/peft_check.py runs/lora_minilm_intents $(DEMO)
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --durations=25
+
+# everything but the slow markers (pyproject.toml): the edit-test loop
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q -n auto --durations=25 -m "not (command_run or simulated_devices or torch_round_trip)"
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/suite.py --out benchmarks/RESULTS.md

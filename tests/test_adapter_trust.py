@@ -105,6 +105,7 @@ def test_auto_peft_model_loads_a_peftx_adapter(checkpoints, tmp_path, monkeypatc
     assert np.abs(want - unadapted).max() > EFFECT, "the adapter changes nothing"
 
 
+@pytest.mark.command_run
 def test_auto_peft_model_loads_what_peftx_finetune_wrote(llama, tmp_path, capsys, monkeypatch):
     """The issue's own words: PEFT's Auto class loads the adapter of a `peftx finetune`
     run (the tiny causal-LM job of `conftest.py`), with peftx's outputs."""

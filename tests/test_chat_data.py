@@ -171,6 +171,7 @@ def test_a_tokenizer_without_a_template_is_refused():
         encode_chat(word_tokenizer(WORDS), CHATS, max_length=24)
 
 
+@pytest.mark.command_run
 def test_finetune_trains_on_a_messages_column(llama, tmp_path, capsys):
     """`[data] messages_column`: `peftx finetune` renders each row with the checkpoint's
     own template and counts the assistant's tokens only; bad combinations are one line."""
@@ -259,6 +260,7 @@ CHATML = (
 )
 
 
+@pytest.mark.command_run
 def test_bundled_chat_job_runs_on_a_tiny_qwen3(tmp_path, capsys):
     """configs/lora_qwen_chat.toml as shipped, on a tiny random Qwen3 given with `--set
     model.path=...` (a word-level tokenizer over the dataset's words, with a ChatML

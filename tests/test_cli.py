@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import peft
 import pytest
+import safetensors.torch
 import torch
 import transformers
 from helpers import (
@@ -355,6 +356,20 @@ def test_inspect_counts_match_get_peft_model_and_peft(name, tmp_path, capsys):
     classifier = 384 * 3 + 3
     assert sum(int(n.replace(",", "")) for _, n in rows) + classifier == trainable
 
+    # the table's adapter on disk is PEFT's: PEFT loads each tensor of the file as written
+    real.save_pretrained(tmp_path / "adapter")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fresh classifier
+        fresh = transformers.AutoModelForSequenceClassification.from_pretrained(
+            MINILM, num_labels=3
+        )
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter")
+    written = safetensors.torch.load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    read = peft.get_peft_model_state_dict(loaded)
+    assert read.keys() == written.keys()
+    for key, tensor in written.items():
+        torch.testing.assert_close(read[key], tensor, rtol=0, atol=0, msg=key)
+
 
 def test_inspect_causal_lm_job(llama, capsys):
     """A job beside its checkpoint (a relative [model] path), unrolled, on a GQA Llama."""
@@ -558,6 +573,7 @@ def test_env(capsys):
     assert str(jax.devices()[0]) in out
 
 
+@pytest.mark.command_run
 def test_console_script(tmp_path):
     """The installed script: exit codes, one-line errors, tracebacks only with --debug."""
     script = Path(sys.executable).parent / "peftx"

@@ -90,6 +90,7 @@ def _three_label_classifiers(bert):
     return base, model
 
 
+@pytest.mark.command_run
 def test_classification_job(bert, finished):
     out_dir, out = finished
     assert "trainable params:" in out
@@ -189,6 +190,7 @@ def _wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, timeout: float)
     raise AssertionError(f"no checkpoint in {timeout} s")
 
 
+@pytest.mark.command_run
 def test_kill_and_resume_is_exact(bert, tmp_path, capsys):
     job = bert / "job.toml"
     sets = ["train.steps=48", "train.checkpoint_every=4", "train.eval_every=16"]
@@ -259,6 +261,7 @@ def _sets(items):
 # -- causal LM ------------------------------------------------------------------------------
 
 
+@pytest.mark.command_run
 def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
     out_dir = tmp_path / "run"
     out = _finetune(capsys, llama / "job.toml", out_dir, "train.steps=40")
@@ -377,6 +380,7 @@ def test_errors(bert, tmp_path, capsys):
     )
 
 
+@pytest.mark.command_run
 def test_finished_run_and_overwrite_with_grad_accumulation(bert, finished, tmp_path, capsys):
     job = bert / "job.toml"
     out_dir = tmp_path / "run"
@@ -413,7 +417,11 @@ def test_finished_run_and_overwrite_with_grad_accumulation(bert, finished, tmp_p
 # -- the shipped configs --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["lora_minilm_intents", "ia3_minilm_intents"])
+# the demo's job is the fast tier's one command run
+@pytest.mark.parametrize(
+    "name",
+    ["lora_minilm_intents", pytest.param("ia3_minilm_intents", marks=pytest.mark.command_run)],
+)
 def test_minilm_configs_run(name, bert, tmp_path, capsys):
     """On the tiny BERT (its module names are MiniLM's) for speed: the texts become
     mostly [UNK], but every table of the job is exercised."""
@@ -426,6 +434,7 @@ def test_minilm_configs_run(name, bert, tmp_path, capsys):
     assert len(json.loads((out_dir / "labels.json").read_text())) == 4
 
 
+@pytest.mark.command_run
 def test_llama_configs_run(llama, tmp_path, capsys):
     """Both Llama jobs on the tiny Llama; the QLoRA one evaluates an NF4 bf16 base, whose
     loss before fine-tuning is near but not that of the float32 base."""
@@ -446,41 +455,33 @@ def test_llama_configs_run(llama, tmp_path, capsys):
     assert qlora != lora and abs(qlora - lora) < 0.1 * lora
 
 
-# the tables of OFT, LoHa and LoKr reach the same job code (test_cli's inspect reads
-# each); VeRA's file holds the shared projections, AdaLoRA's its allocator's pruning
-TUNER_TABLES = {
-    "vera": 'r = 16\ntarget_modules = ["query", "value"]',
-    # no total_step: the run's steps
-    "adalora": "init_r = 4\ntarget_r = 2\ntinit = 2\ntfinal = 2\n"
-    'target_modules = ["query", "value"]',
-}
+# one non-LoRA job end to end: AdaLoRA's, whose allocator prunes in the loop (every
+# table's config and PEFT-readable file: test_cli's inspect test)
+ADALORA = 'init_r = 4\ntarget_r = 2\ntinit = 2\ntfinal = 2\ntarget_modules = ["query", "value"]'
 
 
-@pytest.mark.parametrize("table", sorted(TUNER_TABLES))
-def test_tuner_tables_train_and_write_what_peft_reads(table, bert, tmp_path, capsys):
-    """Each tuner's table in a job: the run writes PEFT's adapter, which PEFT reads to
-    peftx's logits. AdaLoRA's allocator runs with no call of the user's, and its file is
-    PEFT's pruned one."""
+@pytest.mark.command_run
+def test_adalora_table_trains_and_writes_what_peft_reads(bert, tmp_path, capsys):
+    """An [adalora] job (no total_step: the run's steps) writes PEFT's adapter, which PEFT
+    reads to peftx's logits. AdaLoRA's allocator runs with no call of the user's, and its
+    file is PEFT's pruned one."""
     text = (bert / "job.toml").read_text()
     for name in ("base", "train.jsonl", "eval.jsonl"):
         text = text.replace(f'"{name}"', f'"{bert / name}"')
     lora = text[text.index("[lora]") : text.index("[train]")]
     job = tmp_path / "job.toml"
-    job.write_text(text.replace(lora, f"[{table}]\n{TUNER_TABLES[table]}\n\n"))
+    job.write_text(text.replace(lora, f"[adalora]\n{ADALORA}\n\n"))
     out_dir = tmp_path / "run"
-    steps = 8 if table == "adalora" else 3  # AdaLoRA: prune at 3-5, the final ranks at 6
-    _finetune(capsys, job, out_dir, f"train.steps={steps}")
+    _finetune(capsys, job, out_dir, "train.steps=8")  # prune at 3-5, the final ranks at 6
     adapter = out_dir / "adapter"
     saved = json.loads((adapter / "adapter_config.json").read_text())
-    assert saved["peft_type"] == table.upper()
-    if table == "adalora":
-        assert saved["total_step"] == 8
-        pattern = saved["rank_pattern"]
-        assert len(pattern) == 2 * 2 and sum(map(sum, pattern.values())) == 2 * len(pattern)
-        tensors = _tensors(adapter)
-        for key, kept in pattern.items():
-            module = "base_model.model." + key.removesuffix(".lora_E")
-            assert tensors[f"{module}.lora_A"].shape[0] == sum(kept)
+    assert saved["peft_type"] == "ADALORA" and saved["total_step"] == 8
+    pattern = saved["rank_pattern"]
+    assert len(pattern) == 2 * 2 and sum(map(sum, pattern.values())) == 2 * len(pattern)
+    tensors = _tensors(adapter)
+    for key, kept in pattern.items():
+        module = "base_model.model." + key.removesuffix(".lora_E")
+        assert tensors[f"{module}.lora_A"].shape[0] == sum(kept)
 
     base, model = _three_label_classifiers(bert)
     reference = peft.PeftModel.from_pretrained(base, adapter).eval()
@@ -519,6 +520,7 @@ def test_adalora_target_r_above_init_r_is_refused_by_the_job_check(
 # -- several adapters in mixed batches ------------------------------------------------------
 
 
+@pytest.mark.command_run
 def test_two_adapters_config_trains_and_serves_as_peft(llama, tmp_path, capsys):
     """The two-adapter job on the tiny Llama (the texts become mostly [UNK], still
     learnable): each adapter improves on its own data, and the saved adapters served by
@@ -700,6 +702,7 @@ eval = "eval.jsonl"
     return job
 
 
+@pytest.mark.command_run
 def test_two_classifiers_in_mixed_batches_as_peft(bert, tmp_path, capsys):
     """Two classification adapters, each with its own classifier copy (modules_to_save),
     on data whose labels are permuted for the second: each learns its own labelling, and
@@ -773,6 +776,7 @@ def test_classifiers_with_different_label_counts_are_refused(bert, tmp_path, cap
     assert not (tmp_path / "run" / "adapter").exists()
 
 
+@pytest.mark.command_run
 def test_failed_serving_check_saves_no_adapter(llama, tmp_path, capsys, monkeypatch):
     """A mixed batch that differs from the adapters run alone beyond the tolerance fails
     the job (the check's result doubled past it here), and no adapter is written."""

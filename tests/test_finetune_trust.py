@@ -111,6 +111,7 @@ def test_output_dir_may_not_hold_the_model_or_the_data(bert, tmp_path, capsys, w
     assert _tree(root) == before
 
 
+@pytest.mark.command_run
 def test_a_failed_replacement_keeps_the_finished_run(bert, tmp_path, capsys):
     job, out = bert / "job.toml", tmp_path / "run"
     _runs(capsys, "finetune", job, "--set", f"output.dir={out}", *STEPS)
@@ -147,6 +148,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.command_run
 def test_a_killed_replacement_keeps_the_finished_run(bert, tmp_path, capsys):
     job, out = bert / "job.toml", tmp_path / "run"
     _runs(capsys, "finetune", job, "--set", f"output.dir={out}", *STEPS)
@@ -179,6 +181,7 @@ def _finished_run(directory: Path) -> None:
     (directory / "notes.txt").write_text("the user's")
 
 
+@pytest.mark.command_run
 def test_overwrite_through_a_linked_output_dir(bert, tmp_path, capsys):
     """The repro: `--overwrite` with output.dir a link to a finished run swapped the link
     itself and failed; the next run took the stray `.slink.peftx-next` link for its own
@@ -278,6 +281,7 @@ def test_the_lock_of_a_dead_run_is_taken_over(bert, tmp_path, capsys):
 # -- restoring checkpoints ------------------------------------------------------------------
 
 
+@pytest.mark.command_run
 def test_damaged_checkpoints_are_passed_over(bert, tmp_path, capsys, monkeypatch):
     job, out = bert / "job.toml", tmp_path / "run"
     sets = ["train.steps=20", "train.checkpoint_every=4", "output.keep_checkpoints=4"]
@@ -330,6 +334,7 @@ def test_damaged_checkpoints_are_passed_over(bert, tmp_path, capsys, monkeypatch
         assert (got[k] == want[k]).all(), k
 
 
+@pytest.mark.command_run
 def test_a_full_disk_at_a_checkpoint_is_one_line_and_resumes(bert, tmp_path, capsys, monkeypatch):
     """The repro: a full disk at a checkpoint was a `SafetensorError` traceback."""
     import safetensors.numpy
@@ -363,6 +368,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_resumes(bert, tmp_path, cap
 # -- silent wrong results -------------------------------------------------------------------
 
 
+@pytest.mark.command_run
 def test_a_diverging_run_fails_and_writes_no_adapter(bert, tmp_path, capsys):
     """The repro: learning_rate=1e9 wrote a NaN adapter, bare NaN in metrics.jsonl, and
     exited 0."""
@@ -385,6 +391,7 @@ def test_a_diverging_run_fails_and_writes_no_adapter(bert, tmp_path, capsys):
         json.loads(line, parse_constant=no_constants)
 
 
+@pytest.mark.command_run
 def test_a_collapsing_causal_run_fails_and_writes_no_adapter(llama, tmp_path, capsys):
     """The repro: learning_rate=1e9 made every prediction uniform (eval loss ln(vocab)),
     wrote that adapter, and exited 0. The tiny Llama's eval loss starts above ln(vocab)."""

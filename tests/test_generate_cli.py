@@ -367,6 +367,7 @@ def test_in_process_runs_leave_the_jax_settings_as_they_were(llama, capsys, cach
     assert any((cache_home / "peftx" / "jax").iterdir())
 
 
+@pytest.mark.command_run
 def test_a_second_run_compiles_nothing(llama, cache_home):
     """Two processes: the first fills `$XDG_CACHE_HOME/peftx/jax`; the second finds every
     program there and adds no entry."""

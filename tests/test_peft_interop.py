@@ -467,6 +467,9 @@ CASES = {
 }
 # these also run on the unrolled layout (the others only on the stacked one, to keep this
 # file quick): whole stacks, split stacks, an embedding, and a head beside the stack
+# the stacked layout's round trip is the fast tier's; the unrolled one repeats it per layer
+UNROLLED_MARKS = {"stacked": (), "unrolled": pytest.mark.torch_round_trip}
+LAYOUTS = [pytest.param(layout, marks=marks) for layout, marks in UNROLLED_MARKS.items()]
 BOTH_LAYOUTS = {
     "gpt2-c_attn",
     "llama-qv",
@@ -476,7 +479,7 @@ BOTH_LAYOUTS = {
     "llama-per-layer-patterns",
 }
 PARAMS = [
-    pytest.param(case, layout, id=f"{case}-{layout}")
+    pytest.param(case, layout, id=f"{case}-{layout}", marks=UNROLLED_MARKS[layout])
     for case in CASES
     for layout in (("stacked", "unrolled") if case in BOTH_LAYOUTS else ("stacked",))
 ]
@@ -546,7 +549,7 @@ def test_peft_to_peftx(case, layout, checkpoint, base, tmp_path, request):
     ],
     ids=["adapted-embedding", "embeddings-beside"],
 )
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_embedding_base_weights_in_the_file_are_used(
     layout, targets, written, checkpoint, base, tmp_path
 ):
@@ -645,7 +648,7 @@ TWO = dict(
 )
 
 
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_adapters_peftx_to_peft(layout, checkpoint, base, tmp_path):
     ours = peftx.get_peft_model(
         base("llama", layout), peftx.LoraConfig(**TWO["default"]), key=jax.random.key(0)
@@ -672,7 +675,7 @@ def test_two_adapters_peftx_to_peft(layout, checkpoint, base, tmp_path):
     assert np.abs(other - default).max() > EFFECT  # the two adapters differ
 
 
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_adapters_peft_to_peftx(layout, checkpoint, base, tmp_path):
     path = checkpoint("llama")
     their_default = peft.LoraConfig(**TWO["default"], init_lora_weights=False)
@@ -745,7 +748,7 @@ def assert_same_leaves_of(a, b):
 PISSA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
 
 
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_pissa_places_the_residual_as_peft_does(layout, checkpoint, base, tmp_path):
     """PiSSA changes the base weight to `W - s·B·A`: at init the logits are the base
     model's, the residual alone is PEFT's residual, a PEFT file saying `"pissa"` applies to
@@ -866,7 +869,7 @@ def test_minilm_peft_to_peftx(minilm, tmp_path):
 # ---------------------------------------------------------------- merged export
 
 
-@pytest.mark.parametrize("layout", ["stacked", "unrolled"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_merged_export_loads_in_transformers(layout, base, tmp_path):
     config = peftx.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
     ours = randomized(

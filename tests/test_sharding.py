@@ -8,6 +8,8 @@ import textwrap
 import pytest
 from helpers import run_script
 
+pytestmark = pytest.mark.simulated_devices
+
 SCRIPT = textwrap.dedent(
     """
     import os

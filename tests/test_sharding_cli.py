@@ -68,6 +68,7 @@ def lora_one(llama, tmp_path_factory):
     return _one_device(llama / "job.toml", tmp_path_factory.mktemp("lora") / "one")
 
 
+@pytest.mark.simulated_devices
 def test_finetune_on_a_mesh_writes_the_one_device_adapter(llama, lora_one, tmp_path):
     """2 x 2 x 2 over two processes of 4 devices: process 0 owns the run directory (and
     its checkpoints), each feeds its own rows, and the one-device adapter comes out. (One
@@ -114,6 +115,7 @@ def _stopped_after_first_checkpoint(job, sets, monkeypatch):
         assert main(["finetune", str(job), *sum((["--set", s] for s in sets), [])]) == 130
 
 
+@pytest.mark.simulated_devices
 def test_qlora_without_a_mesh_table_uses_every_device(llama, tmp_path, capsys, monkeypatch):
     """The 8-device run goes on from the checkpoint of a run stopped on one device, on
     a one-device mesh of the `dp` rules: another mesh and device count, the same job."""
@@ -132,6 +134,7 @@ def test_qlora_without_a_mesh_table_uses_every_device(llama, tmp_path, capsys, m
     _same_adapter(tmp_path / "eight", one, "qlora")
 
 
+@pytest.mark.simulated_devices
 def test_generate_and_merge_take_the_mesh_as_options(llama, lora_one, tmp_path, capsys):
     base, adapter = llama / "base", lora_one / "adapter"
     generate = ["generate", base, "w5 w6 w7", "--adapter", adapter, "--max-new-tokens", 6]
@@ -212,6 +215,7 @@ def test_a_partial_multi_process_environment_is_one_line(llama, tmp_path, capsys
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.simulated_devices
 def test_a_missing_or_lost_process_is_one_line(llama, tmp_path):
     """A process whose peer never starts says at once what it waits for, and gives up after
     `PEFTX_JOIN_TIMEOUT` with one line; one whose peer is killed mid-run exits at once with

@@ -12,7 +12,10 @@ keeps one device."""
 
 import textwrap
 
+import pytest
 from helpers import run_script
+
+pytestmark = pytest.mark.simulated_devices
 
 SCRIPT = textwrap.dedent(
     """

@@ -7,8 +7,11 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 import safetensors.numpy
 from helpers import run_processes
+
+pytestmark = pytest.mark.simulated_devices
 
 SCRIPT = textwrap.dedent(
     """
