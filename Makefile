@@ -2,7 +2,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-fast bench docs lint clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -34,9 +34,12 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/load_checkpoint.py
 	$(PY) benchmarks/adapter_io.py
 
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check peftx tests examples benchmarks
 	$(VENV)/bin/ruff format --check peftx tests examples benchmarks
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) site

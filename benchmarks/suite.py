@@ -773,6 +773,21 @@ def machine() -> str:
     )
 
 
+KEPT = (
+    "<!-- Below: the focused scripts' tables, kept by `suite.py --out`; "
+    "each script prints its own. -->"
+)
+
+
+def write_report(path: str, report: str) -> None:
+    """Write the suite's report to `path`, keeping what `path` holds from the `KEPT` line on
+    (the focused scripts' tables, which this run does not measure)."""
+    old = open(path).read() if os.path.exists(path) else ""
+    kept = old[old.index(KEPT) :] if KEPT in old else ""
+    with open(path, "w") as f:
+        f.write(report + ("\n" + kept if kept else ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, 3 repeats (~3 min)")
@@ -987,8 +1002,7 @@ def main() -> None:
     report = "\n".join(out) + "\n"
     print(report)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+        write_report(args.out, report)
 
 
 if __name__ == "__main__":

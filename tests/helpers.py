@@ -1,8 +1,10 @@
 """Helpers shared by the tests: comparing pytrees, walking traced programs."""
 
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -237,3 +239,44 @@ def unpacked(data):
             examples[-1][0].append(ids[t])
             examples[-1][1].append(labels[t])
     return examples
+
+
+ROOT = Path(__file__).parents[1]
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FRAGMENT = "<!-- fragment -->"  # on the line above a code block: shown and compiled, not run
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeBlock:
+    """A fenced code block of a Markdown page; `line` is its first line of code (1-based)."""
+
+    page: Path
+    line: int
+    language: str
+    code: str
+    fragment: bool
+
+
+def code_blocks(page):
+    """The fenced code blocks of the Markdown file `page`, in order."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        fence = re.match(r"( *)```(\w*)", lines[i])
+        if not fence:
+            i += 1
+            continue
+        indent, language = fence.groups()
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        code = "\n".join(x[len(indent) :] for x in lines[i + 1 : end])
+        fragment = i > 0 and lines[i - 1].strip() == FRAGMENT
+        blocks.append(CodeBlock(page, i + 2, language, code, fragment))
+        i = end + 1
+    return blocks
+
+
+def section_code(page, heading):
+    """The first Python block after the line `heading` of `page`."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    start = lines.index(heading) + 1
+    return next(b for b in code_blocks(page) if b.language == "python" and b.line > start)

@@ -1,4 +1,4 @@
-"""Every public name is importable from where the README says it is."""
+"""Every public name is importable from where the README and the docs say it is."""
 
 from pathlib import Path
 
@@ -162,13 +162,13 @@ def test_public_names_exist():
     assert not missing
 
 
-def test_readme_and_inspect_name_every_adapter_table(capsys):
-    """The README's job table and `peftx inspect --help` name every tuner table a job takes
-    (the registry's, `TOML_TABLES`)."""
+def test_docs_and_inspect_name_every_adapter_table(capsys):
+    """The job table of docs/command.md and `peftx inspect --help` name every tuner table a
+    job takes (the registry's, `TOML_TABLES`)."""
     from peftx._config import TOML_TABLES
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
-    job_row = next(line for line in readme if line.startswith("| `[lora]`"))
+    page = (Path(__file__).parents[1] / "docs/command.md").read_text().splitlines()
+    job_row = next(line for line in page if line.startswith("| `[lora]`"))
     with pytest.raises(SystemExit, match="0"):
         peftx.cli.main(["inspect", "--help"])
     inspect = " ".join(capsys.readouterr().out.split())

@@ -24,25 +24,6 @@ def test_lora_mlp_demo(capsys, quantize):
     assert "OK" in capsys.readouterr().out
 
 
-def _readme_code(section):
-    readme = (EXAMPLES.parent / "README.md").read_text()
-    return readme.split(section, 1)[1].split("```python", 1)[1].split("```", 1)[0]
-
-
-def test_readme_quickstart_runs(capsys):
-    with jax.numpy_dtype_promotion("standard"):  # optax under the tests' strict promotion
-        exec(compile(_readme_code("## Quickstart"), "README.md", "exec"), {})
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("trainable params: 320 || all params: 872 ||")
-    name, loss = out[1].split()
-    assert name == "MLP" and float(loss) < 0.1
-
-
-def test_readme_implicit_example_runs(capsys):
-    exec(compile(_readme_code("## `peftx.implicit`"), "README.md", "exec"), {})
-    assert capsys.readouterr().out.startswith("(8, 3) ")
-
-
 def test_train_loop_example(capsys):
     with jax.numpy_dtype_promotion("standard"):  # optax under the tests' strict promotion
         assert _load("train_loop").main(steps=25, batch=8) == 0
@@ -85,20 +66,3 @@ def test_structure_editing_example(capsys):
     assert _load("structure_editing").main() == 0
     out = capsys.readouterr().out
     assert "'model.layers.2-3.self_attn.o_proj'" in out and "OK" in out
-
-
-def test_readme_training_loop_runs(capsys, tmp_path, monkeypatch):
-    """The loop by hand, then `fit` on the same model and data (the block after it)."""
-    monkeypatch.chdir(tmp_path)
-    namespace = {}
-    with jax.numpy_dtype_promotion("standard"), pytest.warns(UserWarning, match="fresh"):
-        for section in ("## Training utilities", "### The command's loop"):
-            exec(compile(_readme_code(section), "README.md", "exec"), namespace)
-    by_hand, fitted = capsys.readouterr().out.split("eval loss ")
-    loss = float(by_hand.split("loss ")[1].split()[0])
-    assert loss < 0.6931  # below chance (ln 2) for the two repeated classes
-    assert (tmp_path / "runs/by_hand/checkpoint-00000010/adapter_model.safetensors").is_file()
-    before, after = (float(x) for x in fitted.split("\n")[0].split(" -> "))
-    assert after < before
-    for name in ("metrics.jsonl", "curves.png", "adapter/adapter_model.safetensors"):
-        assert (tmp_path / "runs/fit" / name).is_file(), name

@@ -2,15 +2,13 @@
 in a whole train step (LoRA, DoRA, IA3, LoKr, NF4, QLoRA, QDoRA, mixed batches, stacked
 layers)."""
 
-import pathlib
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import all_eqns
+from helpers import ROOT, all_eqns, section_code
 
 import peftx
 from peftx import (
@@ -412,14 +410,13 @@ def test_dora_kept_norm_is_frozen_and_not_a_parameter():
     assert frozen.base_model.q_proj.weight.adapters["default"].weight_sq_norm.shape == (8,)
 
 
-def test_readme_example_runs():
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("### Proving that no dense weight is built", 1)[1]
-    code = section.split("```python", 1)[1].split("```", 1)[0]
+def test_docs_example_runs():
+    """The train step of docs/implicit.md's section on `assert_no_dense`, on a LoRA MLP."""
+    block = section_code(ROOT / "docs/implicit.md", "## Proving that no dense weight is built")
     mlp = eqx.nn.MLP(IN, IN, OUT, depth=1, key=jax.random.key(0))  # (64, 32), (32, 64)
     model = get_peft_model(
         mlp, LoraConfig(r=2, target_modules=["layers.0", "layers.1"]), key=jax.random.key(1)
     )
     scope = dict(eqx=eqx, jax=jax, jnp=jnp, optax=optax, peftx=peftx, model=model, x=_x())
     with jax.numpy_dtype_promotion("standard"):  # optax mixes in its int count
-        exec(compile(code, "README.md", "exec"), scope)
+        exec(compile(block.code, "docs/implicit.md", "exec"), scope)
