@@ -19,6 +19,8 @@ import json
 import os
 import pathlib
 import re
+import types
+import typing
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
@@ -59,12 +61,11 @@ CONFIG_NAME = "adapter_config.json"
 TaskType = Literal[
     "SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION"
 ]
-_TASK_TYPES: tuple[str | None, ...] = (None, *TaskType.__args__)
 
-# Fields holding one of PEFT's module-name rules: a regex string (full match on the dotted
-# path), a list of names (exact or dotted-suffix match), or, in peftx only, a `Predicate`.
-_RULE_FIELDS = ("target_modules", "exclude_modules", "feedforward_modules")
-_RULE_TYPE = "None, a regex string, a list of module names, or a peftx Predicate"
+# One of PEFT's module-name rules: a regex string (full match on the dotted path), a list
+# of names (exact or dotted-suffix match), or, in peftx only, a `Predicate`.
+ModuleRule = str | list[str] | tuple[str, ...] | Predicate | None
+RULE = "None, a regex string, a list of module names, or a peftx Predicate"
 
 # Keys that PEFT 0.21.2 writes but peftx does not model, with PEFT's default values. On load,
 # a default value is dropped silently. A non-default value of a key in `_HARMLESS` is ignored
@@ -251,192 +252,150 @@ _LOKR_KEYS = (
 )
 
 
-# -- per-field checks, shared by `__post_init__` and `from_dict` ----------------------------
+# -- per-field checks, read from each field's annotation and metadata -----------------------
+
+# The largest rank: an array dimension that JAX indexes with int32.
+MAX_RANK = 2**31 - 1
+# The largest `lora_alpha`: the scaling multiplies float32 (or bfloat16) arrays, and a larger
+# number is infinite there. `abs(v) <= FLOAT32_MAX` is False for NaN and inf too, and compares
+# an int of any size exactly (`math.isfinite(10**400)` would raise OverflowError).
+FLOAT32_MAX = 3.4028234663852886e38
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A field's valid values beyond its type: `holds(v)` for each number of the value (each
+    item of a list, each value of a dict), and what a valid value is (`{name}`: the field's
+    name). NaN fails every comparison, so `holds` says what is allowed (`0 <= v < 1`), never
+    what is refused (`v < 0`)."""
+
+    holds: Callable[[Any], bool]
+    expected: str
+
+    def at_fault(self, value: Any) -> Any:
+        """The part of `value` that fails: the value itself, or a dict's failing entries;
+        None when every number holds."""
+        if isinstance(value, Mapping):
+            return {k: v for k, v in value.items() if not self.holds(v)} or None
+        values = value if isinstance(value, list | tuple) else () if value is None else (value,)
+        return None if all(map(self.holds, values)) else value
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+RANK = Range(
+    lambda v: 1 <= v <= MAX_RANK, f"`{{name}}` must be a positive integer (at most {MAX_RANK})"
+)
+FINITE = Range(
+    lambda v: abs(v) <= FLOAT32_MAX,
+    "`{name}` must be a finite number (within float32's range, ±3.4e38)",
+)
+PROBABILITY = Range(lambda v: 0 <= v < 1, "`{name}` must be a probability in [0, 1)")
+# PEFT's `rank_pattern` and `alpha_pattern`: per-module values keyed by regex
+RANKS = Range(RANK.holds, f"`{{name}}` ranks must be positive integers (at most {MAX_RANK})")
+RANKS_TYPE = "a dict from module-name patterns to int ranks"
+SCALES = Range(
+    FINITE.holds, "`{name}` values must be finite numbers (within float32's range, ±3.4e38)"
+)
+SCALES_TYPE = "a dict from module-name patterns to numbers"
 
 
-def _is_str_list(v: Any) -> bool:
-    return isinstance(v, list | tuple) and all(isinstance(x, str) for x in v)
-
-
-def _is_rule(v: Any) -> bool:
-    return v is None or isinstance(v, str | Predicate) or _is_str_list(v)
-
-
-def _is_layers(v: Any) -> bool:
-    return v is None or _is_int(v) or (isinstance(v, list | tuple) and all(map(_is_int, v)))
-
-
-def _is_map(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: (
-        isinstance(v, Mapping) and all(isinstance(k, str) and check(x) for k, x in v.items())
+def field(
+    *,
+    default: Any = dataclasses.MISSING,
+    default_factory: Any = dataclasses.MISSING,
+    range: Range | None = None,
+    converter: Callable[[Any], Any] | None = None,
+    means: str | None = None,
+) -> Any:
+    """A config field whose annotation is its check, with what the annotation cannot say:
+    its `range`, a `converter` applied once the value is checked (`float` for a dropout
+    given as `0`), and `means`, the words for its type in a message where the annotation's
+    own ("a list of strings") would say less."""
+    metadata = {"range": range, "converter": converter, "means": means}
+    return dataclasses.field(
+        default=default,
+        default_factory=default_factory,
+        metadata={k: v for k, v in metadata.items() if v is not None},
     )
 
 
-_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "base_model_name_or_path": (lambda v: v is None or isinstance(v, str), "None or a string"),
-    "revision": (lambda v: v is None or isinstance(v, str), "None or a string"),
-    "peft_version": (lambda v: v is None or isinstance(v, str), "None or a string"),
-    "inference_mode": (lambda v: isinstance(v, bool), "a bool"),
-    "target_modules": (_is_rule, _RULE_TYPE),
-    "exclude_modules": (_is_rule, _RULE_TYPE),
-    "feedforward_modules": (_is_rule, _RULE_TYPE),
-    "fan_in_fan_out": (lambda v: isinstance(v, bool), "a bool"),
-    "modules_to_save": (lambda v: v is None or _is_str_list(v), "None or a list of strings"),
-    "layers_to_transform": (_is_layers, "None, an int, or a list of ints"),
-    "layers_pattern": (
-        lambda v: v is None or isinstance(v, str) or _is_str_list(v),
-        "None, a string, or a list of strings",
-    ),
-    "r": (_is_int, "an int"),
-    "lora_alpha": (_is_number, "a number"),
-    "lora_dropout": (_is_number, "a number"),
-    "use_rslora": (lambda v: isinstance(v, bool), "a bool"),
-    "use_dora": (lambda v: isinstance(v, bool), "a bool"),
-    "rank_pattern": (_is_map(_is_int), "a dict from module-name patterns to int ranks"),
-    "alpha_pattern": (_is_map(_is_number), "a dict from module-name patterns to numbers"),
-    "init_ia3_weights": (lambda v: isinstance(v, bool), "a bool"),
-    "projection_prng_key": (_is_int, "an int"),
-    "save_projection": (lambda v: isinstance(v, bool), "a bool"),
-    "vera_dropout": (_is_number, "a number"),
-    "d_initial": (_is_number, "a number"),
-    "init_weights": (lambda v: isinstance(v, bool), "a bool"),
-    "alpha": (_is_number, "a number"),
-    "rank_dropout": (_is_number, "a number"),
-    "module_dropout": (_is_number, "a number"),
-    "use_effective_conv2d": (lambda v: isinstance(v, bool), "a bool"),
-    "decompose_both": (lambda v: isinstance(v, bool), "a bool"),
-    "decompose_factor": (_is_int, "an int"),
-    "rank_dropout_scale": (lambda v: isinstance(v, bool), "a bool"),
-    "target_parameters": (
-        lambda v: v is None or _is_str_list(v),
-        "None or a list of parameter names (e.g. ['mlp.experts.gate_up_proj'])",
-    ),
-}
-
-_CHOICES: dict[str, tuple[Any, ...]] = {
-    "task_type": _TASK_TYPES,
-    "bias": ("none", "all", "lora_only"),
-    "init_lora_weights": (True, False, "gaussian", "pissa"),
-    "init_weights": (True, False, "lycoris"),
-}
+def _members(annotation: Any) -> tuple[Any, ...]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(m for a in typing.get_args(annotation) for m in _members(a))
+    return (annotation,)
 
 
-# The largest rank: an array dimension that JAX indexes with int32.
-_MAX_RANK = 2**31 - 1
-# The largest `lora_alpha`: the scaling multiplies float32 (or bfloat16) arrays, and a larger
-# number is infinite there. `abs(v) <= _FLOAT32_MAX` is False for NaN and inf too, and compares
-# an int of any size exactly (`math.isfinite(10**400)` would raise OverflowError).
-_FLOAT32_MAX = 3.4028234663852886e38
+def _choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values a `Literal` annotation allows (`bool` as True and False, None first), or
+    None for an annotation without a `Literal`."""
+    members = _members(annotation)
+    if not any(typing.get_origin(m) is Literal for m in members):
+        return None
+    choices = [None] if type(None) in members else []
+    for m in members:
+        if m is bool:
+            choices += [True, False]
+        elif typing.get_origin(m) is Literal:
+            choices += typing.get_args(m)
+        elif m is not type(None):
+            raise TypeError(f"a field annotated {annotation} mixes a Literal with {m}.")
+    return tuple(choices)
 
 
-def _is_rank(v: Any) -> bool:
-    return 1 <= v <= _MAX_RANK
+def _accepts(annotation: Any, value: Any) -> bool:
+    """Whether `value` has the type `annotation` says (a list stands for a tuple too)."""
+    if annotation is Any:
+        return True
+    if annotation is type(None):
+        return value is None
+    if annotation in (int, float):  # a bool is no number here; an int is a float
+        return isinstance(value, annotation | int) and not isinstance(value, bool)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, value) for a in args)
+    if origin in (list, tuple):
+        return isinstance(value, list | tuple) and all(_accepts(args[0], v) for v in value)
+    if origin is dict:
+        return isinstance(value, Mapping) and all(
+            _accepts(args[0], k) and _accepts(args[1], v) for k, v in value.items()
+        )
+    return isinstance(value, annotation)
 
 
-def _is_scale(v: Any) -> bool:
-    return abs(v) <= _FLOAT32_MAX
+def _one(annotation: Any, plural: bool = False) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return "None"
+    if origin in (list, tuple):
+        return f"{'lists' if plural else 'a list'} of {_one(args[0], plural=True)}"
+    if origin is dict:
+        keys, values = _one(args[0], plural=True), _one(args[1], plural=True)
+        return f"{'dicts' if plural else 'a dict'} from {keys} to {values}"
+    if origin in (typing.Union, types.UnionType):
+        numbers = [a for a in args if not (a is int and float in args)]
+        return " or ".join(dict.fromkeys(_one(a, plural) for a in numbers))
+    words = {bool: ("a bool", "bools"), int: ("an int", "ints"), str: ("a string", "strings")}
+    if annotation is float:
+        return "numbers" if plural else "a number"
+    if annotation in words:
+        return words[annotation][plural]
+    return f"{annotation.__name__}s" if plural else f"a {annotation.__name__}"
 
 
-def _is_probability(v: Any) -> bool:
-    return 0 <= v < 1
+def _described(annotation: Any) -> str:
+    """What an annotation allows, in words: `int | float | None` is "None or a number"."""
+    members = _members(annotation)
+    if int in members and float in members:
+        members = tuple(m for m in members if m is not int)
+    words = list(dict.fromkeys(_one(m) for m in members))
+    words.sort(key=lambda w: w != "None")
+    return " or ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])}, or {words[-1]}"
 
 
-def _at_fault(check: Callable[[Any], bool]) -> Callable[[Any], Any]:
-    """The part of a value (a number, or a list or dict of numbers) that fails `check`: the
-    value itself, or a dict's failing entries; None when every number passes."""
-
-    def bad(value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {k: v for k, v in value.items() if not check(v)} or None
-        values = value if isinstance(value, list | tuple) else () if value is None else (value,)
-        return None if all(map(check, values)) else value
-
-    return bad
-
-
-# Ranges, checked once the type is right: a function returning the value at fault (None
-# when there is none), and what a valid value is. NaN fails every comparison, so each check
-# says what is allowed (`0 <= v < 1`), never what is refused (`v < 0`).
-_RANGES: dict[str, tuple[Callable[[Any], Any], str]] = {
-    "r": (
-        _at_fault(_is_rank),
-        f"`r` (the LoRA rank) must be a positive integer (at most {_MAX_RANK})",
-    ),
-    "lora_alpha": (
-        _at_fault(_is_scale),
-        "`lora_alpha` must be a finite number (within float32's range, ±3.4e38)",
-    ),
-    "lora_dropout": (
-        _at_fault(_is_probability),
-        "`lora_dropout` must be a probability in [0, 1)",
-    ),
-    "rank_pattern": (
-        _at_fault(_is_rank),
-        f"`rank_pattern` ranks must be positive integers (at most {_MAX_RANK})",
-    ),
-    "alpha_pattern": (
-        _at_fault(_is_scale),
-        "`alpha_pattern` values must be finite numbers (within float32's range, ±3.4e38)",
-    ),
-    "vera_dropout": (
-        _at_fault(_is_probability),
-        "`vera_dropout` must be a probability in [0, 1)",
-    ),
-    "d_initial": (
-        _at_fault(_is_scale),
-        "`d_initial` must be a finite number (within float32's range, ±3.4e38)",
-    ),
-    "projection_prng_key": (
-        _at_fault(lambda v: 0 <= v < 2**64),
-        "`projection_prng_key` seeds torch's generator: an integer in [0, 2**64)",
-    ),
-    "alpha": (
-        _at_fault(_is_scale),
-        "`alpha` must be a finite number (within float32's range, ±3.4e38)",
-    ),
-    "rank_dropout": (_at_fault(_is_probability), "`rank_dropout` must be a probability in [0, 1)"),
-    "module_dropout": (
-        _at_fault(_is_probability),
-        "`module_dropout` must be a probability in [0, 1)",
-    ),
-    "decompose_factor": (
-        _at_fault(lambda v: v == -1 or v >= 1),
-        "`decompose_factor` must be -1 (split near the square root) or a positive integer",
-    ),
-    "layers_to_transform": (
-        _at_fault(lambda v: v >= 0),
-        "`layers_to_transform` must be layer indices >= 0",
-    ),
-}
-
-
-def _check_field(name: str, value: Any, own: type["AbstractAdapterConfig"] | None = None) -> None:
-    """A `TypeError`/`ValueError` naming the field if `value` is not valid for it alone
-    (by `own` config class's checks of its fields, where it has them, else the shared ones)."""
-    types = {**_TYPES, **own._OWN_TYPES} if own else _TYPES
-    ranges = {**_RANGES, **own._OWN_RANGES} if own else _RANGES
-    choices_of = {**_CHOICES, **own._OWN_CHOICES} if own else _CHOICES
-    if name in types:
-        check, expected = types[name]
-        if not check(value):
-            raise TypeError(
-                f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
-            )
-    if name in ranges:
-        at_fault, expected = ranges[name]
-        bad = at_fault(value)
-        if bad is not None:
-            raise ValueError(f"{expected}; got {_frozen(bad)!r}.")
-    if name in choices_of:
-        choices = choices_of[name]
+def _check_field(field: dataclasses.Field, value: Any) -> None:
+    """A `TypeError`/`ValueError` naming `field` if `value` is not valid for it alone: its
+    annotation's type or `Literal` choices, then its metadata's range."""
+    name, choices = field.name, _choices(field.type)
+    if choices is not None:
         # Compare types too, so that `1` is not taken for `True`.
         if not any(type(value) is type(c) and value == c for c in choices):
             words = {c.lower(): c for c in choices if isinstance(c, str)}
@@ -449,14 +408,39 @@ def _check_field(name: str, value: Any, own: type["AbstractAdapterConfig"] | Non
             raise ValueError(
                 f"`{name}` must be one of {', '.join(map(repr, choices))}; got {value!r}.{hint}"
             )
+    elif not _accepts(field.type, value):
+        expected = field.metadata.get("means") or _described(field.type)
+        raise TypeError(
+            f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
+        )
+    range_ = field.metadata.get("range")
+    bad = None if range_ is None else range_.at_fault(value)
+    if bad is not None:
+        raise ValueError(f"{range_.expected.format(name=name)}; got {_frozen(bad)!r}.")
+
+
+class _FrozenDict(dict):
+    """A dict that cannot change, so that a config holding one can be hashed."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a config's dicts cannot change; use dataclasses.replace.")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _FrozenDict, (dict(self),)
 
 
 def _frozen(value: Any) -> Any:
-    """`value` with lists as tuples (dicts are copied, their values likewise)."""
+    """`value` with lists as tuples and dicts as frozen dicts (their values likewise)."""
     if isinstance(value, list | tuple):
         return tuple(value)
     if isinstance(value, Mapping):
-        return {k: _frozen(v) for k, v in value.items()}
+        return _FrozenDict({k: _frozen(v) for k, v in value.items()})
     return value
 
 
@@ -465,12 +449,6 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(v) for v in value]
     if isinstance(value, Mapping):
         return {k: _jsonable(v) for k, v in value.items()}
-    return value
-
-
-def _hashable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
     return value
 
 
@@ -542,11 +520,13 @@ class AbstractAdapterConfig:
     revision: str | None = None
     inference_mode: bool = False
     peft_version: str | None = None
-    target_modules: str | list[str] | tuple[str, ...] | Predicate | None = None
-    exclude_modules: str | list[str] | tuple[str, ...] | Predicate | None = None
+    target_modules: ModuleRule = field(default=None, means=RULE)
+    exclude_modules: ModuleRule = field(default=None, means=RULE)
     fan_in_fan_out: bool = False
     modules_to_save: list[str] | tuple[str, ...] | None = None
-    layers_to_transform: int | list[int] | tuple[int, ...] | None = None
+    layers_to_transform: int | list[int] | tuple[int, ...] | None = field(
+        default=None, range=Range(lambda v: v >= 0, "`{name}` must be layer indices >= 0")
+    )
     layers_pattern: str | list[str] | tuple[str, ...] | None = None
 
     toml_table: ClassVar[str | None] = None
@@ -569,11 +549,6 @@ class AbstractAdapterConfig:
     _PEFT_TYPE: ClassVar[str]
     _KEYS: ClassVar[tuple[str, ...] | None] = None  # PEFT's key order (default: fields')
     _PEFT_ONLY: ClassVar[dict[str, Any]] = {}
-    # a kind's own checks of a field, where they differ from the shared `_TYPES`,
-    # `_RANGES` and `_CHOICES` (OFT's `r` may be 0, its `bias` is "oft_only")
-    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
-    _OWN_RANGES: ClassVar[dict[str, tuple[Callable[[Any], Any], str]]] = {}
-    _OWN_CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -703,10 +678,11 @@ class AbstractAdapterConfig:
                 f"`peft_type` of a {type(self).__name__} must be {self._PEFT_TYPE!r}; got "
                 f"{self.peft_type!r}. Use peftx.load_config to choose the class from `peft_type`."
             )
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            _check_field(field.name, value, type(self))
-            object.__setattr__(self, field.name, _frozen(value))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check_field(f, value)
+            convert = f.metadata.get("converter", _frozen)
+            object.__setattr__(self, f.name, convert(_frozen(value)))
         # PEFT's own checks (`LoraConfig.__post_init__`).
         target = self.target_modules
         if isinstance(target, str) and self.layers_to_transform is not None:
@@ -734,18 +710,14 @@ class AbstractAdapterConfig:
                 "`target_modules`; compose the predicate with `peftx.in_layers(...)` instead."
             )
 
-    def __hash__(self) -> int:
-        values = tuple(_hashable(getattr(self, f.name)) for f in dataclasses.fields(self))
-        return hash((type(self), values))
-
     def to_dict(self) -> dict[str, Any]:
         """The config as PEFT writes it into `adapter_config.json`: every key PEFT's
         `to_dict()` has (PEFT-only features at their defaults), lists for tuples.
 
         Raises `TypeError` if a module rule is a `Predicate`, which has no JSON form.
         """
-        for name in _RULE_FIELDS:
-            value = getattr(self, name, None)
+        for name in (f.name for f in dataclasses.fields(self) if f.type is ModuleRule):
+            value = getattr(self, name)
             if isinstance(value, Predicate):
                 raise TypeError(
                     f"`{name}` is the predicate {value}, which cannot be written to "
@@ -796,13 +768,13 @@ class AbstractAdapterConfig:
                 f"cannot be loaded as {cls.__name__}. Use peftx.load_config, which chooses the "
                 "class from `peft_type`."
             )
-        own = {f.name for f in dataclasses.fields(cls)}
+        own = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         ignored: list[str] = []
         unknown: list[str] = []
         for key, value in values.items():
             if key in own:
-                _check_field(key, value, cls)
+                _check_field(own[key], value)
                 kwargs[key] = value
             elif key in cls._PEFT_ONLY:
                 if key in _SILENT or _is_default(value, cls._PEFT_ONLY[key]):
@@ -824,7 +796,7 @@ class AbstractAdapterConfig:
                 stacklevel=2,
             )
         if unknown and strict:
-            known = sorted(own | {"peft_type"})
+            known = sorted({*own, "peft_type"})
             hints = {k: difflib.get_close_matches(k, known, n=1) for k in sorted(unknown)}
             described = ", ".join(
                 f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items()
@@ -851,6 +823,11 @@ class AbstractAdapterConfig:
         """PEFT's name for loading this class from a directory holding `adapter_config.json`
         (or from that file itself). A file of another `peft_type` is an error."""
         return cls.from_dict(_read_json(path))
+
+
+_LORA_RANK = Range(
+    RANK.holds, f"`r` (the LoRA rank) must be a positive integer (at most {MAX_RANK})"
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -899,16 +876,21 @@ class LoraConfig(AbstractAdapterConfig):
     """
 
     peft_type: Literal["LORA"] = "LORA"
-    r: int = 8
-    lora_alpha: int | float = 8
-    lora_dropout: int | float = 0.0
+    r: int = field(default=8, range=_LORA_RANK)
+    lora_alpha: int | float = field(default=8, range=FINITE)
+    lora_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
     bias: Literal["none", "all", "lora_only"] = "none"
     use_rslora: bool = False
     init_lora_weights: bool | Literal["gaussian", "pissa"] = True
-    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
-    alpha_pattern: dict[str, int | float] = dataclasses.field(default_factory=dict)
+    rank_pattern: dict[str, int] = field(default_factory=dict, range=RANKS, means=RANKS_TYPE)
+    alpha_pattern: dict[str, int | float] = field(
+        default_factory=dict, range=SCALES, means=SCALES_TYPE
+    )
     use_dora: bool = False
-    target_parameters: list[str] | tuple[str, ...] | None = None
+    target_parameters: list[str] | tuple[str, ...] | None = field(
+        default=None,
+        means="None or a list of parameter names (e.g. ['mlp.experts.gate_up_proj'])",
+    )
 
     toml_table: ClassVar[str | None] = "lora"
     combination_types: ClassVar[tuple[str, ...]] = ("svd", "linear", "cat")
@@ -916,11 +898,8 @@ class LoraConfig(AbstractAdapterConfig):
     _KEYS: ClassVar[tuple[str, ...] | None] = _LORA_KEYS
     _PEFT_ONLY: ClassVar[dict[str, Any]] = {**_PEFT_ONLY_COMMON, **_PEFT_ONLY_LORA}
 
-    __hash__ = AbstractAdapterConfig.__hash__
-
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "lora_dropout", float(self.lora_dropout))
         if self.target_parameters:
             # PEFT's `ParamWrapper` refuses the same
             refused = {
@@ -1042,7 +1021,7 @@ class IA3Config(AbstractAdapterConfig):
     """
 
     peft_type: Literal["IA3"] = "IA3"
-    feedforward_modules: str | list[str] | tuple[str, ...] | Predicate | None = None
+    feedforward_modules: ModuleRule = field(default=None, means=RULE)
     init_ia3_weights: bool = True
 
     toml_table: ClassVar[str | None] = "ia3"
@@ -1053,8 +1032,6 @@ class IA3Config(AbstractAdapterConfig):
     peft_selects_layers: ClassVar[bool] = False
     _KEYS: ClassVar[tuple[str, ...] | None] = _IA3_KEYS
     _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
-
-    __hash__ = AbstractAdapterConfig.__hash__
 
     def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
         return ia3(base, feedforward=layer.feedforward, key=None if self.init_ia3_weights else key)
@@ -1135,68 +1112,51 @@ class OFTConfig(AbstractAdapterConfig):
     """
 
     peft_type: Literal["OFT"] = "OFT"
-    r: int = 0
-    oft_block_size: int = 32
-    module_dropout: int | float = 0.0
+    r: int = field(
+        default=0,
+        range=Range(
+            lambda v: 0 <= v <= MAX_RANK,
+            "`r` (OFT's number of blocks per layer, 0 to use oft_block_size) must be an "
+            f"integer in [0, {MAX_RANK}]",
+        ),
+    )
+    oft_block_size: int = field(
+        default=32,
+        range=Range(
+            lambda v: 0 <= v <= MAX_RANK,
+            f"`oft_block_size` (0 to use r) must be an integer in [0, {MAX_RANK}]",
+        ),
+    )
+    module_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
     bias: Literal["none", "all", "oft_only"] = "none"
     init_weights: bool = True
     coft: bool = False
-    eps: int | float = 6e-5
+    eps: int | float = field(
+        default=6e-5,
+        range=Range(
+            lambda v: 0 < v <= FLOAT32_MAX, "`eps` (COFT's radius) must be a positive finite number"
+        ),
+        converter=float,
+    )
     block_share: bool = False
     use_cayley_neumann: bool = True
-    num_cayley_neumann_terms: int = 5
+    num_cayley_neumann_terms: int = field(
+        default=5,
+        range=Range(
+            lambda v: 2 <= v <= 64,
+            "`num_cayley_neumann_terms` must be an integer in [2, 64] (fewer than 2 terms "
+            "leave every rotation the identity, whatever oft_R holds)",
+        ),
+    )
 
     toml_table: ClassVar[str | None] = "oft"
     default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
     mixed_batches: ClassVar[bool] = False
     _KEYS: ClassVar[tuple[str, ...] | None] = _OFT_KEYS
     _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
-    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "oft_block_size": (_is_int, "an int"),
-        "module_dropout": (_is_number, "a number"),
-        "init_weights": (lambda v: isinstance(v, bool), "a bool"),
-        "coft": (lambda v: isinstance(v, bool), "a bool"),
-        "eps": (_is_number, "a number"),
-        "block_share": (lambda v: isinstance(v, bool), "a bool"),
-        "use_cayley_neumann": (lambda v: isinstance(v, bool), "a bool"),
-        "num_cayley_neumann_terms": (_is_int, "an int"),
-    }
-    _OWN_RANGES: ClassVar[dict[str, tuple[Callable[[Any], Any], str]]] = {
-        "r": (
-            _at_fault(lambda v: 0 <= v <= _MAX_RANK),
-            (
-                "`r` (OFT's number of blocks per layer, 0 to use oft_block_size) must be an "
-                f"integer in [0, {_MAX_RANK}]"
-            ),
-        ),
-        "oft_block_size": (
-            _at_fault(lambda v: 0 <= v <= _MAX_RANK),
-            f"`oft_block_size` (0 to use r) must be an integer in [0, {_MAX_RANK}]",
-        ),
-        "module_dropout": (
-            _at_fault(_is_probability),
-            "`module_dropout` must be a probability in [0, 1)",
-        ),
-        "eps": (
-            _at_fault(lambda v: 0 < v <= _FLOAT32_MAX),
-            "`eps` (COFT's radius) must be a positive finite number",
-        ),
-        "num_cayley_neumann_terms": (
-            _at_fault(lambda v: 2 <= v <= 64),
-            (
-                "`num_cayley_neumann_terms` must be an integer in [2, 64] (fewer than 2 terms "
-                "leave every rotation the identity, whatever oft_R holds)"
-            ),
-        ),
-    }
-    _OWN_CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {"bias": ("none", "all", "oft_only")}
-
-    __hash__ = AbstractAdapterConfig.__hash__
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "module_dropout", float(self.module_dropout))
-        object.__setattr__(self, "eps", float(self.eps))
         if (self.r == 0) == (self.oft_block_size == 0):
             raise ValueError(
                 f"Set exactly one of `r` ({self.r}) and `oft_block_size` "
@@ -1299,11 +1259,17 @@ class VeraConfig(AbstractAdapterConfig):
     """
 
     peft_type: Literal["VERA"] = "VERA"
-    r: int = 256
-    projection_prng_key: int = 0
+    r: int = field(default=256, range=RANK)
+    projection_prng_key: int = field(
+        default=0,
+        range=Range(
+            lambda v: 0 <= v < 2**64,
+            "`projection_prng_key` seeds torch's generator: an integer in [0, 2**64)",
+        ),
+    )
     save_projection: bool = True
-    vera_dropout: int | float = 0.0
-    d_initial: int | float = 0.1
+    vera_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
+    d_initial: int | float = field(default=0.1, range=FINITE, converter=float)
     bias: Literal["none", "all", "vera_only"] = "none"
     init_weights: bool = True
 
@@ -1315,14 +1281,6 @@ class VeraConfig(AbstractAdapterConfig):
     }
     _KEYS: ClassVar[tuple[str, ...] | None] = _VERA_KEYS
     _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
-    _OWN_CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {"bias": ("none", "all", "vera_only")}
-
-    __hash__ = AbstractAdapterConfig.__hash__
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "vera_dropout", float(self.vera_dropout))
-        object.__setattr__(self, "d_initial", float(self.d_initial))
 
     def planned(self, layers: tuple[AdaptedLayer, ...]) -> tuple[AdaptedLayer, ...]:
         """Every layer with the adapter's projections, sized for the largest (PEFT's
@@ -1354,8 +1312,8 @@ class VeraConfig(AbstractAdapterConfig):
         return self.save_projection
 
 
-def _is_rank_mask(v: Any) -> bool:
-    return isinstance(v, list | tuple) and all(isinstance(b, bool) for b in v)
+_STEPS = Range(lambda v: v >= 0, "`{name}` must be a number of steps >= 0")
+_BETA = Range(lambda v: 0 < v < 1, "`{name}` must be in (0, 1)")
 
 
 # PEFT's AdaLoRA defaults are LoRA's, but all attention and MLP layers of these
@@ -1402,19 +1360,29 @@ class AdaLoraConfig(AbstractAdapterConfig):
     """
 
     peft_type: Literal["ADALORA"] = "ADALORA"
-    lora_alpha: int | float = 8
-    lora_dropout: int | float = 0.0
+    lora_alpha: int | float = field(default=8, range=FINITE)
+    lora_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
     bias: Literal["none", "all", "lora_only"] = "none"
     init_lora_weights: bool = True
-    rank_pattern: dict[str, list[bool] | tuple[bool, ...]] | None = None
-    target_r: int = 8
-    init_r: int = 12
-    tinit: int = 0
-    tfinal: int = 0
-    deltaT: int = 1
-    beta1: int | float = 0.85
-    beta2: int | float = 0.85
-    orth_reg_weight: int | float = 0.5
+    # one bool per rank: how many is checked against `init_r` in `__post_init__`
+    rank_pattern: dict[str, list[bool] | tuple[bool, ...]] | None = field(
+        default=None, means="None or a dict from lora_E paths to lists of bools (one per rank)"
+    )
+    target_r: int = field(default=8, range=RANK)
+    init_r: int = field(default=12, range=RANK)
+    tinit: int = field(default=0, range=_STEPS)
+    tfinal: int = field(default=0, range=_STEPS)
+    deltaT: int = field(
+        default=1, range=Range(lambda v: v >= 1, "`deltaT` must be a number of steps >= 1")
+    )
+    beta1: int | float = field(default=0.85, range=_BETA)
+    beta2: int | float = field(default=0.85, range=_BETA)
+    orth_reg_weight: int | float = field(
+        default=0.5,
+        range=Range(
+            lambda v: 0 <= v <= FLOAT32_MAX, "`orth_reg_weight` must be a finite number >= 0"
+        ),
+    )
     total_step: int | None = None
 
     toml_table: ClassVar[str | None] = "adalora"
@@ -1433,43 +1401,9 @@ class AdaLoraConfig(AbstractAdapterConfig):
         "use_dora": False,
         "target_parameters": None,
     }
-    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "rank_pattern": (
-            lambda v: v is None or _is_map(_is_rank_mask)(v),
-            "None or a dict from lora_E paths to lists of bools (one per rank)",
-        ),
-        "init_lora_weights": (lambda v: isinstance(v, bool), "a bool"),
-        "target_r": (_is_int, "an int"),
-        "init_r": (_is_int, "an int"),
-        "tinit": (_is_int, "an int"),
-        "tfinal": (_is_int, "an int"),
-        "deltaT": (_is_int, "an int"),
-        "beta1": (_is_number, "a number"),
-        "beta2": (_is_number, "a number"),
-        "orth_reg_weight": (_is_number, "a number"),
-        "total_step": (lambda v: v is None or _is_int(v), "None or an int"),
-    }
-    _OWN_RANGES: ClassVar[dict[str, tuple[Callable[[Any], Any], str]]] = {
-        # one bool per rank: how many is checked against `init_r` in `__post_init__`
-        "rank_pattern": (lambda v: None, ""),
-        "target_r": (_at_fault(_is_rank), "`target_r` must be a positive integer"),
-        "init_r": (_at_fault(_is_rank), "`init_r` must be a positive integer"),
-        "tinit": (_at_fault(lambda v: v >= 0), "`tinit` must be a number of steps >= 0"),
-        "tfinal": (_at_fault(lambda v: v >= 0), "`tfinal` must be a number of steps >= 0"),
-        "deltaT": (_at_fault(lambda v: v >= 1), "`deltaT` must be a number of steps >= 1"),
-        "beta1": (_at_fault(lambda v: 0 < v < 1), "`beta1` must be in (0, 1)"),
-        "beta2": (_at_fault(lambda v: 0 < v < 1), "`beta2` must be in (0, 1)"),
-        "orth_reg_weight": (
-            _at_fault(lambda v: 0 <= v <= _FLOAT32_MAX),
-            "`orth_reg_weight` must be a finite number >= 0",
-        ),
-    }
-
-    __hash__ = AbstractAdapterConfig.__hash__
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "lora_dropout", float(self.lora_dropout))
         if self.total_step is None or self.total_step <= 0:
             raise ValueError(
                 f"AdaLoRA needs `total_step`, the number of training steps (> 0), to schedule "
@@ -1532,13 +1466,15 @@ class AdaLoraConfig(AbstractAdapterConfig):
 class _LycorisConfig(AbstractAdapterConfig):
     """The fields and rules PEFT's `LoHaConfig` and `LoKrConfig` share (`LycorisConfig`)."""
 
-    r: int = 8
-    alpha: int | float = 8
-    rank_dropout: int | float = 0.0
-    module_dropout: int | float = 0.0
+    r: int = field(default=8, range=RANK)
+    alpha: int | float = field(default=8, range=FINITE)
+    rank_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
+    module_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
     use_effective_conv2d: bool = False
-    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
-    alpha_pattern: dict[str, int | float] = dataclasses.field(default_factory=dict)
+    rank_pattern: dict[str, int] = field(default_factory=dict, range=RANKS, means=RANKS_TYPE)
+    alpha_pattern: dict[str, int | float] = field(
+        default_factory=dict, range=SCALES, means=SCALES_TYPE
+    )
 
     default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
     mixed_batches: ClassVar[bool] = False
@@ -1546,8 +1482,6 @@ class _LycorisConfig(AbstractAdapterConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "rank_dropout", float(self.rank_dropout))
-        object.__setattr__(self, "module_dropout", float(self.module_dropout))
         if self.use_effective_conv2d:
             raise ValueError(
                 f"`use_effective_conv2d=True` decomposes Conv kernels; peftx's {self.peft_type} "
@@ -1605,16 +1539,6 @@ class LoHaConfig(_LycorisConfig):
     toml_table: ClassVar[str | None] = "loha"
     _KEYS: ClassVar[tuple[str, ...] | None] = _LOHA_KEYS
 
-    __hash__ = AbstractAdapterConfig.__hash__
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.init_weights, bool):
-            raise ValueError(
-                f"`init_weights` of a LoHaConfig must be True or False; got {self.init_weights!r} "
-                "('lycoris' is LoKr's)."
-            )
-
     def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
         self.checked_layer(layer)
         return loha(
@@ -1654,20 +1578,18 @@ class LoKrConfig(_LycorisConfig):
 
     peft_type: Literal["LOKR"] = "LOKR"
     decompose_both: bool = False
-    decompose_factor: int = -1
+    decompose_factor: int = field(
+        default=-1,
+        range=Range(
+            lambda v: v == -1 or v >= 1,
+            "`decompose_factor` must be -1 (split near the square root) or a positive integer",
+        ),
+    )
     rank_dropout_scale: bool = False
     init_weights: bool | Literal["lycoris"] = True
 
     toml_table: ClassVar[str | None] = "lokr"
     _KEYS: ClassVar[tuple[str, ...] | None] = _LOKR_KEYS
-    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "init_weights": (
-            lambda v: isinstance(v, bool) or v == "lycoris",
-            "True, False or 'lycoris'",
-        )
-    }
-
-    __hash__ = AbstractAdapterConfig.__hash__
 
     def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
         self.checked_layer(layer)

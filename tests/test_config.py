@@ -1,5 +1,6 @@
 """Adapter configs: PEFT's keys and defaults, adapter_config.json both ways, TOML, errors."""
 
+import copy
 import dataclasses
 import json
 import os
@@ -211,6 +212,11 @@ def test_stored_values_are_frozen():
         LoraConfig(rank_pattern={"b": 1, "a": 2})
     )
     assert LoraConfig() != IA3Config()
+    # a dict field cannot change under its hash (a config is a static field of a model)
+    patterned = LoraConfig(rank_pattern={"a": 2})
+    with pytest.raises(TypeError, match="cannot change; use dataclasses.replace"):
+        patterned.rank_pattern["a"] = 4
+    assert copy.deepcopy(patterned) == patterned and patterned.rank_pattern == {"a": 2}
 
 
 def test_save_is_pretty_and_sorted_like_peft(tmp_path):
