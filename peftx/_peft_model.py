@@ -14,6 +14,7 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._errors import UnknownAdapterError
+from ._kind import count_parameters, trained_fields
 from ._peft_io import adapted_layer_paths, load_adapter_into, save_adapters
 from ._select import Predicate, dotted, of_type, peft_targets, require_matches, select
 from ._targets import (
@@ -27,7 +28,6 @@ from ._targets import (
     with_expert_names,
 )
 from .adapters import AdapterSet, detach, merge
-from .adapters._kind import count_parameters, trained_fields
 from .implicit import use_implicit_args
 from .sharding import placed_like
 

@@ -13,6 +13,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from ._config import AdaptedLayer, AdaptedParameter
 from ._errors import TargetNotFoundError, UnsupportedTargetError
 from ._select import (
     Predicate,
@@ -29,62 +30,6 @@ from .adapters import AbstractWeight
 from .implicit import ImplicitArray
 from .models._checkpoint import ARCHITECTURES, is_transposed
 from .models._stack import LayerStack, split_stack
-
-# PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
-# architectures peftx users load; tests compare them with PEFT's own tables.
-LORA_TARGET_MODULES: dict[str, tuple[str, ...]] = {
-    "bart": ("q_proj", "v_proj"),
-    "bert": ("query", "value"),
-    "bloom": ("query_key_value",),
-    "electra": ("query", "value"),
-    "falcon": ("query_key_value",),
-    "gemma": ("q_proj", "v_proj"),
-    "gemma2": ("q_proj", "v_proj"),
-    "gemma3_text": ("q_proj", "v_proj"),
-    "gpt2": ("c_attn",),
-    "gpt_neox": ("query_key_value",),
-    "gptj": ("q_proj", "v_proj"),
-    "llama": ("q_proj", "v_proj"),
-    "mistral": ("q_proj", "v_proj"),
-    "mixtral": ("q_proj", "v_proj"),
-    "opt": ("q_proj", "v_proj"),
-    "phi": ("q_proj", "v_proj", "fc1", "fc2"),
-    "qwen2": ("q_proj", "v_proj"),
-    "qwen3": ("q_proj", "v_proj"),
-    "roberta": ("query", "value"),
-    "t5": ("q", "v"),
-    "xlm-roberta": ("query", "value"),
-}
-IA3_TARGET_MODULES: dict[str, tuple[str, ...]] = {
-    "bert": ("key", "value", "output.dense"),
-    "gemma2": ("q_proj", "v_proj", "down_proj"),
-    "gemma3_text": ("q_proj", "v_proj", "down_proj"),
-    "gpt2": ("c_attn", "mlp.c_proj"),
-    "gpt_neox": ("query_key_value", "dense_4h_to_h"),
-    "llama": ("k_proj", "v_proj", "down_proj"),
-    "mistral": ("k_proj", "v_proj", "down_proj"),
-    "mixtral": ("k_proj", "v_proj", "w2"),
-    "opt": ("q_proj", "k_proj", "fc2"),
-    "qwen2": ("q_proj", "v_proj", "down_proj"),
-    "qwen3": ("q_proj", "v_proj", "down_proj"),
-    "roberta": ("key", "value", "output.dense"),
-    "t5": ("k", "v", "wo"),
-}
-IA3_FEEDFORWARD_MODULES: dict[str, tuple[str, ...]] = {
-    "bert": ("output.dense",),
-    "gemma2": ("down_proj",),
-    "gemma3_text": ("down_proj",),
-    "gpt2": ("mlp.c_proj",),
-    "gpt_neox": ("dense_4h_to_h",),
-    "llama": ("down_proj",),
-    "mistral": ("down_proj",),
-    "mixtral": ("w2",),
-    "opt": ("fc2",),
-    "qwen2": ("down_proj",),
-    "qwen3": ("down_proj",),
-    "roberta": ("output.dense",),
-    "t5": ("wo",),
-}
 
 ADAPTABLE = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
 """The layer types adapters are placed on."""
@@ -194,32 +139,6 @@ def stored_transposed(model: Any, path: str) -> bool:
     `path` transposed: GPT-2's Conv1D, on which PEFT sets `fan_in_fan_out=True`."""
     arch = ARCHITECTURES.get(model_type_of(model) or "")
     return arch is not None and all(is_transposed(arch, f"{q}.weight") for q in layer_paths(path))
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptedLayer:
-    """One layer a config adapts, resolved once by `targets`; a config's `build` makes
-    its adapter from this record, and saving reads it back.
-
-    - `path`: the layer's dotted path; in a `LayerStack`, a segment's (`layers.0-3.mlp`),
-      whose layers share everything below.
-    - `layer`: the module (`eqx.nn.Linear`, `Conv` or `Embedding`).
-    - `rank`, `alpha`: LoRA's `r` and `lora_alpha` for it, `rank_pattern` and
-      `alpha_pattern` applied (None for kinds without them).
-    - `feedforward`: IA3's choice to scale the input features (`feedforward_modules`).
-    - `transposed`: its checkpoints store the weight `(in, out)` (GPT-2's Conv1D); ours
-      is `(out, in)` all the same.
-    - `shared`: what the config's `planned` gives every layer it adapts alike (VeRA's
-      projections), else None.
-    """
-
-    path: str
-    layer: Any
-    rank: int | None
-    alpha: int | float | None
-    feedforward: bool
-    transposed: bool
-    shared: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,22 +270,6 @@ def names_parameter(target_parameters: Sequence[str], path: str) -> bool:
     """PEFT's rule for `target_parameters`: the parameter's dotted path equals an entry or
     ends in `"." + entry`."""
     return any(path == t or path.endswith("." + t) for t in target_parameters)
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptedParameter:
-    """One stack of expert weights a config's `target_parameters` adapts.
-
-    - `path`: the dotted path of the module holding it (`layers.0-1.mlp.experts` in a
-      `LayerStack` segment).
-    - `name`: its field in that module (`gate_up_proj`).
-    - `rank`, `alpha`: LoRA's `r` and `lora_alpha` for it, the patterns applied.
-    """
-
-    path: str
-    name: str
-    rank: int
-    alpha: int | float
 
 
 def expert_fields(module: Any) -> list[str]:

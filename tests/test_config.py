@@ -10,12 +10,10 @@ import warnings
 import peft
 import pytest
 
-from peftx import peft_targets
+from peftx import IA3Config, LoraConfig, peft_targets
 from peftx._config import (
     CONFIG_NAME,
     AbstractAdapterConfig,
-    IA3Config,
-    LoraConfig,
     from_toml,
     load_config,
     save_config,
@@ -323,7 +321,7 @@ def test_load_config_errors(tmp_path):
         load_config({"r": 8})
     with pytest.raises(
         ValueError,
-        match=r"'BOFT'; peftx supports \['LORA', 'IA3', 'OFT', 'VERA', 'ADALORA', 'LOHA', 'LOKR'\]",
+        match=r"'BOFT'; peftx supports \['LORA', 'ADALORA', 'IA3', 'LOHA', 'LOKR', 'OFT', 'VERA'\]",
     ):
         load_config({"peft_type": "BOFT"})
     with pytest.raises(FileNotFoundError, match=f"No {CONFIG_NAME} in the directory"):
