@@ -438,6 +438,27 @@ class AbstractAdapterConfig:
         layer's weight (one layer's slice of it in a stack; dense or implicit)."""
         raise NotImplementedError
 
+    def expert_targets(self) -> tuple[str, ...]:
+        """The expert stacks this config adapts directly, by parameter name (PEFT's
+        `target_parameters`, e.g. `mlp.experts.gate_up_proj`); `build_experts` makes their
+        adapters. None for most kinds."""
+        return ()
+
+    def build_experts(
+        self, base: Any, parameter: AdaptedParameter, *, key: PRNGKeyArray
+    ) -> AbstractAdapter:
+        """The adapter on one expert stack `base (experts, out, in)` of `expert_targets`."""
+        raise TypeError(f"{type(self).__name__} adapts no expert stacks.")
+
+    def with_model_names(
+        self, model_type: str | None, linear_names: Sequence[str]
+    ) -> "AbstractAdapterConfig":
+        """This config with its target names read for the architecture `model_type`, as
+        PEFT reads them (LoRA reads transformers 4's expert names as expert stacks);
+        `linear_names` are the last names of the model's Linear layers but its output head,
+        what `"all-linear"` names. Itself unless a kind says otherwise."""
+        return self
+
     def planned(self, layers: tuple[AdaptedLayer, ...]) -> tuple[AdaptedLayer, ...]:
         """The records `build` receives, given every layer this config adapts (as they
         are; VeRA adds the projections all its layers share)."""

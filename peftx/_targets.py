@@ -56,81 +56,19 @@ def name_or_path_of(model: Any) -> str | None:
     return getattr(config, "name_or_path", None)
 
 
-# PEFT 0.21 reads the LoRA target names of transformers 4's mixtures of experts, whose
-# experts and router were Linear layers, as transformers 5's fused expert stacks
-# (`peft.utils.transformers_weight_conversion`): each old name becomes a
-# `target_parameters` entry, and the two halves fused into `gate_up_proj` one entry of
-# twice the rank and alpha. `"all-linear"` means every old name too.
-MOE_TARGETS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
-    "mixtral": (
-        {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
-        ("w1", "w3"),
-    ),
-    "qwen3_moe": (
-        {
-            "gate": "gate.weight",
-            "gate_proj": "gate_up_proj",
-            "up_proj": "gate_up_proj",
-            "down_proj": "down_proj",
-        },
-        ("gate_proj", "up_proj"),
-    ),
-}
-
-
-def with_expert_names(config: Any, model: Any, model_type: str | None) -> Any:
-    """`config` with the expert and router names of transformers 4's Mixtral or
-    Qwen3-MoE (`w1`/`w3`/`w2`, `gate_proj`/`up_proj`/`down_proj`, `gate`) read as
-    `target_parameters`, as PEFT reads them on transformers 5's models (see
-    `MOE_TARGETS`). A regex `target_modules` is left as it is."""
-    kind = model_type or model_type_of(model)
-    target = config.target_modules
-    if kind not in MOE_TARGETS or not hasattr(config, "target_parameters") or not target:
-        return config
-    names, fused = MOE_TARGETS[kind]
-    if target == "all-linear":
-        head = output_head(model)
-        linear = select(model).at(of_type(eqx.nn.Linear)).paths()
-        target = sorted({p.rsplit(".", 1)[-1] for p in linear if p != head} | set(names))
-    elif isinstance(target, str | Predicate):
-        return config
-    parameters = list(config.target_parameters or ())
-    modules, named = [], set()
-    for t in target:
-        old = next((o for o in names if t == o or t.endswith("." + o)), None)
-        if old is None:
-            modules.append(t)
-            continue
-        named.add(old)
-        if names[old] not in parameters:
-            parameters.append(names[old])
-    halves = named & set(fused)
-    if halves and halves != set(fused):
-        raise ValueError(
-            f"target_modules names {sorted(halves)} but not {sorted(set(fused) - halves)}: "
-            f"in transformers 5's {kind} they are fused into one `gate_up_proj` stack, "
-            "adapted whole or not at all (as PEFT requires). Name both, or neither."
-        )
-    rank, alpha = dict(config.rank_pattern or {}), dict(config.alpha_pattern or {})
-    if halves:
-        rank[r".*\.gate_up_proj"] = config.r * len(fused)
-        alpha[r".*\.gate_up_proj"] = config.lora_alpha * len(fused)
-    return dataclasses.replace(
-        config,
-        target_modules=modules,
-        target_parameters=parameters,
-        rank_pattern=rank,
-        alpha_pattern=alpha,
-    )
+def with_model_names(config: Any, model: Any, model_type: str | None) -> Any:
+    """`config` with its target names read for `model`'s architecture, as PEFT reads them
+    (the config's `with_model_names`, given what `"all-linear"` names on this model)."""
+    head = output_head(model)
+    linear = select(model).at(of_type(eqx.nn.Linear)).paths()
+    names = sorted({p.rsplit(".", 1)[-1] for p in linear if p != head})
+    return config.with_model_names(model_type or model_type_of(model), names)
 
 
 def with_defaults(config: Any, model: Any, model_type: str | None) -> Any:
     """`config` with PEFT's per-architecture `target_modules` when it has none."""
     if config.target_modules is not None:
         return config
-    if getattr(config, "target_parameters", None):
-        # PEFT 0.21 adapts the parameters alone then (and writes `target_modules: []`)
-        return dataclasses.replace(config, target_modules=())
     return config.with_model_defaults(model_type or model_type_of(model))
 
 
@@ -203,9 +141,9 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Target
     `ValueError` for layer indices the model does not have; and warns about an entry of a
     `target_modules` list that matches nothing while others match (PEFT ignores it).
     """
-    config = with_expert_names(with_defaults(config, model, model_type), model, model_type)
+    config = with_model_names(with_defaults(config, model, model_type), model, model_type)
     check_layers(config, model)
-    parameters = getattr(config, "target_parameters", None)
+    parameters = config.expert_targets()
     predicate = target_predicate(config, model)
     if parameters:
         # PEFT wraps a targeted parameter of a plain layer (`gate.weight`, a router) as it
@@ -266,10 +204,10 @@ def _refuse_targeted_twice(model: Any, by_module: Predicate, by_weight: Predicat
                 )
 
 
-def names_parameter(target_parameters: Sequence[str], path: str) -> bool:
+def names_parameter(entries: Sequence[str], path: str) -> bool:
     """PEFT's rule for `target_parameters`: the parameter's dotted path equals an entry or
     ends in `"." + entry`."""
-    return any(path == t or path.endswith("." + t) for t in target_parameters)
+    return any(path == t or path.endswith("." + t) for t in entries)
 
 
 def expert_fields(module: Any) -> list[str]:
@@ -287,10 +225,10 @@ def expert_fields(module: Any) -> list[str]:
 
 
 def parameter_targets(model: Any, config: Any) -> tuple[Any, tuple[AdaptedParameter, ...]]:
-    """The expert stacks `config.target_parameters` adapts, and `model` with its stacks
-    split where the adapted stacks change (none without `target_parameters`). Raises
+    """The expert stacks `config.expert_targets()` names, and `model` with its stacks split
+    where the adapted stacks change (none without them). Raises
     `TargetNotFoundError` when the entries match nothing, as PEFT raises."""
-    wanted = getattr(config, "target_parameters", None)
+    wanted = config.expert_targets()
     if not wanted:
         return model, ()
 

@@ -217,6 +217,30 @@ def test_stored_values_are_frozen():
     assert copy.deepcopy(patterned) == patterned and patterned.rank_pattern == {"a": 2}
 
 
+def test_expert_targets_are_the_configs_to_name():
+    """Which expert stacks a config adapts, and how transformers 4's expert names read on
+    an architecture, are the config's answers (LoRA's `target_parameters`); other kinds
+    have none."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "w1", "w3", "w2"])
+    mixtral = config.with_model_names("mixtral", ["q_proj", "w1", "w2", "w3"])
+    assert mixtral.target_modules == ("q_proj",)
+    assert mixtral.expert_targets() == ("gate_up_proj", "down_proj")
+    assert mixtral.rank_pattern == {r".*\.gate_up_proj": 8}
+    assert mixtral.alpha_pattern == {r".*\.gate_up_proj": 16}
+    assert config.with_model_names("llama", ["q_proj"]) == config
+    everything = LoraConfig(target_modules="all-linear").with_model_names("mixtral", ["o_proj"])
+    assert everything.target_modules == ("o_proj",)
+    assert everything.expert_targets() == ("gate.weight", "gate_up_proj", "down_proj")
+    assert (
+        LoraConfig(target_parameters=["mlp.experts.down_proj"])
+        .with_model_defaults("llama")
+        .target_modules
+        == ()
+    )
+    ia3 = IA3Config(target_modules=["w1", "w3"])
+    assert ia3.expert_targets() == () and ia3.with_model_names("mixtral", ["w1"]) == ia3
+
+
 def test_save_is_pretty_and_sorted_like_peft(tmp_path):
     config = LoraConfig(target_modules=["query", "value"])
     path = save_config(config, tmp_path)
@@ -383,7 +407,12 @@ CONSTRUCTOR_ERRORS = [
         ValueError,
         r"subset of `target_modules`; \['fc'\] are not in",
     ),
-    (AbstractAdapterConfig, dict(peft_type="LORA"), TypeError, "AbstractAdapterConfig is abstract"),
+    (
+        AbstractAdapterConfig,
+        dict(peft_type="LORA"),
+        TypeError,
+        r"config \(LoraConfig, AdaLoraConfig, IA3Config, .*VeraConfig\); .* is abstract",
+    ),
 ]
 
 

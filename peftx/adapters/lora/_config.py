@@ -28,6 +28,7 @@ from ..._config import (
     field,
 )
 from ..._kind import AbstractAdapter
+from ..._select import Predicate
 from ._dora import dora
 from ._embedding import lora_embedding
 from ._experts import expert_lora
@@ -58,6 +59,28 @@ LORA_TARGET_MODULES: dict[str, tuple[str, ...]] = {
     "t5": ("q", "v"),
     "xlm-roberta": ("query", "value"),
 }
+
+# PEFT 0.21 reads the LoRA target names of transformers 4's mixtures of experts, whose
+# experts and router were Linear layers, as transformers 5's fused expert stacks
+# (`peft.utils.transformers_weight_conversion`): each old name becomes a
+# `target_parameters` entry, and the two halves fused into `gate_up_proj` one entry of
+# twice the rank and alpha. `"all-linear"` means every old name too.
+_MOE_TARGETS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "mixtral": (
+        {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
+        ("w1", "w3"),
+    ),
+    "qwen3_moe": (
+        {
+            "gate": "gate.weight",
+            "gate_proj": "gate_up_proj",
+            "up_proj": "gate_up_proj",
+            "down_proj": "down_proj",
+        },
+        ("gate_proj", "up_proj"),
+    ),
+}
+
 
 # Keys of PEFT 0.21.2's `LoraConfig` that peftx does not model, with PEFT's defaults.
 PEFT_ONLY_LORA: dict[str, Any] = {
@@ -229,6 +252,57 @@ class LoraConfig(AbstractAdapterConfig):
                     "Set lora_dropout=0, use_dora=False, fan_in_fan_out=False, or drop "
                     "target_parameters."
                 )
+
+    def expert_targets(self) -> tuple[str, ...]:
+        return tuple(self.target_parameters or ())
+
+    def with_model_defaults(self, model_type: str | None) -> "LoraConfig":
+        if self.target_parameters:
+            # PEFT 0.21 adapts the parameters alone then (and writes `target_modules: []`)
+            return dataclasses.replace(self, target_modules=())
+        return super().with_model_defaults(model_type)
+
+    def with_model_names(self, model_type: str | None, linear_names: Sequence[str]) -> "LoraConfig":
+        """This config with the expert and router names of transformers 4's Mixtral or
+        Qwen3-MoE (`w1`/`w3`/`w2`, `gate_proj`/`up_proj`/`down_proj`, `gate`) read as
+        `target_parameters`, as PEFT reads them on transformers 5's models (see
+        `_MOE_TARGETS`). A regex `target_modules` is left as it is."""
+        target = self.target_modules
+        if model_type not in _MOE_TARGETS or not target:
+            return self
+        names, fused = _MOE_TARGETS[model_type]
+        if target == "all-linear":
+            target = sorted(set(linear_names) | set(names))
+        elif isinstance(target, str | Predicate):
+            return self
+        parameters = list(self.target_parameters or ())
+        modules, named = [], set()
+        for t in target:
+            old = next((o for o in names if t == o or t.endswith("." + o)), None)
+            if old is None:
+                modules.append(t)
+                continue
+            named.add(old)
+            if names[old] not in parameters:
+                parameters.append(names[old])
+        halves = named & set(fused)
+        if halves and halves != set(fused):
+            raise ValueError(
+                f"target_modules names {sorted(halves)} but not {sorted(set(fused) - halves)}: "
+                f"in transformers 5's {model_type} they are fused into one `gate_up_proj` stack, "
+                "adapted whole or not at all (as PEFT requires). Name both, or neither."
+            )
+        rank, alpha = dict(self.rank_pattern), dict(self.alpha_pattern)
+        if halves:
+            rank[r".*\.gate_up_proj"] = self.r * len(fused)
+            alpha[r".*\.gate_up_proj"] = self.lora_alpha * len(fused)
+        return dataclasses.replace(
+            self,
+            target_modules=modules,
+            target_parameters=parameters,
+            rank_pattern=rank,
+            alpha_pattern=alpha,
+        )
 
     def build_experts(
         self, base: Any, parameter: AdaptedParameter, *, key: PRNGKeyArray
