@@ -10,7 +10,7 @@ import warnings
 import peft
 import pytest
 
-from peftx import IA3Config, LoraConfig, peft_targets
+from peftx import AdaLoraConfig, IA3Config, LoraConfig, peft_targets
 from peftx._config import (
     CONFIG_NAME,
     AbstractAdapterConfig,
@@ -325,6 +325,12 @@ def test_peft_only_keys():
         LoraConfig.from_dict(base | {"use_qalora": True})
     with pytest.raises(ValueError, match="Remove `lora_bias`"):
         LoraConfig.from_dict(base | {"lora_bias": True})
+    # AdaLoRA's layers never read LoraConfig's `r` (PEFT warns of it), nor PEFT's init keys
+    adalora = AdaLoraConfig(total_step=10).to_dict()
+    with pytest.warns(UserWarning, match=r"\['loftq_config', 'r'\] are PEFT settings"):
+        AdaLoraConfig.from_dict(adalora | {"r": 16, "loftq_config": {"bits": 4}})
+    with pytest.raises(ValueError, match="`use_dora=True` asks for a PEFT feature"):
+        AdaLoraConfig.from_dict(adalora | {"use_dora": True})
 
 
 def test_peft_type_mismatch():

@@ -26,7 +26,7 @@ from .._kind import AbstractAdapter, AbstractTrainHook
 from ._layout import WeightProduct, weight_dot_handlers
 from ._products import LayerKeys, add_update, cast_base_on_astype, dropout, low_rank, rescale
 from ._set import AdapterSet
-from .lora import LORA_KEYS, LORA_TARGET_MODULES, PEFT_ONLY_LORA
+from .lora import LORA_HARMLESS, LORA_KEYS, LORA_TARGET_MODULES, PEFT_ONLY_LORA
 
 # PEFT divides by `ranknum + 1e-5`
 _RANKNUM_EPS = 1e-5
@@ -523,6 +523,8 @@ class AdaLoraConfig(AbstractAdapterConfig):
         "use_dora": False,
         "target_parameters": None,
     }
+    # LoraConfig's fields that AdaLoRA's layers never read (PEFT warns of `r`)
+    _HARMLESS: ClassVar[frozenset[str]] = LORA_HARMLESS | {"r", "use_rslora", "alpha_pattern"}
 
     def __post_init__(self) -> None:
         super().__post_init__()

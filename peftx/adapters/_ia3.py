@@ -11,7 +11,6 @@ from jaxtyping import Array, PRNGKeyArray
 
 from .._config import (
     PEFT_BASE_KEYS,
-    PEFT_ONLY_COMMON,
     RULE,
     AbstractAdapterConfig,
     AdaptedLayer,
@@ -216,7 +215,6 @@ class IA3Config(AbstractAdapterConfig):
     condense_targets: ClassVar[bool] = False
     peft_selects_layers: ClassVar[bool] = False
     _KEYS: ClassVar[tuple[str, ...] | None] = _IA3_KEYS
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = PEFT_ONLY_COMMON
 
     def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
         return ia3(base, feedforward=layer.feedforward, key=None if self.init_ia3_weights else key)

@@ -16,7 +16,6 @@ from jaxtyping import Array, PRNGKeyArray
 from .._config import (
     FINITE,
     PEFT_BASE_KEYS,
-    PEFT_ONLY_COMMON,
     PROBABILITY,
     RANK,
     RANKS,
@@ -188,7 +187,6 @@ class LycorisConfig(AbstractAdapterConfig):
 
     default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
     mixed_batches: ClassVar[bool] = False
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = PEFT_ONLY_COMMON
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -17,7 +17,6 @@ from .._config import (
     FLOAT32_MAX,
     MAX_RANK,
     PEFT_BASE_KEYS,
-    PEFT_ONLY_COMMON,
     PROBABILITY,
     AbstractAdapterConfig,
     AdaptedLayer,
@@ -340,7 +339,6 @@ class OFTConfig(AbstractAdapterConfig):
     default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
     mixed_batches: ClassVar[bool] = False
     _KEYS: ClassVar[tuple[str, ...] | None] = _OFT_KEYS
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = PEFT_ONLY_COMMON
 
     def __post_init__(self) -> None:
         super().__post_init__()

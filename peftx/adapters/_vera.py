@@ -15,7 +15,6 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._config import (
     FINITE,
     PEFT_BASE_KEYS,
-    PEFT_ONLY_COMMON,
     PROBABILITY,
     RANK,
     AbstractAdapterConfig,
@@ -321,7 +320,6 @@ class VeraConfig(AbstractAdapterConfig):
         "phi": ("q_proj", "v_proj"),
     }
     _KEYS: ClassVar[tuple[str, ...] | None] = _VERA_KEYS
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = PEFT_ONLY_COMMON
 
     def planned(self, layers: tuple[AdaptedLayer, ...]) -> tuple[AdaptedLayer, ...]:
         """Every layer with the adapter's projections, sized for the largest (PEFT's
