@@ -1,5 +1,7 @@
 """AdaLoRA: an SVD-shaped update `ΔW = B·(A ⊙ E)` whose rank is pruned while training by
-zeroing singular values, with PEFT's names and shapes."""
+zeroing singular values, with PEFT's names and shapes.
+
+The kind whole: `AdaLoraArray`, its handlers, the rank allocator, and `AdaLoraConfig`."""
 
 import dataclasses
 from collections.abc import Mapping, Sequence

@@ -1,4 +1,6 @@
-"""IA3: a learned rescaling of a weight's output or input features."""
+"""IA3: a learned rescaling of a weight's output or input features.
+
+The kind whole: `IA3Array`, its handlers, and `IA3Config`."""
 
 import dataclasses
 from collections.abc import Mapping, Sequence

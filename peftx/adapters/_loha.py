@@ -1,4 +1,6 @@
-"""LoHa: a Hadamard product of two low-rank matrices as the update, with PEFT's names."""
+"""LoHa: a Hadamard product of two low-rank matrices as the update, with PEFT's names.
+
+The kind whole: `LoHaArray` and `LoHaConfig`."""
 
 import dataclasses
 from collections.abc import Mapping

@@ -1,5 +1,7 @@
 """LoKr: a Kronecker product of two small matrices as the update, with PEFT's names and
-shapes, applied to `x` without forming it."""
+shapes, applied to `x` without forming it.
+
+The kind whole: `LoKrArray` and `LoKrConfig`."""
 
 import dataclasses
 from collections.abc import Mapping

@@ -1,6 +1,8 @@
 """What LoHa and LoKr share (PEFT's LyCORIS family): `alpha / r` scaling, the rank and
 module dropouts of training, PEFT's Kaiming-uniform init, and the `dot_general` handlers
-around each kind's own product with its update."""
+around each kind's own product with its update.
+
+Their config's common fields and rules are `LycorisConfig`."""
 
 import abc
 import dataclasses

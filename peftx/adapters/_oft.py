@@ -1,5 +1,7 @@
 """OFT: a block-diagonal orthogonal rotation of a weight's input features (HF PEFT's `OFT`),
-applied to the activations block by block, never to a rebuilt weight."""
+applied to the activations block by block, never to a rebuilt weight.
+
+The kind whole: `OFTArray`, its handlers, and `OFTConfig`."""
 
 import dataclasses
 import math

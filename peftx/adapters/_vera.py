@@ -1,5 +1,7 @@
 """VeRA: one pair of frozen random projections shared by every adapted layer, and two
-trained vectors per layer, `ΔW = λ_b ⊙ B·(λ_d ⊙ A)`."""
+trained vectors per layer, `ΔW = λ_b ⊙ B·(λ_d ⊙ A)`.
+
+The kind whole: `VeraArray`, its handlers, and `VeraConfig`."""
 
 import dataclasses
 import math
