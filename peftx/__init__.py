@@ -3,13 +3,7 @@
 from . import adapters as adapters, implicit as implicit, models as models, train as train
 from ._config import (
     AbstractAdapterConfig as AbstractAdapterConfig,
-    AdaLoraConfig as AdaLoraConfig,
-    IA3Config as IA3Config,
-    LoHaConfig as LoHaConfig,
-    LoKrConfig as LoKrConfig,
-    LoraConfig as LoraConfig,
-    OFTConfig as OFTConfig,
-    VeraConfig as VeraConfig,
+    AdaptedLayer as AdaptedLayer,
     from_toml as from_toml,
     load_config as load_config,
     save_config as save_config,
@@ -51,9 +45,17 @@ from ._select import (
     with_shape as with_shape,
 )
 from ._targets import (
-    AdaptedLayer as AdaptedLayer,
     Targets as Targets,
     targets as targets,
+)
+from .adapters import (
+    AdaLoraConfig as AdaLoraConfig,
+    IA3Config as IA3Config,
+    LoHaConfig as LoHaConfig,
+    LoKrConfig as LoKrConfig,
+    LoraConfig as LoraConfig,
+    OFTConfig as OFTConfig,
+    VeraConfig as VeraConfig,
 )
 from .implicit import (
     ImplicitArray as ImplicitArray,

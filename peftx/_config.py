@@ -1,15 +1,17 @@
-"""Adapter configurations in HF PEFT's format: `LoraConfig`, `IA3Config`, `adapter_config.json`.
+"""What every adapter config shares: PEFT's base fields, the checks read from each field's
+annotation, the registry of kinds, and `adapter_config.json` and TOML files.
 
 Field names, meanings and defaults are PEFT's (checked against PEFT 0.21.2), so an
 `adapter_config.json` written here loads in `peft.LoraConfig.from_pretrained` and one written by
 PEFT loads here. Configs are frozen and hashable (usable as static fields of an `eqx.Module`);
 list-valued fields are stored as tuples.
 
-A config class is one adapter kind's entry point: it is registered by its `peft_type` (and
-its TOML table), it builds the adapter for each layer `peftx.targets` resolves (`build`), and
-it says how PEFT writes it after placing it (`as_saved`). Resolving a config against a model
-(PEFT's per-architecture defaults when `target_modules` is `None`, expanding `"all-linear"`)
-is `peftx.targets`' job.
+A config class is one adapter kind's entry point, defined in the kind's module beside its
+array class (`peftx/adapters/_ia3.py`; LoRA's in `peftx/adapters/lora/`) and registered by
+its `peft_type` (and its TOML table) when that module is imported. It builds the adapter
+for each layer `peftx.targets` resolves (`build`) and says how PEFT writes it after placing
+it (`as_saved`). Resolving a config against a model (PEFT's per-architecture defaults when
+`target_modules` is `None`, expanding `"all-linear"`) is is `peftx.targets`' job.
 """
 
 import dataclasses
@@ -19,97 +21,32 @@ import json
 import os
 import pathlib
 import re
+import types
+import typing
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
-import equinox as eqx
-import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
 from ._files import read_json, read_toml, write_text
-from ._select import Predicate, peft_targets
-from ._targets import (
-    IA3_FEEDFORWARD_MODULES,
-    IA3_TARGET_MODULES,
-    LORA_TARGET_MODULES,
-    AdaptedLayer,
-    AdaptedParameter,
-)
-from .adapters import (
-    AbstractAdapter,
-    AbstractTrainHook,
-    IA3Array,
-    RankAllocator,
-    adalora,
-    dora,
-    expert_lora,
-    ia3,
-    loha,
-    lokr,
-    lora,
-    lora_embedding,
-    oft,
-    vera,
-    vera_projections,
-)
+from ._kind import AbstractAdapter, AbstractTrainHook
+from ._select import Predicate
 
 CONFIG_NAME = "adapter_config.json"
 
 TaskType = Literal[
     "SEQ_CLS", "SEQ_2_SEQ_LM", "CAUSAL_LM", "TOKEN_CLS", "QUESTION_ANS", "FEATURE_EXTRACTION"
 ]
-_TASK_TYPES: tuple[str | None, ...] = (None, *TaskType.__args__)
 
-# Fields holding one of PEFT's module-name rules: a regex string (full match on the dotted
-# path), a list of names (exact or dotted-suffix match), or, in peftx only, a `Predicate`.
-_RULE_FIELDS = ("target_modules", "exclude_modules", "feedforward_modules")
-_RULE_TYPE = "None, a regex string, a list of module names, or a peftx Predicate"
+# One of PEFT's module-name rules: a regex string (full match on the dotted path), a list
+# of names (exact or dotted-suffix match), or, in peftx only, a `Predicate`.
+ModuleRule = str | list[str] | tuple[str, ...] | Predicate | None
+RULE = "None, a regex string, a list of module names, or a peftx Predicate"
 
-# Keys that PEFT 0.21.2 writes but peftx does not model, with PEFT's default values. On load,
-# a default value is dropped silently. A non-default value of a key in `_HARMLESS` is ignored
-# with a warning (it only matters to PEFT's torch machinery or to initialization, which is
-# over once an adapter is saved); any other non-default value is an error, because ignoring it
-# would give an adapter that computes something else.
-_PEFT_ONLY_COMMON: dict[str, Any] = {"auto_mapping": None}
-_PEFT_ONLY_LORA: dict[str, Any] = {
-    "megatron_config": None,
-    "megatron_core": "megatron.core",
-    "trainable_token_indices": None,
-    "loftq_config": {},
-    "eva_config": None,
-    "corda_config": None,
-    "lora_ga_config": None,
-    "velora_config": None,
-    "alora_invocation_tokens": None,
-    "use_qalora": False,
-    "qalora_group_size": 16,
-    "monteclora_config": None,
-    "layer_replication": None,
-    "lora_bias": False,
-    "use_bdlora": None,
-    "arrow_config": None,
-    "kasa_config": None,
-    "ensure_weight_tying": False,
-}
-_HARMLESS = frozenset(
-    {
-        "auto_mapping",
-        "megatron_config",
-        "megatron_core",
-        "loftq_config",
-        "eva_config",
-        "corda_config",
-        "lora_ga_config",
-        "velora_config",
-        "qalora_group_size",
-        "ensure_weight_tying",
-        # LoraConfig's fields that AdaLoRA's layers never read (PEFT warns of `r`)
-        "r",
-        "use_rslora",
-        "alpha_pattern",
-    }
-)
+# Keys that PEFT 0.21.2 writes for every kind but peftx does not model, with PEFT's default
+# values (a kind adds its own in `_PEFT_ONLY`).
+PEFT_ONLY_COMMON: dict[str, Any] = {"auto_mapping": None}
 # Keys PEFT never saves (PEFT itself drops them on load).
 _NEVER_SAVED = frozenset({"runtime_config"})
 # Keys dropped without a warning whatever their value: `auto_mapping` names the torch class
@@ -117,7 +54,7 @@ _NEVER_SAVED = frozenset({"runtime_config"})
 _SILENT = frozenset({"auto_mapping"})
 
 # The order in which PEFT 0.21.2's `to_dict` lists its keys (`asdict` field order).
-_PEFT_BASE_KEYS = (
+PEFT_BASE_KEYS = (
     "task_type",
     "peft_type",
     "auto_mapping",
@@ -126,317 +63,151 @@ _PEFT_BASE_KEYS = (
     "revision",
     "inference_mode",
 )
-_LORA_KEYS = (
-    *_PEFT_BASE_KEYS,
-    "r",
-    "target_modules",
-    "exclude_modules",
-    "lora_alpha",
-    "lora_dropout",
-    "fan_in_fan_out",
-    "bias",
-    "use_rslora",
-    "modules_to_save",
-    "init_lora_weights",
-    "layers_to_transform",
-    "layers_pattern",
-    "rank_pattern",
-    "alpha_pattern",
-    "megatron_config",
-    "megatron_core",
-    "trainable_token_indices",
-    "loftq_config",
-    "eva_config",
-    "corda_config",
-    "lora_ga_config",
-    "use_dora",
-    "velora_config",
-    "alora_invocation_tokens",
-    "use_qalora",
-    "qalora_group_size",
-    "monteclora_config",
-    "layer_replication",
-    "lora_bias",
-    "target_parameters",
-    "use_bdlora",
-    "arrow_config",
-    "kasa_config",
-    "ensure_weight_tying",
+
+# -- per-field checks, read from each field's annotation and metadata -----------------------
+
+# The largest rank: an array dimension that JAX indexes with int32.
+MAX_RANK = 2**31 - 1
+# The largest `lora_alpha`: the scaling multiplies float32 (or bfloat16) arrays, and a larger
+# number is infinite there. `abs(v) <= FLOAT32_MAX` is False for NaN and inf too, and compares
+# an int of any size exactly (`math.isfinite(10**400)` would raise OverflowError).
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A field's valid values beyond its type: `holds(v)` for each number of the value (each
+    item of a list, each value of a dict), and what a valid value is (`{name}`: the field's
+    name). NaN fails every comparison, so `holds` says what is allowed (`0 <= v < 1`), never
+    what is refused (`v < 0`)."""
+
+    holds: Callable[[Any], bool]
+    expected: str
+
+    def at_fault(self, value: Any) -> Any:
+        """The part of `value` that fails: the value itself, or a dict's failing entries;
+        None when every number holds."""
+        if isinstance(value, Mapping):
+            return {k: v for k, v in value.items() if not self.holds(v)} or None
+        values = value if isinstance(value, list | tuple) else () if value is None else (value,)
+        return None if all(map(self.holds, values)) else value
+
+
+RANK = Range(
+    lambda v: 1 <= v <= MAX_RANK, f"`{{name}}` must be a positive integer (at most {MAX_RANK})"
 )
-_IA3_KEYS = (
-    *_PEFT_BASE_KEYS,
-    "target_modules",
-    "exclude_modules",
-    "feedforward_modules",
-    "fan_in_fan_out",
-    "modules_to_save",
-    "init_ia3_weights",
+FINITE = Range(
+    lambda v: abs(v) <= FLOAT32_MAX,
+    "`{name}` must be a finite number (within float32's range, ±3.4e38)",
 )
-_OFT_KEYS = (
-    *_PEFT_BASE_KEYS,
-    "r",
-    "oft_block_size",
-    "module_dropout",
-    "target_modules",
-    "fan_in_fan_out",
-    "bias",
-    "exclude_modules",
-    "init_weights",
-    "layers_to_transform",
-    "layers_pattern",
-    "modules_to_save",
-    "coft",
-    "eps",
-    "block_share",
-    "use_cayley_neumann",
-    "num_cayley_neumann_terms",
+PROBABILITY = Range(lambda v: 0 <= v < 1, "`{name}` must be a probability in [0, 1)")
+# PEFT's `rank_pattern` and `alpha_pattern`: per-module values keyed by regex
+RANKS = Range(RANK.holds, f"`{{name}}` ranks must be positive integers (at most {MAX_RANK})")
+RANKS_TYPE = "a dict from module-name patterns to int ranks"
+SCALES = Range(
+    FINITE.holds, "`{name}` values must be finite numbers (within float32's range, ±3.4e38)"
 )
-
-# The PEFT version whose Cayley-Neumann series `OFTArray` computes, written to a saved
-# OFT config that names none (PEFT refuses such a file).
-_OFT_SERIES_VERSION = "0.21.2"
-
-_VERA_KEYS = (
-    *_PEFT_BASE_KEYS,
-    "r",
-    "target_modules",
-    "projection_prng_key",
-    "save_projection",
-    "vera_dropout",
-    "d_initial",
-    "fan_in_fan_out",
-    "bias",
-    "modules_to_save",
-    "init_weights",
-    "layers_to_transform",
-    "layers_pattern",
-)
-_ADALORA_KEYS = (
-    *_LORA_KEYS[: _LORA_KEYS.index("ensure_weight_tying") + 1],
-    "target_r",
-    "init_r",
-    "tinit",
-    "tfinal",
-    "deltaT",
-    "beta1",
-    "beta2",
-    "orth_reg_weight",
-    "total_step",
-)
-_LYCORIS_KEYS = (
-    *_PEFT_BASE_KEYS,
-    "rank_pattern",
-    "alpha_pattern",
-    "r",
-    "alpha",
-    "rank_dropout",
-    "module_dropout",
-    "use_effective_conv2d",
-)
-_LYCORIS_TAIL = (
-    "target_modules",
-    "exclude_modules",
-    "init_weights",
-    "layers_to_transform",
-    "layers_pattern",
-    "modules_to_save",
-)
-_LOHA_KEYS = (*_LYCORIS_KEYS, *_LYCORIS_TAIL)
-_LOKR_KEYS = (
-    *_LYCORIS_KEYS,
-    "decompose_both",
-    "decompose_factor",
-    "rank_dropout_scale",
-    *_LYCORIS_TAIL,
-)
+SCALES_TYPE = "a dict from module-name patterns to numbers"
 
 
-# -- per-field checks, shared by `__post_init__` and `from_dict` ----------------------------
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def _is_str_list(v: Any) -> bool:
-    return isinstance(v, list | tuple) and all(isinstance(x, str) for x in v)
-
-
-def _is_rule(v: Any) -> bool:
-    return v is None or isinstance(v, str | Predicate) or _is_str_list(v)
-
-
-def _is_layers(v: Any) -> bool:
-    return v is None or _is_int(v) or (isinstance(v, list | tuple) and all(map(_is_int, v)))
-
-
-def _is_map(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: (
-        isinstance(v, Mapping) and all(isinstance(k, str) and check(x) for k, x in v.items())
+def field(
+    *,
+    default: Any = dataclasses.MISSING,
+    default_factory: Any = dataclasses.MISSING,
+    range: Range | None = None,
+    converter: Callable[[Any], Any] | None = None,
+    means: str | None = None,
+) -> Any:
+    """A config field whose annotation is its check, with what the annotation cannot say:
+    its `range`, a `converter` applied once the value is checked (`float` for a dropout
+    given as `0`), and `means`, the words for its type in a message where the annotation's
+    own ("a list of strings") would say less."""
+    metadata = {"range": range, "converter": converter, "means": means}
+    return dataclasses.field(
+        default=default,
+        default_factory=default_factory,
+        metadata={k: v for k, v in metadata.items() if v is not None},
     )
 
 
-_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "base_model_name_or_path": (lambda v: v is None or isinstance(v, str), "None or a string"),
-    "revision": (lambda v: v is None or isinstance(v, str), "None or a string"),
-    "peft_version": (lambda v: v is None or isinstance(v, str), "None or a string"),
-    "inference_mode": (lambda v: isinstance(v, bool), "a bool"),
-    "target_modules": (_is_rule, _RULE_TYPE),
-    "exclude_modules": (_is_rule, _RULE_TYPE),
-    "feedforward_modules": (_is_rule, _RULE_TYPE),
-    "fan_in_fan_out": (lambda v: isinstance(v, bool), "a bool"),
-    "modules_to_save": (lambda v: v is None or _is_str_list(v), "None or a list of strings"),
-    "layers_to_transform": (_is_layers, "None, an int, or a list of ints"),
-    "layers_pattern": (
-        lambda v: v is None or isinstance(v, str) or _is_str_list(v),
-        "None, a string, or a list of strings",
-    ),
-    "r": (_is_int, "an int"),
-    "lora_alpha": (_is_number, "a number"),
-    "lora_dropout": (_is_number, "a number"),
-    "use_rslora": (lambda v: isinstance(v, bool), "a bool"),
-    "use_dora": (lambda v: isinstance(v, bool), "a bool"),
-    "rank_pattern": (_is_map(_is_int), "a dict from module-name patterns to int ranks"),
-    "alpha_pattern": (_is_map(_is_number), "a dict from module-name patterns to numbers"),
-    "init_ia3_weights": (lambda v: isinstance(v, bool), "a bool"),
-    "projection_prng_key": (_is_int, "an int"),
-    "save_projection": (lambda v: isinstance(v, bool), "a bool"),
-    "vera_dropout": (_is_number, "a number"),
-    "d_initial": (_is_number, "a number"),
-    "init_weights": (lambda v: isinstance(v, bool), "a bool"),
-    "alpha": (_is_number, "a number"),
-    "rank_dropout": (_is_number, "a number"),
-    "module_dropout": (_is_number, "a number"),
-    "use_effective_conv2d": (lambda v: isinstance(v, bool), "a bool"),
-    "decompose_both": (lambda v: isinstance(v, bool), "a bool"),
-    "decompose_factor": (_is_int, "an int"),
-    "rank_dropout_scale": (lambda v: isinstance(v, bool), "a bool"),
-    "target_parameters": (
-        lambda v: v is None or _is_str_list(v),
-        "None or a list of parameter names (e.g. ['mlp.experts.gate_up_proj'])",
-    ),
-}
-
-_CHOICES: dict[str, tuple[Any, ...]] = {
-    "task_type": _TASK_TYPES,
-    "bias": ("none", "all", "lora_only"),
-    "init_lora_weights": (True, False, "gaussian", "pissa"),
-    "init_weights": (True, False, "lycoris"),
-}
+def _members(annotation: Any) -> tuple[Any, ...]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(m for a in typing.get_args(annotation) for m in _members(a))
+    return (annotation,)
 
 
-# The largest rank: an array dimension that JAX indexes with int32.
-_MAX_RANK = 2**31 - 1
-# The largest `lora_alpha`: the scaling multiplies float32 (or bfloat16) arrays, and a larger
-# number is infinite there. `abs(v) <= _FLOAT32_MAX` is False for NaN and inf too, and compares
-# an int of any size exactly (`math.isfinite(10**400)` would raise OverflowError).
-_FLOAT32_MAX = 3.4028234663852886e38
+def _choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values a `Literal` annotation allows (`bool` as True and False, None first), or
+    None for an annotation without a `Literal`."""
+    members = _members(annotation)
+    if not any(typing.get_origin(m) is Literal for m in members):
+        return None
+    choices = [None] if type(None) in members else []
+    for m in members:
+        if m is bool:
+            choices += [True, False]
+        elif typing.get_origin(m) is Literal:
+            choices += typing.get_args(m)
+        elif m is not type(None):
+            raise TypeError(f"a field annotated {annotation} mixes a Literal with {m}.")
+    return tuple(choices)
 
 
-def _is_rank(v: Any) -> bool:
-    return 1 <= v <= _MAX_RANK
+def _accepts(annotation: Any, value: Any) -> bool:
+    """Whether `value` has the type `annotation` says (a list stands for a tuple too)."""
+    if annotation is Any:
+        return True
+    if annotation is type(None):
+        return value is None
+    if annotation in (int, float):  # a bool is no number here; an int is a float
+        return isinstance(value, annotation | int) and not isinstance(value, bool)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, value) for a in args)
+    if origin in (list, tuple):
+        return isinstance(value, list | tuple) and all(_accepts(args[0], v) for v in value)
+    if origin is dict:
+        return isinstance(value, Mapping) and all(
+            _accepts(args[0], k) and _accepts(args[1], v) for k, v in value.items()
+        )
+    return isinstance(value, annotation)
 
 
-def _is_scale(v: Any) -> bool:
-    return abs(v) <= _FLOAT32_MAX
+def _one(annotation: Any, plural: bool = False) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is type(None):
+        return "None"
+    if origin in (list, tuple):
+        return f"{'lists' if plural else 'a list'} of {_one(args[0], plural=True)}"
+    if origin is dict:
+        keys, values = _one(args[0], plural=True), _one(args[1], plural=True)
+        return f"{'dicts' if plural else 'a dict'} from {keys} to {values}"
+    if origin in (typing.Union, types.UnionType):
+        numbers = [a for a in args if not (a is int and float in args)]
+        return " or ".join(dict.fromkeys(_one(a, plural) for a in numbers))
+    words = {bool: ("a bool", "bools"), int: ("an int", "ints"), str: ("a string", "strings")}
+    if annotation is float:
+        return "numbers" if plural else "a number"
+    if annotation in words:
+        return words[annotation][plural]
+    return f"{annotation.__name__}s" if plural else f"a {annotation.__name__}"
 
 
-def _is_probability(v: Any) -> bool:
-    return 0 <= v < 1
+def _described(annotation: Any) -> str:
+    """What an annotation allows, in words: `int | float | None` is "None or a number"."""
+    members = _members(annotation)
+    if int in members and float in members:
+        members = tuple(m for m in members if m is not int)
+    words = list(dict.fromkeys(_one(m) for m in members))
+    words.sort(key=lambda w: w != "None")
+    return " or ".join(words) if len(words) < 3 else f"{', '.join(words[:-1])}, or {words[-1]}"
 
 
-def _at_fault(check: Callable[[Any], bool]) -> Callable[[Any], Any]:
-    """The part of a value (a number, or a list or dict of numbers) that fails `check`: the
-    value itself, or a dict's failing entries; None when every number passes."""
-
-    def bad(value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {k: v for k, v in value.items() if not check(v)} or None
-        values = value if isinstance(value, list | tuple) else () if value is None else (value,)
-        return None if all(map(check, values)) else value
-
-    return bad
-
-
-# Ranges, checked once the type is right: a function returning the value at fault (None
-# when there is none), and what a valid value is. NaN fails every comparison, so each check
-# says what is allowed (`0 <= v < 1`), never what is refused (`v < 0`).
-_RANGES: dict[str, tuple[Callable[[Any], Any], str]] = {
-    "r": (
-        _at_fault(_is_rank),
-        f"`r` (the LoRA rank) must be a positive integer (at most {_MAX_RANK})",
-    ),
-    "lora_alpha": (
-        _at_fault(_is_scale),
-        "`lora_alpha` must be a finite number (within float32's range, ±3.4e38)",
-    ),
-    "lora_dropout": (
-        _at_fault(_is_probability),
-        "`lora_dropout` must be a probability in [0, 1)",
-    ),
-    "rank_pattern": (
-        _at_fault(_is_rank),
-        f"`rank_pattern` ranks must be positive integers (at most {_MAX_RANK})",
-    ),
-    "alpha_pattern": (
-        _at_fault(_is_scale),
-        "`alpha_pattern` values must be finite numbers (within float32's range, ±3.4e38)",
-    ),
-    "vera_dropout": (
-        _at_fault(_is_probability),
-        "`vera_dropout` must be a probability in [0, 1)",
-    ),
-    "d_initial": (
-        _at_fault(_is_scale),
-        "`d_initial` must be a finite number (within float32's range, ±3.4e38)",
-    ),
-    "projection_prng_key": (
-        _at_fault(lambda v: 0 <= v < 2**64),
-        "`projection_prng_key` seeds torch's generator: an integer in [0, 2**64)",
-    ),
-    "alpha": (
-        _at_fault(_is_scale),
-        "`alpha` must be a finite number (within float32's range, ±3.4e38)",
-    ),
-    "rank_dropout": (_at_fault(_is_probability), "`rank_dropout` must be a probability in [0, 1)"),
-    "module_dropout": (
-        _at_fault(_is_probability),
-        "`module_dropout` must be a probability in [0, 1)",
-    ),
-    "decompose_factor": (
-        _at_fault(lambda v: v == -1 or v >= 1),
-        "`decompose_factor` must be -1 (split near the square root) or a positive integer",
-    ),
-    "layers_to_transform": (
-        _at_fault(lambda v: v >= 0),
-        "`layers_to_transform` must be layer indices >= 0",
-    ),
-}
-
-
-def _check_field(name: str, value: Any, own: type["AbstractAdapterConfig"] | None = None) -> None:
-    """A `TypeError`/`ValueError` naming the field if `value` is not valid for it alone
-    (by `own` config class's checks of its fields, where it has them, else the shared ones)."""
-    types = {**_TYPES, **own._OWN_TYPES} if own else _TYPES
-    ranges = {**_RANGES, **own._OWN_RANGES} if own else _RANGES
-    choices_of = {**_CHOICES, **own._OWN_CHOICES} if own else _CHOICES
-    if name in types:
-        check, expected = types[name]
-        if not check(value):
-            raise TypeError(
-                f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
-            )
-    if name in ranges:
-        at_fault, expected = ranges[name]
-        bad = at_fault(value)
-        if bad is not None:
-            raise ValueError(f"{expected}; got {_frozen(bad)!r}.")
-    if name in choices_of:
-        choices = choices_of[name]
+def _check_field(field: dataclasses.Field, value: Any) -> None:
+    """A `TypeError`/`ValueError` naming `field` if `value` is not valid for it alone: its
+    annotation's type or `Literal` choices, then its metadata's range."""
+    name, choices = field.name, _choices(field.type)
+    if choices is not None:
         # Compare types too, so that `1` is not taken for `True`.
         if not any(type(value) is type(c) and value == c for c in choices):
             words = {c.lower(): c for c in choices if isinstance(c, str)}
@@ -449,14 +220,39 @@ def _check_field(name: str, value: Any, own: type["AbstractAdapterConfig"] | Non
             raise ValueError(
                 f"`{name}` must be one of {', '.join(map(repr, choices))}; got {value!r}.{hint}"
             )
+    elif not _accepts(field.type, value):
+        expected = field.metadata.get("means") or _described(field.type)
+        raise TypeError(
+            f"`{name}` must be {expected}; got {value!r} of type {type(value).__name__}."
+        )
+    range_ = field.metadata.get("range")
+    bad = None if range_ is None else range_.at_fault(value)
+    if bad is not None:
+        raise ValueError(f"{range_.expected.format(name=name)}; got {_frozen(bad)!r}.")
+
+
+class _FrozenDict(dict):
+    """A dict that cannot change, so that a config holding one can be hashed."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("a config's dicts cannot change; use dataclasses.replace.")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __ior__ = _refuse
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _FrozenDict, (dict(self),)
 
 
 def _frozen(value: Any) -> Any:
-    """`value` with lists as tuples (dicts are copied, their values likewise)."""
+    """`value` with lists as tuples and dicts as frozen dicts (their values likewise)."""
     if isinstance(value, list | tuple):
         return tuple(value)
     if isinstance(value, Mapping):
-        return {k: _frozen(v) for k, v in value.items()}
+        return _FrozenDict({k: _frozen(v) for k, v in value.items()})
     return value
 
 
@@ -465,12 +261,6 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(v) for v in value]
     if isinstance(value, Mapping):
         return {k: _jsonable(v) for k, v in value.items()}
-    return value
-
-
-def _hashable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
     return value
 
 
@@ -496,7 +286,7 @@ def _united(rules: list[Any]) -> Any:
     )
 
 
-def _by_pattern(patterns: Mapping[str, Any], path: str, default: Any) -> Any:
+def by_pattern(patterns: Mapping[str, Any], path: str, default: Any) -> Any:
     """PEFT's `get_pattern_key`: the value of the first pattern matching the end of `path`
     (a whole dotted segment onwards), else `default`."""
     for pattern, value in patterns.items():
@@ -507,6 +297,51 @@ def _by_pattern(patterns: Mapping[str, Any], path: str, default: Any) -> Any:
 
 def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# -- what a config builds from ---------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedLayer:
+    """One layer a config adapts, resolved once by `peftx.targets`; a config's `build`
+    makes its adapter from this record, and saving reads it back.
+
+    - `path`: the layer's dotted path; in a `LayerStack`, a segment's (`layers.0-3.mlp`),
+      whose layers share everything below.
+    - `layer`: the module (`eqx.nn.Linear`, `Conv` or `Embedding`).
+    - `rank`, `alpha`: the config's rank and alpha for it (`rank_and_alpha`: its patterns
+      applied; None for kinds without them).
+    - `feedforward`: the config's `is_feedforward` for it (IA3 scales its input features).
+    - `transposed`: its checkpoints store the weight `(in, out)` (GPT-2's Conv1D); ours
+      is `(out, in)` all the same.
+    - `shared`: what the config's `planned` gives every layer it adapts alike (VeRA's
+      projections), else None.
+    """
+
+    path: str
+    layer: Any
+    rank: int | None
+    alpha: int | float | None
+    feedforward: bool
+    transposed: bool
+    shared: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedParameter:
+    """One stack of expert weights a config's `expert_targets` adapts.
+
+    - `path`: the dotted path of the module holding it (`layers.0-1.mlp.experts` in a
+      `LayerStack` segment).
+    - `name`: its field in that module (`gate_up_proj`).
+    - `rank`, `alpha`: the config's rank and alpha for it, its patterns applied.
+    """
+
+    path: str
+    name: str
+    rank: int
+    alpha: int | float
 
 
 # -- the configs ----------------------------------------------------------------------------
@@ -542,11 +377,13 @@ class AbstractAdapterConfig:
     revision: str | None = None
     inference_mode: bool = False
     peft_version: str | None = None
-    target_modules: str | list[str] | tuple[str, ...] | Predicate | None = None
-    exclude_modules: str | list[str] | tuple[str, ...] | Predicate | None = None
+    target_modules: ModuleRule = field(default=None, means=RULE)
+    exclude_modules: ModuleRule = field(default=None, means=RULE)
     fan_in_fan_out: bool = False
     modules_to_save: list[str] | tuple[str, ...] | None = None
-    layers_to_transform: int | list[int] | tuple[int, ...] | None = None
+    layers_to_transform: int | list[int] | tuple[int, ...] | None = field(
+        default=None, range=Range(lambda v: v >= 0, "`{name}` must be layer indices >= 0")
+    )
     layers_pattern: str | list[str] | tuple[str, ...] | None = None
 
     toml_table: ClassVar[str | None] = None
@@ -568,12 +405,14 @@ class AbstractAdapterConfig:
 
     _PEFT_TYPE: ClassVar[str]
     _KEYS: ClassVar[tuple[str, ...] | None] = None  # PEFT's key order (default: fields')
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = {}
-    # a kind's own checks of a field, where they differ from the shared `_TYPES`,
-    # `_RANGES` and `_CHOICES` (OFT's `r` may be 0, its `bias` is "oft_only")
-    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
-    _OWN_RANGES: ClassVar[dict[str, tuple[Callable[[Any], Any], str]]] = {}
-    _OWN_CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    _PEFT_ONLY: ClassVar[dict[str, Any]] = PEFT_ONLY_COMMON
+    """Keys PEFT writes for this kind that peftx does not model, with PEFT's defaults: on
+    load, a default value is dropped silently; a non-default one is an error, because
+    ignoring it would give an adapter that computes something else, unless the key is in
+    `_HARMLESS`."""
+    _HARMLESS: ClassVar[frozenset[str]] = frozenset()
+    """Those of `_PEFT_ONLY` ignored with a warning when not at their defaults: they only
+    matter to PEFT's torch machinery or to initialization, over once an adapter is saved."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -598,6 +437,27 @@ class AbstractAdapterConfig:
         """The adapter this config places on `layer`: an implicit array over `base`, the
         layer's weight (one layer's slice of it in a stack; dense or implicit)."""
         raise NotImplementedError
+
+    def expert_targets(self) -> tuple[str, ...]:
+        """The expert stacks this config adapts directly, by parameter name (PEFT's
+        `target_parameters`, e.g. `mlp.experts.gate_up_proj`); `build_experts` makes their
+        adapters. None for most kinds."""
+        return ()
+
+    def build_experts(
+        self, base: Any, parameter: AdaptedParameter, *, key: PRNGKeyArray
+    ) -> AbstractAdapter:
+        """The adapter on one expert stack `base (experts, out, in)` of `expert_targets`."""
+        raise TypeError(f"{type(self).__name__} adapts no expert stacks.")
+
+    def with_model_names(
+        self, model_type: str | None, linear_names: Sequence[str]
+    ) -> "AbstractAdapterConfig":
+        """This config with its target names read for the architecture `model_type`, as
+        PEFT reads them (LoRA reads transformers 4's expert names as expert stacks);
+        `linear_names` are the last names of the model's Linear layers but its output head,
+        what `"all-linear"` names. Itself unless a kind says otherwise."""
+        return self
 
     def planned(self, layers: tuple[AdaptedLayer, ...]) -> tuple[AdaptedLayer, ...]:
         """The records `build` receives, given every layer this config adapts (as they
@@ -697,16 +557,18 @@ class AbstractAdapterConfig:
 
     def __post_init__(self) -> None:
         if type(self) is AbstractAdapterConfig:
-            raise TypeError("Use LoraConfig or IA3Config; AbstractAdapterConfig is abstract.")
+            kinds = ", ".join(c.__name__ for c in CONFIG_CLASSES.values())
+            raise TypeError(f"Use a kind's config ({kinds}); AbstractAdapterConfig is abstract.")
         if self.peft_type != self._PEFT_TYPE:
             raise ValueError(
                 f"`peft_type` of a {type(self).__name__} must be {self._PEFT_TYPE!r}; got "
                 f"{self.peft_type!r}. Use peftx.load_config to choose the class from `peft_type`."
             )
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            _check_field(field.name, value, type(self))
-            object.__setattr__(self, field.name, _frozen(value))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check_field(f, value)
+            convert = f.metadata.get("converter", _frozen)
+            object.__setattr__(self, f.name, convert(_frozen(value)))
         # PEFT's own checks (`LoraConfig.__post_init__`).
         target = self.target_modules
         if isinstance(target, str) and self.layers_to_transform is not None:
@@ -734,18 +596,14 @@ class AbstractAdapterConfig:
                 "`target_modules`; compose the predicate with `peftx.in_layers(...)` instead."
             )
 
-    def __hash__(self) -> int:
-        values = tuple(_hashable(getattr(self, f.name)) for f in dataclasses.fields(self))
-        return hash((type(self), values))
-
     def to_dict(self) -> dict[str, Any]:
         """The config as PEFT writes it into `adapter_config.json`: every key PEFT's
         `to_dict()` has (PEFT-only features at their defaults), lists for tuples.
 
         Raises `TypeError` if a module rule is a `Predicate`, which has no JSON form.
         """
-        for name in _RULE_FIELDS:
-            value = getattr(self, name, None)
+        for name in (f.name for f in dataclasses.fields(self) if f.type is ModuleRule):
+            value = getattr(self, name)
             if isinstance(value, Predicate):
                 raise TypeError(
                     f"`{name}` is the predicate {value}, which cannot be written to "
@@ -775,7 +633,7 @@ class AbstractAdapterConfig:
 
         - `d`: the keys and values of the config, as in `adapter_config.json` (PEFT's own
           `config.to_dict()` works too). `peft_type`, if present, must be this class's
-          (`"LORA"` or `"IA3"`); use `load_config` to dispatch on it.
+          (`"LORA"` for `LoraConfig`); use `load_config` to dispatch on it.
         - `strict`: what to do with keys neither PEFT nor peftx knows. `False` (for files
           written by a newer PEFT): ignore them with a `UserWarning` naming them. `True` (for
           hand-written files): raise `ValueError`, suggesting the closest known key.
@@ -796,18 +654,18 @@ class AbstractAdapterConfig:
                 f"cannot be loaded as {cls.__name__}. Use peftx.load_config, which chooses the "
                 "class from `peft_type`."
             )
-        own = {f.name for f in dataclasses.fields(cls)}
+        own = {f.name: f for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         ignored: list[str] = []
         unknown: list[str] = []
         for key, value in values.items():
             if key in own:
-                _check_field(key, value, cls)
+                _check_field(own[key], value)
                 kwargs[key] = value
             elif key in cls._PEFT_ONLY:
                 if key in _SILENT or _is_default(value, cls._PEFT_ONLY[key]):
                     continue
-                if key not in _HARMLESS:
+                if key not in cls._HARMLESS:
                     raise ValueError(
                         f"`{key}={value!r}` asks for a PEFT feature that peftx does not "
                         f"implement, so this {cls.__name__} cannot be loaded faithfully. Remove "
@@ -824,7 +682,7 @@ class AbstractAdapterConfig:
                 stacklevel=2,
             )
         if unknown and strict:
-            known = sorted(own | {"peft_type"})
+            known = sorted({*own, "peft_type"})
             hints = {k: difflib.get_close_matches(k, known, n=1) for k in sorted(unknown)}
             described = ", ".join(
                 f"{k!r}" + (f" (did you mean {h[0]!r}?)" if h else "") for k, h in hints.items()
@@ -851,839 +709,6 @@ class AbstractAdapterConfig:
         """PEFT's name for loading this class from a directory holding `adapter_config.json`
         (or from that file itself). A file of another `peft_type` is an error."""
         return cls.from_dict(_read_json(path))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LoraConfig(AbstractAdapterConfig):
-    """HF PEFT's `LoraConfig`: the same field names, meanings and defaults.
-
-    **Arguments:**
-
-    - `r`: the rank of the update `ΔW = (B @ A) * scaling`.
-    - `lora_alpha`: `scaling = lora_alpha / r` (`lora_alpha / sqrt(r)` with `use_rslora`).
-    - `target_modules`: which modules to adapt. A string is a regex that must match the whole
-      dotted path; a list matches a path equal to an entry or ending in `"." + entry`; the
-      string `"all-linear"` means every linear layer except the output head (expanded by the
-      model-level API, which then saves the expanded list, as PEFT does); `None` means the
-      architecture's default list (also resolved by the model-level API). peftx also accepts
-      a `Predicate` (see `peftx.peft_targets`), which cannot be saved to JSON.
-    - `exclude_modules`: modules never adapted; same forms as `target_modules`; wins over it.
-    - `lora_dropout`: dropout probability on the LoRA input, in `[0, 1)`.
-    - `fan_in_fan_out`: the base weight is stored `(in, out)` (GPT-2's `Conv1D`).
-    - `bias`: which biases train: `"none"`, `"all"` or `"lora_only"` (of adapted layers).
-    - `use_rslora`: rank-stabilized scaling `lora_alpha / sqrt(r)`.
-    - `modules_to_save`: modules trained in full and saved alongside the adapter.
-    - `init_lora_weights`: `True` (Kaiming-uniform A, zero B: a no-op at start), `False`
-      (random B too, for tests), `"gaussian"` (normal A with std `1/r`), `"pissa"`.
-    - `layers_to_transform`: only these layer indices (the first numbered path segment, or
-      the one after `layers_pattern`). Not allowed with a regex `target_modules`.
-    - `layers_pattern`: the name of the layer list (`"layers"`, `"h"`); needs
-      `layers_to_transform`.
-    - `rank_pattern`, `alpha_pattern`: per-module `r`/`lora_alpha`, keyed by regex.
-    - `use_dora`: weight-decomposed LoRA (a learned magnitude vector).
-    - `target_parameters`: stacks of expert weights to adapt directly, by parameter name
-      (`["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`: a path equal to an entry or
-      ending in `"." + entry`), each expert with its own rank-`r` update
-      (`ExpertLoraArray`, PEFT's `ParamWrapper`). With `target_modules=None`, only these
-      are adapted (as PEFT 0.21 does, whatever the architecture's default). Needs
-      `lora_dropout=0`, no DoRA and no `fan_in_fan_out`, as in PEFT. An entry naming a
-      layer's weight (`"gate.weight"`) adapts that layer.
-    - `task_type`, `base_model_name_or_path`, `revision`, `inference_mode`, `peft_version`:
-      PEFT's bookkeeping, written to and read from `adapter_config.json` as is.
-
-    ```python
-    config = peftx.LoraConfig(r=8, lora_alpha=16, target_modules=["query", "value"])
-    peftx.save_config(config, "out/")      # out/adapter_config.json, loadable by PEFT
-    assert peftx.load_config("out/") == config
-    ```
-    """
-
-    peft_type: Literal["LORA"] = "LORA"
-    r: int = 8
-    lora_alpha: int | float = 8
-    lora_dropout: int | float = 0.0
-    bias: Literal["none", "all", "lora_only"] = "none"
-    use_rslora: bool = False
-    init_lora_weights: bool | Literal["gaussian", "pissa"] = True
-    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
-    alpha_pattern: dict[str, int | float] = dataclasses.field(default_factory=dict)
-    use_dora: bool = False
-    target_parameters: list[str] | tuple[str, ...] | None = None
-
-    toml_table: ClassVar[str | None] = "lora"
-    combination_types: ClassVar[tuple[str, ...]] = ("svd", "linear", "cat")
-    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
-    _KEYS: ClassVar[tuple[str, ...] | None] = _LORA_KEYS
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = {**_PEFT_ONLY_COMMON, **_PEFT_ONLY_LORA}
-
-    __hash__ = AbstractAdapterConfig.__hash__
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "lora_dropout", float(self.lora_dropout))
-        if self.target_parameters:
-            # PEFT's `ParamWrapper` refuses the same
-            refused = {
-                "lora_dropout": self.lora_dropout != 0.0,
-                "use_dora": self.use_dora,
-                "fan_in_fan_out": self.fan_in_fan_out,
-                "init_lora_weights='pissa'": self.init_lora_weights == "pissa",
-            }
-            bad = [name for name, on in refused.items() if on]
-            if bad:
-                raise ValueError(
-                    f"target_parameters {list(self.target_parameters)} cannot be combined with "
-                    f"{', '.join(bad)}: an expert stack's LoRA has no dropout (its input cannot "
-                    "be factored out), no DoRA, no PiSSA and no transposed layout (as in PEFT). "
-                    "Set lora_dropout=0, use_dora=False, fan_in_fan_out=False, or drop "
-                    "target_parameters."
-                )
-
-    def build_experts(
-        self, base: Any, parameter: AdaptedParameter, *, key: PRNGKeyArray
-    ) -> AbstractAdapter:
-        """The adapter on one expert stack `base (experts, out, in)` of `target_parameters`."""
-        init = {True: "default", False: "random"}.get(
-            self.init_lora_weights, self.init_lora_weights
-        )
-        return expert_lora(
-            base,
-            r=parameter.rank,
-            lora_alpha=parameter.alpha,
-            init=init,
-            use_rslora=self.use_rslora,
-            key=key,
-        )
-
-    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
-        init = {True: "default", False: "random"}.get(
-            self.init_lora_weights, self.init_lora_weights
-        )
-        r, alpha = layer.rank, layer.alpha
-        if isinstance(layer.layer, eqx.nn.Embedding):
-            return lora_embedding(
-                base, r=r, lora_alpha=alpha, init=init, use_rslora=self.use_rslora, key=key
-            )
-        adapter = lora(
-            base,
-            r=r,
-            lora_alpha=alpha,
-            init=init,
-            use_rslora=self.use_rslora,
-            lora_dropout=self.lora_dropout,
-            key=key,
-        )
-        return dora(adapter) if self.use_dora else adapter
-
-    def rank_and_alpha(self, path: str) -> tuple[int, int | float]:
-        """PEFT's `rank_pattern`/`alpha_pattern` for the module at `path`: the first key
-        that matches the path's end, else `r`/`lora_alpha`."""
-        return (
-            _by_pattern(self.rank_pattern, path, self.r),
-            _by_pattern(self.alpha_pattern, path, self.lora_alpha),
-        )
-
-    def unsupported(self, path: str, layer: Any) -> str | None:
-        if self.use_dora and not isinstance(layer, eqx.nn.Linear):
-            return (
-                f"DoRA (use_dora=True) adapts Linear layers only; {path!r} is an "
-                f"eqx.nn.{type(layer).__name__}. Exclude it (exclude_modules) or use plain LoRA."
-            )
-        return None
-
-    @property
-    def changes_base(self) -> bool:
-        return self.init_lora_weights == "pissa"
-
-    def combined(
-        self,
-        configs: Sequence[AbstractAdapterConfig],
-        names: Sequence[str],
-        combination_type: str,
-        svd_rank: int | None,
-    ) -> "LoraConfig":
-        """PEFT's rule: `r = lora_alpha` the new rank (`"linear"`: the common rank, `"cat"`:
-        their sum, `"svd"`: `svd_rank`, default the largest), no patterns."""
-        config = super().combined(configs, names, combination_type, svd_rank)
-        if any(c.use_dora for c in configs):
-            raise ValueError("add_weighted_adapter combines LoRA adapters, not DoRA ones.")
-        ranks = [max([c.r, *(c.rank_pattern or {}).values()]) for c in configs]
-        if combination_type == "linear" and len(set(ranks)) != 1:
-            raise ValueError(
-                f"combination_type 'linear' needs adapters of one rank, got r={ranks} for "
-                f"{list(names)}; use 'cat' or 'svd'."
-            )
-        rank = {"linear": ranks[0], "cat": sum(ranks), "svd": svd_rank or max(ranks)}[
-            combination_type
-        ]
-        return dataclasses.replace(
-            config, r=rank, lora_alpha=rank, rank_pattern={}, alpha_pattern={}
-        )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class IA3Config(AbstractAdapterConfig):
-    """HF PEFT's `IA3Config`: the same field names, meanings and defaults.
-
-    **Arguments:**
-
-    - `target_modules`, `exclude_modules`, `fan_in_fan_out`, `modules_to_save`: as for
-      `LoraConfig` (including `"all-linear"`, `None` and `Predicate`).
-    - `feedforward_modules`: the targets whose *input* is scaled (`ia3_l` of shape `(1, in)`)
-      rather than their output (`(out, 1)`). When it and `target_modules` are both lists, it
-      must be a subset of `target_modules` (PEFT's rule).
-    - `init_ia3_weights`: start the scaling vectors at ones (a no-op); `False` draws them
-      from a standard normal, as PEFT does (for tests of a non-identity adapter).
-    - `layers_to_transform`, `layers_pattern`: as for `LoraConfig`. PEFT's `IA3Config` has no
-      such fields: they are written to JSON only when set, and PEFT ignores them (with a
-      warning) when loading such a file.
-    - `task_type`, `base_model_name_or_path`, `revision`, `inference_mode`, `peft_version`:
-      PEFT's bookkeeping.
-    """
-
-    peft_type: Literal["IA3"] = "IA3"
-    feedforward_modules: str | list[str] | tuple[str, ...] | Predicate | None = None
-    init_ia3_weights: bool = True
-
-    toml_table: ClassVar[str | None] = "ia3"
-    combination_types: ClassVar[tuple[str, ...]] = ("linear",)
-    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = IA3_TARGET_MODULES
-    # PEFT keeps IA3's `feedforward_modules` a subset of `target_modules`: no condensing
-    condense_targets: ClassVar[bool] = False
-    peft_selects_layers: ClassVar[bool] = False
-    _KEYS: ClassVar[tuple[str, ...] | None] = _IA3_KEYS
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
-
-    __hash__ = AbstractAdapterConfig.__hash__
-
-    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
-        return ia3(base, feedforward=layer.feedforward, key=None if self.init_ia3_weights else key)
-
-    def is_feedforward(self, path: str, layer: Any) -> bool:
-        ff = self.feedforward_modules
-        return bool(ff) and bool(peft_targets(ff)(path, layer))
-
-    def unsupported(self, path: str, layer: Any) -> str | None:
-        if not isinstance(layer, eqx.nn.Linear):
-            return f"IA3 adapts Linear layers only; {path!r} is an eqx.nn.{type(layer).__name__}."
-        return None
-
-    def with_model_defaults(self, model_type: str | None) -> "IA3Config":
-        config = super().with_model_defaults(model_type)
-        if self.feedforward_modules is not None:
-            return config
-        return dataclasses.replace(config, feedforward_modules=IA3_FEEDFORWARD_MODULES[model_type])
-
-    def combined(
-        self,
-        configs: Sequence[AbstractAdapterConfig],
-        names: Sequence[str],
-        combination_type: str,
-        svd_rank: int | None,
-    ) -> "IA3Config":
-        config = super().combined(configs, names, combination_type, svd_rank)
-        ff = [c.feedforward_modules for c in configs]
-        if all(isinstance(f, tuple) for f in ff):
-            return dataclasses.replace(config, feedforward_modules=tuple(sorted(set().union(*ff))))
-        return config
-
-    def as_saved(self, placed: Sequence[tuple[str, AbstractAdapter]]) -> dict[str, Any]:
-        changes = super().as_saved(placed)
-        if isinstance(self.feedforward_modules, Predicate) or "layers_to_transform" in changes:
-            changes["feedforward_modules"] = tuple(
-                path for path, a in placed if isinstance(a, IA3Array) and a.is_feedforward
-            )
-        return changes
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        ff, target = self.feedforward_modules, self.target_modules
-        if isinstance(ff, tuple) and isinstance(target, tuple) and not set(ff) <= set(target):
-            raise ValueError(
-                "`feedforward_modules` must be a subset of `target_modules`; "
-                f"{sorted(set(ff) - set(target))} are not in `target_modules` {list(target)}. "
-                "Add them to `target_modules`, or remove them from `feedforward_modules`."
-            )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class OFTConfig(AbstractAdapterConfig):
-    """HF PEFT's `OFTConfig` (orthogonal fine-tuning): the same field names, meanings and
-    defaults. Each adapted `Linear` gets an `OFTArray`: its input features split into
-    blocks, each rotated by the Cayley transform of a learned skew-symmetric matrix.
-
-    **Arguments:**
-
-    - `oft_block_size`: the size of each block (default 32); or
-    - `r`: the number of blocks per layer. Exactly one of the two is non-zero (PEFT's rule;
-      the default is `r=0`). A value that does not divide a layer's input features is
-      moved to the nearest one that does, with PEFT's warning.
-    - `module_dropout`: PEFT's multiplicative dropout of whole blocks. PEFT 0.21.2 builds
-      its dropout layer but never calls it, so the value has no effect there; peftx matches
-      that and says so with a warning.
-    - `bias`: which biases train: `"none"`, `"all"` or `"oft_only"` (of adapted layers).
-    - `init_weights`: `True` starts every rotation at the identity (`oft_R = 0`); `False`
-      draws `oft_R` from `N(0, 0.1²)`, as PEFT does (for tests).
-    - `coft`, `eps`: constrained OFT: each block's skew matrix is kept within Frobenius
-      norm `eps / sqrt(blocks)` of zero.
-    - `block_share`: one rotation shared by all blocks of a layer.
-    - `use_cayley_neumann`, `num_cayley_neumann_terms`: the Cayley transform by PEFT's
-      truncated Neumann series (default, 5 terms) instead of a matrix inverse.
-    - `target_modules`, `exclude_modules`, `fan_in_fan_out`, `modules_to_save`,
-      `layers_to_transform`, `layers_pattern`, and PEFT's bookkeeping fields: as for
-      `LoraConfig`.
-    """
-
-    peft_type: Literal["OFT"] = "OFT"
-    r: int = 0
-    oft_block_size: int = 32
-    module_dropout: int | float = 0.0
-    bias: Literal["none", "all", "oft_only"] = "none"
-    init_weights: bool = True
-    coft: bool = False
-    eps: int | float = 6e-5
-    block_share: bool = False
-    use_cayley_neumann: bool = True
-    num_cayley_neumann_terms: int = 5
-
-    toml_table: ClassVar[str | None] = "oft"
-    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
-    mixed_batches: ClassVar[bool] = False
-    _KEYS: ClassVar[tuple[str, ...] | None] = _OFT_KEYS
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
-    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "oft_block_size": (_is_int, "an int"),
-        "module_dropout": (_is_number, "a number"),
-        "init_weights": (lambda v: isinstance(v, bool), "a bool"),
-        "coft": (lambda v: isinstance(v, bool), "a bool"),
-        "eps": (_is_number, "a number"),
-        "block_share": (lambda v: isinstance(v, bool), "a bool"),
-        "use_cayley_neumann": (lambda v: isinstance(v, bool), "a bool"),
-        "num_cayley_neumann_terms": (_is_int, "an int"),
-    }
-    _OWN_RANGES: ClassVar[dict[str, tuple[Callable[[Any], Any], str]]] = {
-        "r": (
-            _at_fault(lambda v: 0 <= v <= _MAX_RANK),
-            (
-                "`r` (OFT's number of blocks per layer, 0 to use oft_block_size) must be an "
-                f"integer in [0, {_MAX_RANK}]"
-            ),
-        ),
-        "oft_block_size": (
-            _at_fault(lambda v: 0 <= v <= _MAX_RANK),
-            f"`oft_block_size` (0 to use r) must be an integer in [0, {_MAX_RANK}]",
-        ),
-        "module_dropout": (
-            _at_fault(_is_probability),
-            "`module_dropout` must be a probability in [0, 1)",
-        ),
-        "eps": (
-            _at_fault(lambda v: 0 < v <= _FLOAT32_MAX),
-            "`eps` (COFT's radius) must be a positive finite number",
-        ),
-        "num_cayley_neumann_terms": (
-            _at_fault(lambda v: 2 <= v <= 64),
-            (
-                "`num_cayley_neumann_terms` must be an integer in [2, 64] (fewer than 2 terms "
-                "leave every rotation the identity, whatever oft_R holds)"
-            ),
-        ),
-    }
-    _OWN_CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {"bias": ("none", "all", "oft_only")}
-
-    __hash__ = AbstractAdapterConfig.__hash__
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "module_dropout", float(self.module_dropout))
-        object.__setattr__(self, "eps", float(self.eps))
-        if (self.r == 0) == (self.oft_block_size == 0):
-            raise ValueError(
-                f"Set exactly one of `r` ({self.r}) and `oft_block_size` "
-                f"({self.oft_block_size}) to a non-zero value (the other to 0): r x "
-                "oft_block_size is each layer's number of input features, so one gives the "
-                "other. For example OFTConfig(r=0, oft_block_size=32)."
-            )
-
-    def block_size(self, in_features: int, path: str) -> int:
-        """The block size for a layer with `in_features` inputs, adjusted as PEFT does
-        (with its warning) when `oft_block_size` or `r` does not divide them."""
-        asked = self.oft_block_size or self.r
-        fits = in_features % asked == 0 and asked <= in_features
-        value = asked if fits else _nearest_divisor(in_features, asked)
-        if not fits:
-            name = "oft_block_size" if self.oft_block_size else "r"
-            warnings.warn(
-                f"Invalid `{name}` ({asked}) for {path} with {in_features} input features! "
-                f"Adjusted `{name}` to ({value}).",
-                UserWarning,
-                stacklevel=3,
-            )
-        return value if self.oft_block_size else in_features // value
-
-    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
-        if self.module_dropout:
-            warnings.warn(
-                f"module_dropout={self.module_dropout} has no effect: PEFT 0.21.2 never "
-                "applies OFT's multiplicative dropout, and peftx computes what PEFT does.",
-                UserWarning,
-                stacklevel=2,
-            )
-        return oft(
-            base,
-            block_size=self.block_size(base.shape[-1], layer.path),
-            coft=self.coft,
-            eps=self.eps,
-            block_share=self.block_share,
-            use_cayley_neumann=self.use_cayley_neumann,
-            num_cayley_neumann_terms=self.num_cayley_neumann_terms,
-            key=None if self.init_weights else key,
-        )
-
-    def as_saved(self, placed: Sequence[tuple[str, AbstractAdapter]]) -> dict[str, Any]:
-        changes = super().as_saved(placed)
-        if self.use_cayley_neumann and self.peft_version is None:
-            # PEFT refuses a Cayley-Neumann adapter without a version (its series changed
-            # in 0.18); this one computes PEFT 0.21.2's
-            changes["peft_version"] = _OFT_SERIES_VERSION
-        return changes
-
-    def unsupported(self, path: str, layer: Any) -> str | None:
-        if not isinstance(layer, eqx.nn.Linear):
-            return (
-                f"OFT in peftx adapts Linear layers only; {path!r} is an "
-                f"eqx.nn.{type(layer).__name__}. Exclude it (exclude_modules)."
-            )
-        return None
-
-
-def _nearest_divisor(n: int, asked: int) -> int:
-    """PEFT's `adjust_oft_parameters`: the divisor of `n` nearest `asked` (the lower one
-    on a tie), or `n` when `asked` exceeds it."""
-    if asked >= n:
-        return n
-    higher = asked
-    while higher <= n and n % higher:
-        higher += 1
-    lower = asked
-    while lower > 1 and n % lower:
-        lower -= 1
-    return lower if asked - lower <= higher - asked else higher
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class VeraConfig(AbstractAdapterConfig):
-    """HF PEFT's `VeraConfig`: the same field names, meanings and defaults.
-
-    **Arguments:**
-
-    - `r`: the projections' rank (VeRA's `r` is larger than LoRA's: it trains only `r`
-      values per layer besides one per output feature).
-    - `projection_prng_key`: the seed of the shared frozen projections `vera_A`
-      `(r, in_max)` and `vera_B` `(out_max, r)`, drawn as PEFT draws them (a torch CPU
-      generator, Kaiming-uniform), so a file without them loads to the same weights.
-    - `save_projection`: write the projections into the adapter file
-      (`base_model.vera_A`, `base_model.vera_B`); otherwise they are drawn again from
-      `projection_prng_key` on loading.
-    - `vera_dropout`: dropout probability on the VeRA input, in `[0, 1)`.
-    - `d_initial`: the initial value of every `vera_lambda_d` (`vera_lambda_b` starts at
-      zeros: a no-op at start).
-    - `init_weights`: `False` starts `vera_lambda_b` at ones and `vera_lambda_d` standard
-      normal, as PEFT does (for tests of a non-identity adapter).
-    - `bias`: which biases train: `"none"`, `"all"` or `"vera_only"` (of adapted layers).
-    - `target_modules`, `exclude_modules`, `fan_in_fan_out`, `modules_to_save`,
-      `layers_to_transform`, `layers_pattern`: as for `LoraConfig`; Linear layers only.
-      PEFT's `VeraConfig` has no `exclude_modules`: it is written to JSON only when set.
-    - `task_type`, `base_model_name_or_path`, `revision`, `inference_mode`, `peft_version`:
-      PEFT's bookkeeping.
-    """
-
-    peft_type: Literal["VERA"] = "VERA"
-    r: int = 256
-    projection_prng_key: int = 0
-    save_projection: bool = True
-    vera_dropout: int | float = 0.0
-    d_initial: int | float = 0.1
-    bias: Literal["none", "all", "vera_only"] = "none"
-    init_weights: bool = True
-
-    toml_table: ClassVar[str | None] = "vera"
-    # PEFT's VeRA defaults are LoRA's, but Phi's attention only
-    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = {
-        **LORA_TARGET_MODULES,
-        "phi": ("q_proj", "v_proj"),
-    }
-    _KEYS: ClassVar[tuple[str, ...] | None] = _VERA_KEYS
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
-    _OWN_CHOICES: ClassVar[dict[str, tuple[Any, ...]]] = {"bias": ("none", "all", "vera_only")}
-
-    __hash__ = AbstractAdapterConfig.__hash__
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "vera_dropout", float(self.vera_dropout))
-        object.__setattr__(self, "d_initial", float(self.d_initial))
-
-    def planned(self, layers: tuple[AdaptedLayer, ...]) -> tuple[AdaptedLayer, ...]:
-        """Every layer with the adapter's projections, sized for the largest (PEFT's
-        `_find_dim`): one pair of arrays, shared."""
-        out_max = max(t.layer.weight.shape[-2] for t in layers)
-        in_max = max(t.layer.weight.shape[-1] for t in layers)
-        vera_A, vera_B = vera_projections(self.projection_prng_key, self.r, in_max, out_max)
-        shared = (jnp.asarray(vera_A), jnp.asarray(vera_B))
-        return tuple(dataclasses.replace(t, shared=shared) for t in layers)
-
-    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
-        vera_A, vera_B = layer.shared
-        return vera(
-            base,
-            vera_A,
-            vera_B,
-            d_initial=self.d_initial,
-            vera_dropout=self.vera_dropout,
-            key=None if self.init_weights else key,
-        )
-
-    def unsupported(self, path: str, layer: Any) -> str | None:
-        if not isinstance(layer, eqx.nn.Linear):
-            return f"VeRA adapts Linear layers only; {path!r} is an eqx.nn.{type(layer).__name__}."
-        return None
-
-    @property
-    def saves_shared(self) -> bool:
-        return self.save_projection
-
-
-def _is_rank_mask(v: Any) -> bool:
-    return isinstance(v, list | tuple) and all(isinstance(b, bool) for b in v)
-
-
-# PEFT's AdaLoRA defaults are LoRA's, but all attention and MLP layers of these
-_ADALORA_TARGETS: dict[str, tuple[str, ...]] = {
-    "t5": ("q", "k", "v", "o", "wi", "wo"),
-    "bart": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
-    "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
-    "roberta": ("query", "key", "value", "dense"),
-}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AdaLoraConfig(AbstractAdapterConfig):
-    """HF PEFT's `AdaLoraConfig`: the same field names, meanings and defaults.
-
-    Each targeted Linear gets an `AdaLoraArray`, `W + lora_alpha/init_r · B·(A ⊙ E)` with
-    `lora_A` `(init_r, in)`, `lora_E` `(init_r, 1)` and `lora_B` `(out, init_r)`. While
-    training, a rank allocator zeroes the singular values (`lora_E`) of the least important
-    triplets until `target_r` ranks per layer are left on average; PEFT's file then holds
-    only the kept ranks, listed in `rank_pattern`.
-
-    **Arguments:**
-
-    - `init_r`: every layer's rank before pruning (PEFT ignores `r`, as peftx does).
-    - `target_r`: the average rank per layer left once the budget has shrunk.
-    - `tinit`, `tfinal`, `total_step`: the schedule: `tinit` steps without pruning, the
-      budget then shrinking cubically until `total_step - tfinal`, and the last `tfinal`
-      steps at the final ranks. `total_step` is required.
-    - `deltaT`: prune every `deltaT` steps while the budget shrinks.
-    - `beta1`, `beta2`: the moving averages of each weight's sensitivity `|w·∂L/∂w|` and
-      of its uncertainty.
-    - `orth_reg_weight`: the weight of the orthogonality penalty on `lora_A` and `lora_B`
-      added to the loss (`orthogonality_penalty`).
-    - `rank_pattern`: the allocator's result, from each layer's `lora_E` path to one bool
-      per rank (kept or pruned); None before any pruning.
-    - `lora_alpha`: the scale is `lora_alpha / init_r` (`init_r / init_r` for
-      `lora_alpha <= 0`).
-    - `lora_dropout`, `bias`, `target_modules`, `exclude_modules`, `fan_in_fan_out`,
-      `modules_to_save`, `layers_to_transform`, `layers_pattern` and PEFT's bookkeeping:
-      as for `LoraConfig`; Linear layers only.
-    - `init_lora_weights`: `True` (`lora_E` zeros: a no-op at start; `lora_A`, `lora_B`
-      normal with std 0.02) or `False` (all standard normal, for tests).
-    Mixed-adapter batches are refused, as PEFT's AdaLoRA layers have none.
-    """
-
-    peft_type: Literal["ADALORA"] = "ADALORA"
-    lora_alpha: int | float = 8
-    lora_dropout: int | float = 0.0
-    bias: Literal["none", "all", "lora_only"] = "none"
-    init_lora_weights: bool = True
-    rank_pattern: dict[str, list[bool] | tuple[bool, ...]] | None = None
-    target_r: int = 8
-    init_r: int = 12
-    tinit: int = 0
-    tfinal: int = 0
-    deltaT: int = 1
-    beta1: int | float = 0.85
-    beta2: int | float = 0.85
-    orth_reg_weight: int | float = 0.5
-    total_step: int | None = None
-
-    toml_table: ClassVar[str | None] = "adalora"
-    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = {
-        **LORA_TARGET_MODULES,
-        **_ADALORA_TARGETS,
-    }
-    mixed_batches: ClassVar[bool] = False
-    _KEYS: ClassVar[tuple[str, ...] | None] = _ADALORA_KEYS
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = {
-        **_PEFT_ONLY_COMMON,
-        **_PEFT_ONLY_LORA,
-        "r": 8,
-        "use_rslora": False,
-        "alpha_pattern": {},
-        "use_dora": False,
-        "target_parameters": None,
-    }
-    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "rank_pattern": (
-            lambda v: v is None or _is_map(_is_rank_mask)(v),
-            "None or a dict from lora_E paths to lists of bools (one per rank)",
-        ),
-        "init_lora_weights": (lambda v: isinstance(v, bool), "a bool"),
-        "target_r": (_is_int, "an int"),
-        "init_r": (_is_int, "an int"),
-        "tinit": (_is_int, "an int"),
-        "tfinal": (_is_int, "an int"),
-        "deltaT": (_is_int, "an int"),
-        "beta1": (_is_number, "a number"),
-        "beta2": (_is_number, "a number"),
-        "orth_reg_weight": (_is_number, "a number"),
-        "total_step": (lambda v: v is None or _is_int(v), "None or an int"),
-    }
-    _OWN_RANGES: ClassVar[dict[str, tuple[Callable[[Any], Any], str]]] = {
-        # one bool per rank: how many is checked against `init_r` in `__post_init__`
-        "rank_pattern": (lambda v: None, ""),
-        "target_r": (_at_fault(_is_rank), "`target_r` must be a positive integer"),
-        "init_r": (_at_fault(_is_rank), "`init_r` must be a positive integer"),
-        "tinit": (_at_fault(lambda v: v >= 0), "`tinit` must be a number of steps >= 0"),
-        "tfinal": (_at_fault(lambda v: v >= 0), "`tfinal` must be a number of steps >= 0"),
-        "deltaT": (_at_fault(lambda v: v >= 1), "`deltaT` must be a number of steps >= 1"),
-        "beta1": (_at_fault(lambda v: 0 < v < 1), "`beta1` must be in (0, 1)"),
-        "beta2": (_at_fault(lambda v: 0 < v < 1), "`beta2` must be in (0, 1)"),
-        "orth_reg_weight": (
-            _at_fault(lambda v: 0 <= v <= _FLOAT32_MAX),
-            "`orth_reg_weight` must be a finite number >= 0",
-        ),
-    }
-
-    __hash__ = AbstractAdapterConfig.__hash__
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "lora_dropout", float(self.lora_dropout))
-        if self.total_step is None or self.total_step <= 0:
-            raise ValueError(
-                f"AdaLoRA needs `total_step`, the number of training steps (> 0), to schedule "
-                f"its rank budget; got {self.total_step!r}."
-            )
-        if self.tinit >= self.total_step - self.tfinal:
-            raise ValueError(
-                f"AdaLoRA's schedule leaves no steps to prune in: tinit={self.tinit} must be "
-                f"below total_step - tfinal = {self.total_step - self.tfinal}. Decrease "
-                "`tinit` or `tfinal`, or increase `total_step`."
-            )
-        wrong = {k: len(v) for k, v in (self.rank_pattern or {}).items() if len(v) != self.init_r}
-        if wrong:
-            raise ValueError(
-                f"`rank_pattern` must hold init_r={self.init_r} bools per layer; got "
-                f"{wrong} (lengths)."
-            )
-
-    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
-        if layer.transposed:
-            raise ValueError(
-                f"{layer.path!r} is a GPT-2 Conv1D layer, which peftx's AdaLoRA does not adapt "
-                "yet; exclude it (exclude_modules) or use LoRA."
-            )
-        return adalora(
-            base,
-            init_r=self.init_r,
-            lora_alpha=self.lora_alpha,
-            lora_dropout=self.lora_dropout,
-            init_lora_weights=self.init_lora_weights,
-            key=key,
-        )
-
-    def unsupported(self, path: str, layer: Any) -> str | None:
-        if not isinstance(layer, eqx.nn.Linear):
-            return (
-                f"AdaLoRA in peftx adapts Linear layers only; {path!r} is an "
-                f"eqx.nn.{type(layer).__name__}."
-            )
-        return None
-
-    def check_trainable(self) -> None:
-        if self.target_r > self.init_r:  # PEFT fails at its first allocation instead
-            raise ValueError(
-                f"AdaLoRA prunes ranks: target_r={self.target_r} must not exceed "
-                f"init_r={self.init_r} to train."
-            )
-
-    def train_hook(self, adapter_name: str, trainable: Any) -> RankAllocator:
-        return RankAllocator.start(self, adapter_name, trainable)
-
-    def kept_ranks(self, path: str) -> tuple[int, ...] | None:
-        """The ranks `rank_pattern` keeps for the layer at `path` (keyed
-        `<path>.lora_E`, as PEFT writes it); None where it names none."""
-        mask = (self.rank_pattern or {}).get(f"{path}.lora_E")
-        return None if mask is None else tuple(i for i, kept in enumerate(mask) if kept)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _LycorisConfig(AbstractAdapterConfig):
-    """The fields and rules PEFT's `LoHaConfig` and `LoKrConfig` share (`LycorisConfig`)."""
-
-    r: int = 8
-    alpha: int | float = 8
-    rank_dropout: int | float = 0.0
-    module_dropout: int | float = 0.0
-    use_effective_conv2d: bool = False
-    rank_pattern: dict[str, int] = dataclasses.field(default_factory=dict)
-    alpha_pattern: dict[str, int | float] = dataclasses.field(default_factory=dict)
-
-    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
-    mixed_batches: ClassVar[bool] = False
-    _PEFT_ONLY: ClassVar[dict[str, Any]] = _PEFT_ONLY_COMMON
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        object.__setattr__(self, "rank_dropout", float(self.rank_dropout))
-        object.__setattr__(self, "module_dropout", float(self.module_dropout))
-        if self.use_effective_conv2d:
-            raise ValueError(
-                f"`use_effective_conv2d=True` decomposes Conv kernels; peftx's {self.peft_type} "
-                "adapts Linear layers only, where PEFT ignores it. Set use_effective_conv2d=False."
-            )
-
-    def rank_and_alpha(self, path: str) -> tuple[int, int | float]:
-        """PEFT's `rank_pattern`/`alpha_pattern` for the module at `path`, else `r`/`alpha`."""
-        return (
-            _by_pattern(self.rank_pattern, path, self.r),
-            _by_pattern(self.alpha_pattern, path, self.alpha),
-        )
-
-    def unsupported(self, path: str, layer: Any) -> str | None:
-        if not isinstance(layer, eqx.nn.Linear):
-            return (
-                f"{self.peft_type} in peftx adapts Linear layers only; {path!r} is an "
-                f"eqx.nn.{type(layer).__name__}."
-            )
-        return None
-
-    def checked_layer(self, layer: AdaptedLayer) -> None:
-        if layer.transposed:
-            raise ValueError(
-                f"{layer.path!r} is a GPT-2 Conv1D layer, which PEFT's {self.peft_type} does not "
-                "adapt (it has no fan_in_fan_out); exclude it (exclude_modules) or use LoRA."
-            )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LoHaConfig(_LycorisConfig):
-    """HF PEFT's `LoHaConfig`: the same field names, meanings and defaults.
-
-    `ΔW = (alpha / r) · (hada_w1_a @ hada_w1_b) ⊙ (hada_w2_a @ hada_w2_b)` on each targeted
-    Linear layer (`LoHaArray`); it costs a weight-sized update per layer and step.
-
-    **Arguments:**
-
-    - `r`, `alpha`: the rank of each of the two factors and `scaling = alpha / r`.
-    - `rank_dropout`: in training, each row of `ΔW` (an output feature) is dropped with
-      this probability and the kept ones divided by the fraction kept.
-    - `module_dropout`: in training, the whole update of a layer is skipped with this
-      probability.
-    - `init_weights`: `True` (`hada_w2_b` zeros: a no-op at start) or `False` (all random).
-    - `use_effective_conv2d`: Conv only, so it must stay `False`.
-    - `rank_pattern`, `alpha_pattern`: per-module `r`/`alpha`, keyed by regex.
-    - `target_modules`, `exclude_modules`, `layers_to_transform`, `layers_pattern`,
-      `modules_to_save`, `fan_in_fan_out` and PEFT's bookkeeping: as for `LoraConfig`.
-    Mixed-adapter batches are refused, as PEFT has none for LoHa.
-    """
-
-    peft_type: Literal["LOHA"] = "LOHA"
-    init_weights: bool = True
-
-    toml_table: ClassVar[str | None] = "loha"
-    _KEYS: ClassVar[tuple[str, ...] | None] = _LOHA_KEYS
-
-    __hash__ = AbstractAdapterConfig.__hash__
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.init_weights, bool):
-            raise ValueError(
-                f"`init_weights` of a LoHaConfig must be True or False; got {self.init_weights!r} "
-                "('lycoris' is LoKr's)."
-            )
-
-    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
-        self.checked_layer(layer)
-        return loha(
-            base,
-            r=layer.rank,
-            alpha=layer.alpha,
-            init_weights=self.init_weights,
-            rank_dropout=self.rank_dropout,
-            module_dropout=self.module_dropout,
-            key=key,
-        )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LoKrConfig(_LycorisConfig):
-    """HF PEFT's `LoKrConfig`: the same field names, meanings and defaults.
-
-    `ΔW = (alpha / r) · w1 ⊗ w2` on each targeted Linear layer (`LoKrArray`), applied to
-    the activations factor by factor, never formed.
-
-    **Arguments:**
-
-    - `r`, `alpha`: the rank of the factored factors and `scaling = alpha / r`.
-    - `decompose_both`: factor `w1` too (`lokr_w1_a @ lokr_w1_b`) when `r` is below half its
-      larger side; `w2` is factored whenever `r` is below half its larger side.
-    - `decompose_factor`: PEFT's `factorization` of `out` and `in` into the factors' sides:
-      -1 splits near the square root, a divisor `f` gives `(f, dim / f)`.
-    - `rank_dropout`: in training, each row of `ΔW` is dropped with this probability;
-      `rank_dropout_scale` divides the kept rows by the fraction kept.
-    - `module_dropout`: in training, a layer's whole update is skipped with this probability.
-    - `init_weights`: `True` (`w1` zeros: a no-op at start), `"lycoris"` (`w2` zeros),
-      `False` (all random).
-    - `use_effective_conv2d`: Conv only, so it must stay `False`.
-    - `rank_pattern`, `alpha_pattern` and the rest: as for `LoHaConfig`.
-    Mixed-adapter batches are refused, as PEFT has none for LoKr.
-    """
-
-    peft_type: Literal["LOKR"] = "LOKR"
-    decompose_both: bool = False
-    decompose_factor: int = -1
-    rank_dropout_scale: bool = False
-    init_weights: bool | Literal["lycoris"] = True
-
-    toml_table: ClassVar[str | None] = "lokr"
-    _KEYS: ClassVar[tuple[str, ...] | None] = _LOKR_KEYS
-    _OWN_TYPES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "init_weights": (
-            lambda v: isinstance(v, bool) or v == "lycoris",
-            "True, False or 'lycoris'",
-        )
-    }
-
-    __hash__ = AbstractAdapterConfig.__hash__
-
-    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
-        self.checked_layer(layer)
-        init = {True: "default", False: "random"}.get(self.init_weights, self.init_weights)
-        return lokr(
-            base,
-            r=layer.rank,
-            alpha=layer.alpha,
-            decompose_both=self.decompose_both,
-            decompose_factor=self.decompose_factor,
-            init=init,
-            rank_dropout=self.rank_dropout,
-            module_dropout=self.module_dropout,
-            rank_dropout_scale=self.rank_dropout_scale,
-            key=key,
-        )
 
 
 # -- files ----------------------------------------------------------------------------------
@@ -1713,8 +738,8 @@ def _from_mapping(d: Mapping[str, Any], where: str) -> AbstractAdapterConfig:
     if "peft_type" not in d:
         raise ValueError(
             f"{where} has no `peft_type`, so its adapter type is unknown. Add "
-            f'`"peft_type": "LORA"` (or one of {list(CONFIG_CLASSES)}), or load it with '
-            "LoraConfig.from_dict / IA3Config.from_dict."
+            f"`peft_type` (one of {list(CONFIG_CLASSES)}), or load it with its config class's "
+            "from_dict (LoraConfig.from_dict)."
         )
     cls = CONFIG_CLASSES.get(d["peft_type"])
     if cls is None:
@@ -1727,7 +752,7 @@ def _from_mapping(d: Mapping[str, Any], where: str) -> AbstractAdapterConfig:
 def load_config(
     source: str | os.PathLike[str] | Mapping[str, Any],
 ) -> AbstractAdapterConfig:
-    """A `LoraConfig` or `IA3Config`, chosen by the `peft_type` key, like PEFT's
+    """The config of the kind registered for its `peft_type` key, like PEFT's
     `PeftConfig.from_pretrained`.
 
     **Arguments:**

@@ -14,6 +14,7 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._errors import UnknownAdapterError
+from ._kind import count_parameters, trained_fields
 from ._peft_io import adapted_layer_paths, load_adapter_into, save_adapters
 from ._select import Predicate, dotted, of_type, peft_targets, require_matches, select
 from ._targets import (
@@ -24,10 +25,9 @@ from ._targets import (
     name_or_path_of,
     parameter_targets,
     targets,
-    with_expert_names,
+    with_model_names,
 )
 from .adapters import AdapterSet, detach, merge
-from .adapters._kind import count_parameters, trained_fields
 from .implicit import use_implicit_args
 from .sharding import placed_like
 
@@ -574,7 +574,7 @@ class PeftModel(eqx.Module):
                 f"this model's adapters are {self.peft_type}; a {config.peft_type} adapter "
                 "cannot join them (as in PEFT). Start from the base model (`unload()`)."
             )
-        config = with_expert_names(config, self.base_model, model_type)
+        config = with_model_names(config, self.base_model, model_type)
         split, parameters = parameter_targets(self.base_model, config)
         found = targets(split, with_classifier(config), model_type=model_type)
         config = found.config

@@ -13,6 +13,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from ._config import AdaptedLayer, AdaptedParameter
 from ._errors import TargetNotFoundError, UnsupportedTargetError
 from ._select import (
     Predicate,
@@ -29,62 +30,6 @@ from .adapters import AbstractWeight
 from .implicit import ImplicitArray
 from .models._checkpoint import ARCHITECTURES, is_transposed
 from .models._stack import LayerStack, split_stack
-
-# PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
-# architectures peftx users load; tests compare them with PEFT's own tables.
-LORA_TARGET_MODULES: dict[str, tuple[str, ...]] = {
-    "bart": ("q_proj", "v_proj"),
-    "bert": ("query", "value"),
-    "bloom": ("query_key_value",),
-    "electra": ("query", "value"),
-    "falcon": ("query_key_value",),
-    "gemma": ("q_proj", "v_proj"),
-    "gemma2": ("q_proj", "v_proj"),
-    "gemma3_text": ("q_proj", "v_proj"),
-    "gpt2": ("c_attn",),
-    "gpt_neox": ("query_key_value",),
-    "gptj": ("q_proj", "v_proj"),
-    "llama": ("q_proj", "v_proj"),
-    "mistral": ("q_proj", "v_proj"),
-    "mixtral": ("q_proj", "v_proj"),
-    "opt": ("q_proj", "v_proj"),
-    "phi": ("q_proj", "v_proj", "fc1", "fc2"),
-    "qwen2": ("q_proj", "v_proj"),
-    "qwen3": ("q_proj", "v_proj"),
-    "roberta": ("query", "value"),
-    "t5": ("q", "v"),
-    "xlm-roberta": ("query", "value"),
-}
-IA3_TARGET_MODULES: dict[str, tuple[str, ...]] = {
-    "bert": ("key", "value", "output.dense"),
-    "gemma2": ("q_proj", "v_proj", "down_proj"),
-    "gemma3_text": ("q_proj", "v_proj", "down_proj"),
-    "gpt2": ("c_attn", "mlp.c_proj"),
-    "gpt_neox": ("query_key_value", "dense_4h_to_h"),
-    "llama": ("k_proj", "v_proj", "down_proj"),
-    "mistral": ("k_proj", "v_proj", "down_proj"),
-    "mixtral": ("k_proj", "v_proj", "w2"),
-    "opt": ("q_proj", "k_proj", "fc2"),
-    "qwen2": ("q_proj", "v_proj", "down_proj"),
-    "qwen3": ("q_proj", "v_proj", "down_proj"),
-    "roberta": ("key", "value", "output.dense"),
-    "t5": ("k", "v", "wo"),
-}
-IA3_FEEDFORWARD_MODULES: dict[str, tuple[str, ...]] = {
-    "bert": ("output.dense",),
-    "gemma2": ("down_proj",),
-    "gemma3_text": ("down_proj",),
-    "gpt2": ("mlp.c_proj",),
-    "gpt_neox": ("dense_4h_to_h",),
-    "llama": ("down_proj",),
-    "mistral": ("down_proj",),
-    "mixtral": ("w2",),
-    "opt": ("fc2",),
-    "qwen2": ("down_proj",),
-    "qwen3": ("down_proj",),
-    "roberta": ("output.dense",),
-    "t5": ("wo",),
-}
 
 ADAPTABLE = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
 """The layer types adapters are placed on."""
@@ -111,81 +56,19 @@ def name_or_path_of(model: Any) -> str | None:
     return getattr(config, "name_or_path", None)
 
 
-# PEFT 0.21 reads the LoRA target names of transformers 4's mixtures of experts, whose
-# experts and router were Linear layers, as transformers 5's fused expert stacks
-# (`peft.utils.transformers_weight_conversion`): each old name becomes a
-# `target_parameters` entry, and the two halves fused into `gate_up_proj` one entry of
-# twice the rank and alpha. `"all-linear"` means every old name too.
-MOE_TARGETS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
-    "mixtral": (
-        {"gate": "gate.weight", "w1": "gate_up_proj", "w3": "gate_up_proj", "w2": "down_proj"},
-        ("w1", "w3"),
-    ),
-    "qwen3_moe": (
-        {
-            "gate": "gate.weight",
-            "gate_proj": "gate_up_proj",
-            "up_proj": "gate_up_proj",
-            "down_proj": "down_proj",
-        },
-        ("gate_proj", "up_proj"),
-    ),
-}
-
-
-def with_expert_names(config: Any, model: Any, model_type: str | None) -> Any:
-    """`config` with the expert and router names of transformers 4's Mixtral or
-    Qwen3-MoE (`w1`/`w3`/`w2`, `gate_proj`/`up_proj`/`down_proj`, `gate`) read as
-    `target_parameters`, as PEFT reads them on transformers 5's models (see
-    `MOE_TARGETS`). A regex `target_modules` is left as it is."""
-    kind = model_type or model_type_of(model)
-    target = config.target_modules
-    if kind not in MOE_TARGETS or not hasattr(config, "target_parameters") or not target:
-        return config
-    names, fused = MOE_TARGETS[kind]
-    if target == "all-linear":
-        head = output_head(model)
-        linear = select(model).at(of_type(eqx.nn.Linear)).paths()
-        target = sorted({p.rsplit(".", 1)[-1] for p in linear if p != head} | set(names))
-    elif isinstance(target, str | Predicate):
-        return config
-    parameters = list(config.target_parameters or ())
-    modules, named = [], set()
-    for t in target:
-        old = next((o for o in names if t == o or t.endswith("." + o)), None)
-        if old is None:
-            modules.append(t)
-            continue
-        named.add(old)
-        if names[old] not in parameters:
-            parameters.append(names[old])
-    halves = named & set(fused)
-    if halves and halves != set(fused):
-        raise ValueError(
-            f"target_modules names {sorted(halves)} but not {sorted(set(fused) - halves)}: "
-            f"in transformers 5's {kind} they are fused into one `gate_up_proj` stack, "
-            "adapted whole or not at all (as PEFT requires). Name both, or neither."
-        )
-    rank, alpha = dict(config.rank_pattern or {}), dict(config.alpha_pattern or {})
-    if halves:
-        rank[r".*\.gate_up_proj"] = config.r * len(fused)
-        alpha[r".*\.gate_up_proj"] = config.lora_alpha * len(fused)
-    return dataclasses.replace(
-        config,
-        target_modules=modules,
-        target_parameters=parameters,
-        rank_pattern=rank,
-        alpha_pattern=alpha,
-    )
+def with_model_names(config: Any, model: Any, model_type: str | None) -> Any:
+    """`config` with its target names read for `model`'s architecture, as PEFT reads them
+    (the config's `with_model_names`, given what `"all-linear"` names on this model)."""
+    head = output_head(model)
+    linear = select(model).at(of_type(eqx.nn.Linear)).paths()
+    names = sorted({p.rsplit(".", 1)[-1] for p in linear if p != head})
+    return config.with_model_names(model_type or model_type_of(model), names)
 
 
 def with_defaults(config: Any, model: Any, model_type: str | None) -> Any:
     """`config` with PEFT's per-architecture `target_modules` when it has none."""
     if config.target_modules is not None:
         return config
-    if getattr(config, "target_parameters", None):
-        # PEFT 0.21 adapts the parameters alone then (and writes `target_modules: []`)
-        return dataclasses.replace(config, target_modules=())
     return config.with_model_defaults(model_type or model_type_of(model))
 
 
@@ -194,32 +77,6 @@ def stored_transposed(model: Any, path: str) -> bool:
     `path` transposed: GPT-2's Conv1D, on which PEFT sets `fan_in_fan_out=True`."""
     arch = ARCHITECTURES.get(model_type_of(model) or "")
     return arch is not None and all(is_transposed(arch, f"{q}.weight") for q in layer_paths(path))
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptedLayer:
-    """One layer a config adapts, resolved once by `targets`; a config's `build` makes
-    its adapter from this record, and saving reads it back.
-
-    - `path`: the layer's dotted path; in a `LayerStack`, a segment's (`layers.0-3.mlp`),
-      whose layers share everything below.
-    - `layer`: the module (`eqx.nn.Linear`, `Conv` or `Embedding`).
-    - `rank`, `alpha`: LoRA's `r` and `lora_alpha` for it, `rank_pattern` and
-      `alpha_pattern` applied (None for kinds without them).
-    - `feedforward`: IA3's choice to scale the input features (`feedforward_modules`).
-    - `transposed`: its checkpoints store the weight `(in, out)` (GPT-2's Conv1D); ours
-      is `(out, in)` all the same.
-    - `shared`: what the config's `planned` gives every layer it adapts alike (VeRA's
-      projections), else None.
-    """
-
-    path: str
-    layer: Any
-    rank: int | None
-    alpha: int | float | None
-    feedforward: bool
-    transposed: bool
-    shared: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,9 +141,9 @@ def targets(model: Any, config: Any, *, model_type: str | None = None) -> Target
     `ValueError` for layer indices the model does not have; and warns about an entry of a
     `target_modules` list that matches nothing while others match (PEFT ignores it).
     """
-    config = with_expert_names(with_defaults(config, model, model_type), model, model_type)
+    config = with_model_names(with_defaults(config, model, model_type), model, model_type)
     check_layers(config, model)
-    parameters = getattr(config, "target_parameters", None)
+    parameters = config.expert_targets()
     predicate = target_predicate(config, model)
     if parameters:
         # PEFT wraps a targeted parameter of a plain layer (`gate.weight`, a router) as it
@@ -347,26 +204,10 @@ def _refuse_targeted_twice(model: Any, by_module: Predicate, by_weight: Predicat
                 )
 
 
-def names_parameter(target_parameters: Sequence[str], path: str) -> bool:
+def names_parameter(entries: Sequence[str], path: str) -> bool:
     """PEFT's rule for `target_parameters`: the parameter's dotted path equals an entry or
     ends in `"." + entry`."""
-    return any(path == t or path.endswith("." + t) for t in target_parameters)
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptedParameter:
-    """One stack of expert weights a config's `target_parameters` adapts.
-
-    - `path`: the dotted path of the module holding it (`layers.0-1.mlp.experts` in a
-      `LayerStack` segment).
-    - `name`: its field in that module (`gate_up_proj`).
-    - `rank`, `alpha`: LoRA's `r` and `lora_alpha` for it, the patterns applied.
-    """
-
-    path: str
-    name: str
-    rank: int
-    alpha: int | float
+    return any(path == t or path.endswith("." + t) for t in entries)
 
 
 def expert_fields(module: Any) -> list[str]:
@@ -384,10 +225,10 @@ def expert_fields(module: Any) -> list[str]:
 
 
 def parameter_targets(model: Any, config: Any) -> tuple[Any, tuple[AdaptedParameter, ...]]:
-    """The expert stacks `config.target_parameters` adapts, and `model` with its stacks
-    split where the adapted stacks change (none without `target_parameters`). Raises
+    """The expert stacks `config.expert_targets()` names, and `model` with its stacks split
+    where the adapted stacks change (none without them). Raises
     `TargetNotFoundError` when the entries match nothing, as PEFT raises."""
-    wanted = getattr(config, "target_parameters", None)
+    wanted = config.expert_targets()
     if not wanted:
         return model, ()
 

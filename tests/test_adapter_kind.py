@@ -1,11 +1,13 @@
-"""A new adapter kind is one config class and one array class: a scaled-identity adapter
-(`(s·I)·W`, one learned scalar per layer) written only here goes through `get_peft_model`,
-`partition`, training, save and load in PEFT's layout, and merge, with no library edit.
-It is checked against the dense formula `s·W`, written out here."""
+"""A new adapter kind is one module, written as a library kind is (`scaled_identity.py`: a
+scaled-identity adapter, `(s·I)·W`, one learned scalar per layer): it goes through
+`get_peft_model`, `partition`, training, save and load in PEFT's layout, merge, its field
+checks, default targets and TOML table, with no edit to any shared module of peftx. It is
+checked against the dense formula `s·W`, written out here."""
 
 import dataclasses
 import json
-from typing import Any, ClassVar, Literal
+import math
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -17,38 +19,7 @@ import safetensors.numpy
 from helpers import close
 
 import peftx
-from peftx._config import CONFIG_CLASSES
-from peftx.adapters import AbstractAdapter
-from peftx.implicit import primitive_handler, use_implicit_args
-
-
-class ScaledIdentity(AbstractAdapter):
-    """`(s·I)·W = s·W`: the layer's output scaled by one learned number."""
-
-    weight: Any
-    scale: jax.Array  # (1,)
-
-    peft_keys: ClassVar[dict[str, str]] = {"scale": "scale_s"}
-    weight_axes: ClassVar[dict[str, tuple[int | None, ...]]] = {"scale": (None,)}
-
-    def merged(self, weight: jax.Array) -> jax.Array:
-        return weight * self.scale[0].astype(weight.dtype)
-
-
-def _scaled_product(w: ScaledIdentity, x: jax.Array, w_is_lhs: bool, params: dict) -> jax.Array:
-    operands = (w.weight, x) if w_is_lhs else (x, w.weight)
-    out = use_implicit_args(lambda a, b: jax.lax.dot_general_p.bind(a, b, **params))(*operands)
-    return out * w.scale[0].astype(out.dtype)
-
-
-@primitive_handler("dot_general")
-def _scaled_lhs(primitive, w: ScaledIdentity, x: jax.Array, **params):
-    return _scaled_product(w, x, True, params)
-
-
-@primitive_handler("dot_general")
-def _scaled_rhs(primitive, x: jax.Array, w: ScaledIdentity, **params):
-    return _scaled_product(w, x, False, params)
+from peftx._config import CONFIG_CLASSES, TOML_TABLES, table_names
 
 
 class Block(eqx.Module):
@@ -102,20 +73,23 @@ def _dense(model: Tiny, scales: dict[str, float], x):
 
 
 @pytest.fixture
-def config():
-    """The kind's config class, defined (so registered by its `peft_type`) for one test
-    and then taken out of the registry, so that other tests see peftx's own kinds only."""
+def kind():
+    """The kind's module, its config class registered (by its `peft_type` and TOML table)
+    for one test and then taken out of the registry, so that other tests see peftx's own
+    kinds only."""
+    import scaled_identity
 
-    @dataclasses.dataclass(frozen=True, kw_only=True)
-    class ScaledIdentityConfig(peftx.AbstractAdapterConfig):
-        peft_type: Literal["SCALED_IDENTITY"] = "SCALED_IDENTITY"
-        init_scale: float = 1.0
+    cls = scaled_identity.ScaledIdentityConfig
+    CONFIG_CLASSES[cls._PEFT_TYPE], TOML_TABLES[cls.toml_table] = cls, cls
+    yield scaled_identity
+    del CONFIG_CLASSES[cls._PEFT_TYPE], TOML_TABLES[cls.toml_table]
 
-        def build(self, base, layer, *, key):
-            return ScaledIdentity(base, jnp.full((1,), self.init_scale, jnp.float32))
 
-    yield ScaledIdentityConfig(init_scale=1.5, target_modules=["q", "v"], layers_to_transform=[1])
-    del CONFIG_CLASSES["SCALED_IDENTITY"]
+@pytest.fixture
+def config(kind):
+    return kind.ScaledIdentityConfig(
+        init_scale=1.5, target_modules=["q", "v"], layers_to_transform=[1]
+    )
 
 
 def test_new_kind_through_get_peft_model_partition_and_training(getkey, config):
@@ -209,6 +183,35 @@ def test_new_kind_saves_and_loads_in_peft_layout_and_merges(getkey, tmp_path, co
 
 def test_new_kind_is_loaded_by_peft_type(config):
     assert peftx.load_config(config.to_dict()) == config
+
+
+@pytest.mark.parametrize(
+    "fields, error, match",
+    [
+        (dict(init_scale=math.inf), ValueError, r"`init_scale` must be a finite number .*got inf"),
+        (dict(init_scale="2"), TypeError, r"`init_scale` must be a number; got '2' of type str"),
+        (
+            dict(init="rand"),
+            ValueError,
+            r"'constant', 'random'; got 'rand'\. Did you mean 'random'",
+        ),
+    ],
+)
+def test_new_kind_fields_are_checked_by_their_declarations(kind, fields, error, match):
+    with pytest.raises(error, match=match):
+        kind.ScaledIdentityConfig(**fields)
+    with pytest.raises(error, match=match):
+        peftx.load_config({"peft_type": "SCALED_IDENTITY", **fields})
+
+
+def test_new_kind_default_targets_and_toml_table(getkey, kind, tmp_path):
+    cls = kind.ScaledIdentityConfig
+    found = peftx.targets(Tiny(getkey()), cls(init="random"), model_type="tiny")
+    assert found.paths() == [f"body.layers.{i}.{n}" for i in range(2) for n in ("q", "v")]
+    assert "[scaled_identity]" in table_names()
+    path = tmp_path / "kind.toml"
+    path.write_text('[scaled_identity]\ninit_scale = 2.0\ntarget_modules = ["q"]\n')
+    assert peftx.from_toml(path) == cls(init_scale=2.0, target_modules=["q"])
 
 
 def test_a_kind_without_build_is_refused_when_defined():

@@ -1,5 +1,6 @@
 """Adapter configs: PEFT's keys and defaults, adapter_config.json both ways, TOML, errors."""
 
+import copy
 import dataclasses
 import json
 import os
@@ -9,12 +10,10 @@ import warnings
 import peft
 import pytest
 
-from peftx import peft_targets
+from peftx import AdaLoraConfig, IA3Config, LoraConfig, peft_targets
 from peftx._config import (
     CONFIG_NAME,
     AbstractAdapterConfig,
-    IA3Config,
-    LoraConfig,
     from_toml,
     load_config,
     save_config,
@@ -211,6 +210,35 @@ def test_stored_values_are_frozen():
         LoraConfig(rank_pattern={"b": 1, "a": 2})
     )
     assert LoraConfig() != IA3Config()
+    # a dict field cannot change under its hash (a config is a static field of a model)
+    patterned = LoraConfig(rank_pattern={"a": 2})
+    with pytest.raises(TypeError, match="cannot change; use dataclasses.replace"):
+        patterned.rank_pattern["a"] = 4
+    assert copy.deepcopy(patterned) == patterned and patterned.rank_pattern == {"a": 2}
+
+
+def test_expert_targets_are_the_configs_to_name():
+    """Which expert stacks a config adapts, and how transformers 4's expert names read on
+    an architecture, are the config's answers (LoRA's `target_parameters`); other kinds
+    have none."""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "w1", "w3", "w2"])
+    mixtral = config.with_model_names("mixtral", ["q_proj", "w1", "w2", "w3"])
+    assert mixtral.target_modules == ("q_proj",)
+    assert mixtral.expert_targets() == ("gate_up_proj", "down_proj")
+    assert mixtral.rank_pattern == {r".*\.gate_up_proj": 8}
+    assert mixtral.alpha_pattern == {r".*\.gate_up_proj": 16}
+    assert config.with_model_names("llama", ["q_proj"]) == config
+    everything = LoraConfig(target_modules="all-linear").with_model_names("mixtral", ["o_proj"])
+    assert everything.target_modules == ("o_proj",)
+    assert everything.expert_targets() == ("gate.weight", "gate_up_proj", "down_proj")
+    assert (
+        LoraConfig(target_parameters=["mlp.experts.down_proj"])
+        .with_model_defaults("llama")
+        .target_modules
+        == ()
+    )
+    ia3 = IA3Config(target_modules=["w1", "w3"])
+    assert ia3.expert_targets() == () and ia3.with_model_names("mixtral", ["w1"]) == ia3
 
 
 def test_save_is_pretty_and_sorted_like_peft(tmp_path):
@@ -297,6 +325,12 @@ def test_peft_only_keys():
         LoraConfig.from_dict(base | {"use_qalora": True})
     with pytest.raises(ValueError, match="Remove `lora_bias`"):
         LoraConfig.from_dict(base | {"lora_bias": True})
+    # AdaLoRA's layers never read LoraConfig's `r` (PEFT warns of it), nor PEFT's init keys
+    adalora = AdaLoraConfig(total_step=10).to_dict()
+    with pytest.warns(UserWarning, match=r"\['loftq_config', 'r'\] are PEFT settings"):
+        AdaLoraConfig.from_dict(adalora | {"r": 16, "loftq_config": {"bits": 4}})
+    with pytest.raises(ValueError, match="`use_dora=True` asks for a PEFT feature"):
+        AdaLoraConfig.from_dict(adalora | {"use_dora": True})
 
 
 def test_peft_type_mismatch():
@@ -317,7 +351,7 @@ def test_load_config_errors(tmp_path):
         load_config({"r": 8})
     with pytest.raises(
         ValueError,
-        match=r"'BOFT'; peftx supports \['LORA', 'IA3', 'OFT', 'VERA', 'ADALORA', 'LOHA', 'LOKR'\]",
+        match=r"'BOFT'; peftx supports \['LORA', 'ADALORA', 'IA3', 'LOHA', 'LOKR', 'OFT', 'VERA'\]",
     ):
         load_config({"peft_type": "BOFT"})
     with pytest.raises(FileNotFoundError, match=f"No {CONFIG_NAME} in the directory"):
@@ -379,7 +413,12 @@ CONSTRUCTOR_ERRORS = [
         ValueError,
         r"subset of `target_modules`; \['fc'\] are not in",
     ),
-    (AbstractAdapterConfig, dict(peft_type="LORA"), TypeError, "AbstractAdapterConfig is abstract"),
+    (
+        AbstractAdapterConfig,
+        dict(peft_type="LORA"),
+        TypeError,
+        r"config \(LoraConfig, AdaLoraConfig, IA3Config, .*VeraConfig\); .* is abstract",
+    ),
 ]
 
 

@@ -262,16 +262,17 @@ class HFStyleLM(eqx.Module):
 def test_default_target_modules_follow_peft():
     from peft.utils import constants
 
-    from peftx import _targets
+    from peftx.adapters import _ia3
+    from peftx.adapters.lora import LORA_TARGET_MODULES
 
     for ours, theirs in (
         (
-            _targets.LORA_TARGET_MODULES,
+            LORA_TARGET_MODULES,
             constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING,
         ),
-        (_targets.IA3_TARGET_MODULES, constants.TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING),
+        (_ia3.IA3_TARGET_MODULES, constants.TRANSFORMERS_MODELS_TO_IA3_TARGET_MODULES_MAPPING),
         (
-            _targets.IA3_FEEDFORWARD_MODULES,
+            _ia3.IA3_FEEDFORWARD_MODULES,
             constants.TRANSFORMERS_MODELS_TO_IA3_FEEDFORWARD_MODULES_MAPPING,
         ),
     ):

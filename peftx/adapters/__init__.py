@@ -1,45 +1,30 @@
-"""Adapters and structured weights, each an implicit array with its handlers."""
+"""Adapters and structured weights, each an implicit array with its handlers; each adapter
+kind's module holds its config class too."""
 
-from ._adalora import (
-    AdaLoraArray as AdaLoraArray,
-    RankAllocator as RankAllocator,
-    adalora as adalora,
-    orthogonality_penalty as orthogonality_penalty,
-)
-from ._dora import DoraArray as DoraArray, dora as dora
-from ._embedding import (
-    LoraEmbeddingArray as LoraEmbeddingArray,
-    lora_embedding as lora_embedding,
-)
-from ._experts import (
-    ExpertLoraArray as ExpertLoraArray,
-    ExpertLoraInit as ExpertLoraInit,
-    expert_lora as expert_lora,
-)
-from ._ia3 import IA3Array as IA3Array, ia3 as ia3
-from ._kind import (
+from .._kind import (
     AbstractAdapter as AbstractAdapter,
     AbstractTrainHook as AbstractTrainHook,
     AbstractWeight as AbstractWeight,
 )
-from ._loha import LoHaArray as LoHaArray, loha as loha
+from ._adalora import (
+    AdaLoraArray as AdaLoraArray,
+    AdaLoraConfig as AdaLoraConfig,
+    RankAllocator as RankAllocator,
+    adalora as adalora,
+    orthogonality_penalty as orthogonality_penalty,
+)
+from ._dropout import with_dropout as with_dropout, without_dropout as without_dropout
+from ._ia3 import IA3Array as IA3Array, IA3Config as IA3Config, ia3 as ia3
+from ._loha import LoHaArray as LoHaArray, LoHaConfig as LoHaConfig, loha as loha
 from ._lokr import (
     LoKrArray as LoKrArray,
+    LoKrConfig as LoKrConfig,
     LoKrInit as LoKrInit,
     factorization as factorization,
     lokr as lokr,
 )
-from ._lora import (
-    LoraArray as LoraArray,
-    LoraInit as LoraInit,
-    lora as lora,
-    unmerge as unmerge,
-    with_compute_dtype as with_compute_dtype,
-    with_dropout as with_dropout,
-    without_dropout as without_dropout,
-)
-from ._merge import merge as merge
-from ._oft import OFTArray as OFTArray, oft as oft
+from ._merge import merge as merge, unmerge as unmerge
+from ._oft import OFTArray as OFTArray, OFTConfig as OFTConfig, oft as oft
 from ._quantized import (
     Int8Array as Int8Array,
     NF4Array as NF4Array,
@@ -53,7 +38,22 @@ from ._set import (
 )
 from ._vera import (
     VeraArray as VeraArray,
+    VeraConfig as VeraConfig,
     vera as vera,
     vera_projections as vera_projections,
 )
 from ._zeros import Zeros as Zeros
+from .lora import (
+    DoraArray as DoraArray,
+    ExpertLoraArray as ExpertLoraArray,
+    ExpertLoraInit as ExpertLoraInit,
+    LoraArray as LoraArray,
+    LoraConfig as LoraConfig,
+    LoraEmbeddingArray as LoraEmbeddingArray,
+    LoraInit as LoraInit,
+    dora as dora,
+    expert_lora as expert_lora,
+    lora as lora,
+    lora_embedding as lora_embedding,
+    with_compute_dtype as with_compute_dtype,
+)

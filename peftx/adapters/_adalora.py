@@ -1,8 +1,11 @@
 """AdaLoRA: an SVD-shaped update `ΔW = B·(A ⊙ E)` whose rank is pruned while training by
-zeroing singular values, with PEFT's names and shapes."""
+zeroing singular values, with PEFT's names and shapes.
 
+The kind whole: `AdaLoraArray`, its handlers, the rank allocator, and `AdaLoraConfig`."""
+
+import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -10,10 +13,22 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from ._kind import AbstractAdapter, AbstractTrainHook
+from .._config import (
+    FINITE,
+    FLOAT32_MAX,
+    PEFT_ONLY_COMMON,
+    PROBABILITY,
+    RANK,
+    AbstractAdapterConfig,
+    AdaptedLayer,
+    Range,
+    field,
+)
+from .._kind import AbstractAdapter, AbstractTrainHook
 from ._layout import WeightProduct, weight_dot_handlers
 from ._products import LayerKeys, add_update, cast_base_on_astype, dropout, low_rank, rescale
 from ._set import AdapterSet
+from .lora import LORA_HARMLESS, LORA_KEYS, LORA_TARGET_MODULES, PEFT_ONLY_LORA
 
 # PEFT divides by `ranknum + 1e-5`
 _RANKNUM_EPS = 1e-5
@@ -42,6 +57,7 @@ class AdaLoraArray(AbstractAdapter):
     lora_B: Array
     ranknum: Array
     dropout_key: LayerKeys | None = None
+    draws_dropout: ClassVar[bool] = True
     lora_alpha: float = eqx.field(static=True, default=1.0)
     lora_dropout: float = eqx.field(static=True, default=0.0)
 
@@ -403,3 +419,170 @@ class RankAllocator(AbstractTrainHook):
                 for path, row in zip(layer_paths, rows, strict=True)
             }
         }
+
+
+# -- the config ------------------------------------------------------------------------------
+
+_ADALORA_KEYS = (
+    *LORA_KEYS[: LORA_KEYS.index("ensure_weight_tying") + 1],
+    "target_r",
+    "init_r",
+    "tinit",
+    "tfinal",
+    "deltaT",
+    "beta1",
+    "beta2",
+    "orth_reg_weight",
+    "total_step",
+)
+
+_STEPS = Range(lambda v: v >= 0, "`{name}` must be a number of steps >= 0")
+_BETA = Range(lambda v: 0 < v < 1, "`{name}` must be in (0, 1)")
+
+
+# PEFT's AdaLoRA defaults are LoRA's, but all attention and MLP layers of these
+_ADALORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "t5": ("q", "k", "v", "o", "wi", "wo"),
+    "bart": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    "opt": ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"),
+    "roberta": ("query", "key", "value", "dense"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaLoraConfig(AbstractAdapterConfig):
+    """HF PEFT's `AdaLoraConfig`: the same field names, meanings and defaults.
+
+    Each targeted Linear gets an `AdaLoraArray`, `W + lora_alpha/init_r · B·(A ⊙ E)` with
+    `lora_A` `(init_r, in)`, `lora_E` `(init_r, 1)` and `lora_B` `(out, init_r)`. While
+    training, a rank allocator zeroes the singular values (`lora_E`) of the least important
+    triplets until `target_r` ranks per layer are left on average; PEFT's file then holds
+    only the kept ranks, listed in `rank_pattern`.
+
+    **Arguments:**
+
+    - `init_r`: every layer's rank before pruning (PEFT ignores `r`, as peftx does).
+    - `target_r`: the average rank per layer left once the budget has shrunk.
+    - `tinit`, `tfinal`, `total_step`: the schedule: `tinit` steps without pruning, the
+      budget then shrinking cubically until `total_step - tfinal`, and the last `tfinal`
+      steps at the final ranks. `total_step` is required.
+    - `deltaT`: prune every `deltaT` steps while the budget shrinks.
+    - `beta1`, `beta2`: the moving averages of each weight's sensitivity `|w·∂L/∂w|` and
+      of its uncertainty.
+    - `orth_reg_weight`: the weight of the orthogonality penalty on `lora_A` and `lora_B`
+      added to the loss (`orthogonality_penalty`).
+    - `rank_pattern`: the allocator's result, from each layer's `lora_E` path to one bool
+      per rank (kept or pruned); None before any pruning.
+    - `lora_alpha`: the scale is `lora_alpha / init_r` (`init_r / init_r` for
+      `lora_alpha <= 0`).
+    - `lora_dropout`, `bias`, `target_modules`, `exclude_modules`, `fan_in_fan_out`,
+      `modules_to_save`, `layers_to_transform`, `layers_pattern` and PEFT's bookkeeping:
+      as for `LoraConfig`; Linear layers only.
+    - `init_lora_weights`: `True` (`lora_E` zeros: a no-op at start; `lora_A`, `lora_B`
+      normal with std 0.02) or `False` (all standard normal, for tests).
+    Mixed-adapter batches are refused, as PEFT's AdaLoRA layers have none.
+    """
+
+    peft_type: Literal["ADALORA"] = "ADALORA"
+    lora_alpha: int | float = field(default=8, range=FINITE)
+    lora_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
+    bias: Literal["none", "all", "lora_only"] = "none"
+    init_lora_weights: bool = True
+    # one bool per rank: how many is checked against `init_r` in `__post_init__`
+    rank_pattern: dict[str, list[bool] | tuple[bool, ...]] | None = field(
+        default=None, means="None or a dict from lora_E paths to lists of bools (one per rank)"
+    )
+    target_r: int = field(default=8, range=RANK)
+    init_r: int = field(default=12, range=RANK)
+    tinit: int = field(default=0, range=_STEPS)
+    tfinal: int = field(default=0, range=_STEPS)
+    deltaT: int = field(
+        default=1, range=Range(lambda v: v >= 1, "`deltaT` must be a number of steps >= 1")
+    )
+    beta1: int | float = field(default=0.85, range=_BETA)
+    beta2: int | float = field(default=0.85, range=_BETA)
+    orth_reg_weight: int | float = field(
+        default=0.5,
+        range=Range(
+            lambda v: 0 <= v <= FLOAT32_MAX, "`orth_reg_weight` must be a finite number >= 0"
+        ),
+    )
+    total_step: int | None = None
+
+    toml_table: ClassVar[str | None] = "adalora"
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        **LORA_TARGET_MODULES,
+        **_ADALORA_TARGETS,
+    }
+    mixed_batches: ClassVar[bool] = False
+    _KEYS: ClassVar[tuple[str, ...] | None] = _ADALORA_KEYS
+    _PEFT_ONLY: ClassVar[dict[str, Any]] = {
+        **PEFT_ONLY_COMMON,
+        **PEFT_ONLY_LORA,
+        "r": 8,
+        "use_rslora": False,
+        "alpha_pattern": {},
+        "use_dora": False,
+        "target_parameters": None,
+    }
+    # LoraConfig's fields that AdaLoRA's layers never read (PEFT warns of `r`)
+    _HARMLESS: ClassVar[frozenset[str]] = LORA_HARMLESS | {"r", "use_rslora", "alpha_pattern"}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.total_step is None or self.total_step <= 0:
+            raise ValueError(
+                f"AdaLoRA needs `total_step`, the number of training steps (> 0), to schedule "
+                f"its rank budget; got {self.total_step!r}."
+            )
+        if self.tinit >= self.total_step - self.tfinal:
+            raise ValueError(
+                f"AdaLoRA's schedule leaves no steps to prune in: tinit={self.tinit} must be "
+                f"below total_step - tfinal = {self.total_step - self.tfinal}. Decrease "
+                "`tinit` or `tfinal`, or increase `total_step`."
+            )
+        wrong = {k: len(v) for k, v in (self.rank_pattern or {}).items() if len(v) != self.init_r}
+        if wrong:
+            raise ValueError(
+                f"`rank_pattern` must hold init_r={self.init_r} bools per layer; got "
+                f"{wrong} (lengths)."
+            )
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        if layer.transposed:
+            raise ValueError(
+                f"{layer.path!r} is a GPT-2 Conv1D layer, which peftx's AdaLoRA does not adapt "
+                "yet; exclude it (exclude_modules) or use LoRA."
+            )
+        return adalora(
+            base,
+            init_r=self.init_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            init_lora_weights=self.init_lora_weights,
+            key=key,
+        )
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if not isinstance(layer, eqx.nn.Linear):
+            return (
+                f"AdaLoRA in peftx adapts Linear layers only; {path!r} is an "
+                f"eqx.nn.{type(layer).__name__}."
+            )
+        return None
+
+    def check_trainable(self) -> None:
+        if self.target_r > self.init_r:  # PEFT fails at its first allocation instead
+            raise ValueError(
+                f"AdaLoRA prunes ranks: target_r={self.target_r} must not exceed "
+                f"init_r={self.init_r} to train."
+            )
+
+    def train_hook(self, adapter_name: str, trainable: Any) -> RankAllocator:
+        return RankAllocator.start(self, adapter_name, trainable)
+
+    def kept_ranks(self, path: str) -> tuple[int, ...] | None:
+        """The ranks `rank_pattern` keeps for the layer at `path` (keyed
+        `<path>.lora_E`, as PEFT writes it); None where it names none."""
+        mask = (self.rank_pattern or {}).get(f"{path}.lora_E")
+        return None if mask is None else tuple(i for i, kept in enumerate(mask) if kept)

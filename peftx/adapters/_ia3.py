@@ -1,14 +1,27 @@
-"""IA3: a learned rescaling of a weight's output or input features."""
+"""IA3: a learned rescaling of a weight's output or input features.
 
+The kind whole: `IA3Array`, its handlers, and `IA3Config`."""
+
+import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
+from .._config import (
+    PEFT_BASE_KEYS,
+    RULE,
+    AbstractAdapterConfig,
+    AdaptedLayer,
+    ModuleRule,
+    field,
+)
+from .._kind import AbstractAdapter
+from .._select import Predicate, peft_targets
 from ..implicit import Transposed, primitive_handler
-from ._kind import AbstractAdapter
 from ._layout import WeightProduct, weight_dot_handlers
 from ._products import cast_base_on_astype, rescale, wider_dtype
 
@@ -127,3 +140,129 @@ def _ia3_transpose(primitive: Any, w: IA3Array, *, permutation: tuple[int, ...])
 
 
 cast_base_on_astype(IA3Array)
+
+
+# -- the config ------------------------------------------------------------------------------
+
+IA3_TARGET_MODULES: dict[str, tuple[str, ...]] = {
+    "bert": ("key", "value", "output.dense"),
+    "gemma2": ("q_proj", "v_proj", "down_proj"),
+    "gemma3_text": ("q_proj", "v_proj", "down_proj"),
+    "gpt2": ("c_attn", "mlp.c_proj"),
+    "gpt_neox": ("query_key_value", "dense_4h_to_h"),
+    "llama": ("k_proj", "v_proj", "down_proj"),
+    "mistral": ("k_proj", "v_proj", "down_proj"),
+    "mixtral": ("k_proj", "v_proj", "w2"),
+    "opt": ("q_proj", "k_proj", "fc2"),
+    "qwen2": ("q_proj", "v_proj", "down_proj"),
+    "qwen3": ("q_proj", "v_proj", "down_proj"),
+    "roberta": ("key", "value", "output.dense"),
+    "t5": ("k", "v", "wo"),
+}
+IA3_FEEDFORWARD_MODULES: dict[str, tuple[str, ...]] = {
+    "bert": ("output.dense",),
+    "gemma2": ("down_proj",),
+    "gemma3_text": ("down_proj",),
+    "gpt2": ("mlp.c_proj",),
+    "gpt_neox": ("dense_4h_to_h",),
+    "llama": ("down_proj",),
+    "mistral": ("down_proj",),
+    "mixtral": ("w2",),
+    "opt": ("fc2",),
+    "qwen2": ("down_proj",),
+    "qwen3": ("down_proj",),
+    "roberta": ("output.dense",),
+    "t5": ("wo",),
+}
+
+_IA3_KEYS = (
+    *PEFT_BASE_KEYS,
+    "target_modules",
+    "exclude_modules",
+    "feedforward_modules",
+    "fan_in_fan_out",
+    "modules_to_save",
+    "init_ia3_weights",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IA3Config(AbstractAdapterConfig):
+    """HF PEFT's `IA3Config`: the same field names, meanings and defaults.
+
+    **Arguments:**
+
+    - `target_modules`, `exclude_modules`, `fan_in_fan_out`, `modules_to_save`: as for
+      `LoraConfig` (including `"all-linear"`, `None` and `Predicate`).
+    - `feedforward_modules`: the targets whose *input* is scaled (`ia3_l` of shape `(1, in)`)
+      rather than their output (`(out, 1)`). When it and `target_modules` are both lists, it
+      must be a subset of `target_modules` (PEFT's rule).
+    - `init_ia3_weights`: start the scaling vectors at ones (a no-op); `False` draws them
+      from a standard normal, as PEFT does (for tests of a non-identity adapter).
+    - `layers_to_transform`, `layers_pattern`: as for `LoraConfig`. PEFT's `IA3Config` has no
+      such fields: they are written to JSON only when set, and PEFT ignores them (with a
+      warning) when loading such a file.
+    - `task_type`, `base_model_name_or_path`, `revision`, `inference_mode`, `peft_version`:
+      PEFT's bookkeeping.
+    """
+
+    peft_type: Literal["IA3"] = "IA3"
+    feedforward_modules: ModuleRule = field(default=None, means=RULE)
+    init_ia3_weights: bool = True
+
+    toml_table: ClassVar[str | None] = "ia3"
+    combination_types: ClassVar[tuple[str, ...]] = ("linear",)
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = IA3_TARGET_MODULES
+    # PEFT keeps IA3's `feedforward_modules` a subset of `target_modules`: no condensing
+    condense_targets: ClassVar[bool] = False
+    peft_selects_layers: ClassVar[bool] = False
+    _KEYS: ClassVar[tuple[str, ...] | None] = _IA3_KEYS
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        return ia3(base, feedforward=layer.feedforward, key=None if self.init_ia3_weights else key)
+
+    def is_feedforward(self, path: str, layer: Any) -> bool:
+        ff = self.feedforward_modules
+        return bool(ff) and bool(peft_targets(ff)(path, layer))
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if not isinstance(layer, eqx.nn.Linear):
+            return f"IA3 adapts Linear layers only; {path!r} is an eqx.nn.{type(layer).__name__}."
+        return None
+
+    def with_model_defaults(self, model_type: str | None) -> "IA3Config":
+        config = super().with_model_defaults(model_type)
+        if self.feedforward_modules is not None:
+            return config
+        return dataclasses.replace(config, feedforward_modules=IA3_FEEDFORWARD_MODULES[model_type])
+
+    def combined(
+        self,
+        configs: Sequence[AbstractAdapterConfig],
+        names: Sequence[str],
+        combination_type: str,
+        svd_rank: int | None,
+    ) -> "IA3Config":
+        config = super().combined(configs, names, combination_type, svd_rank)
+        ff = [c.feedforward_modules for c in configs]
+        if all(isinstance(f, tuple) for f in ff):
+            return dataclasses.replace(config, feedforward_modules=tuple(sorted(set().union(*ff))))
+        return config
+
+    def as_saved(self, placed: Sequence[tuple[str, AbstractAdapter]]) -> dict[str, Any]:
+        changes = super().as_saved(placed)
+        if isinstance(self.feedforward_modules, Predicate) or "layers_to_transform" in changes:
+            changes["feedforward_modules"] = tuple(
+                path for path, a in placed if isinstance(a, IA3Array) and a.is_feedforward
+            )
+        return changes
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ff, target = self.feedforward_modules, self.target_modules
+        if isinstance(ff, tuple) and isinstance(target, tuple) and not set(ff) <= set(target):
+            raise ValueError(
+                "`feedforward_modules` must be a subset of `target_modules`; "
+                f"{sorted(set(ff) - set(target))} are not in `target_modules` {list(target)}. "
+                "Add them to `target_modules`, or remove them from `feedforward_modules`."
+            )

@@ -1,16 +1,30 @@
-"""LoHa: a Hadamard product of two low-rank matrices as the update, with PEFT's names."""
+"""LoHa: a Hadamard product of two low-rank matrices as the update, with PEFT's names.
+
+The kind whole: `LoHaArray` and `LoHaConfig`."""
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
+from .._config import (
+    AdaptedLayer,
+)
+from .._kind import AbstractAdapter
 from ._layout import WeightProduct
-from ._lycoris import AbstractLycoris, check_common, kaiming_uniform, register
+from ._lycoris import (
+    LYCORIS_KEYS,
+    LYCORIS_TAIL,
+    AbstractLycoris,
+    LycorisConfig,
+    check_common,
+    kaiming_uniform,
+    register,
+)
 from ._products import LayerKeys
 
 
@@ -145,3 +159,49 @@ def loha(
     return LoHaArray(
         weight, *factors, alpha=alpha, rank_dropout=rank_dropout, module_dropout=module_dropout
     )
+
+
+# -- the config ------------------------------------------------------------------------------
+
+_LOHA_KEYS = (*LYCORIS_KEYS, *LYCORIS_TAIL)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoHaConfig(LycorisConfig):
+    """HF PEFT's `LoHaConfig`: the same field names, meanings and defaults.
+
+    `ΔW = (alpha / r) · (hada_w1_a @ hada_w1_b) ⊙ (hada_w2_a @ hada_w2_b)` on each targeted
+    Linear layer (`LoHaArray`); it costs a weight-sized update per layer and step.
+
+    **Arguments:**
+
+    - `r`, `alpha`: the rank of each of the two factors and `scaling = alpha / r`.
+    - `rank_dropout`: in training, each row of `ΔW` (an output feature) is dropped with
+      this probability and the kept ones divided by the fraction kept.
+    - `module_dropout`: in training, the whole update of a layer is skipped with this
+      probability.
+    - `init_weights`: `True` (`hada_w2_b` zeros: a no-op at start) or `False` (all random).
+    - `use_effective_conv2d`: Conv only, so it must stay `False`.
+    - `rank_pattern`, `alpha_pattern`: per-module `r`/`alpha`, keyed by regex.
+    - `target_modules`, `exclude_modules`, `layers_to_transform`, `layers_pattern`,
+      `modules_to_save`, `fan_in_fan_out` and PEFT's bookkeeping: as for `LoraConfig`.
+    Mixed-adapter batches are refused, as PEFT has none for LoHa.
+    """
+
+    peft_type: Literal["LOHA"] = "LOHA"
+    init_weights: bool = True
+
+    toml_table: ClassVar[str | None] = "loha"
+    _KEYS: ClassVar[tuple[str, ...] | None] = _LOHA_KEYS
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        self.checked_layer(layer)
+        return loha(
+            base,
+            r=layer.rank,
+            alpha=layer.alpha,
+            init_weights=self.init_weights,
+            rank_dropout=self.rank_dropout,
+            module_dropout=self.module_dropout,
+            key=key,
+        )

@@ -1,6 +1,9 @@
 """LoKr: a Kronecker product of two small matrices as the update, with PEFT's names and
-shapes, applied to `x` without forming it."""
+shapes, applied to `x` without forming it.
 
+The kind whole: `LoKrArray` and `LoKrConfig`."""
+
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -9,8 +12,22 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
+from .._config import (
+    AdaptedLayer,
+    Range,
+    field,
+)
+from .._kind import AbstractAdapter
 from ._layout import Labels, WeightProduct
-from ._lycoris import AbstractLycoris, check_common, kaiming_uniform, register
+from ._lycoris import (
+    LYCORIS_KEYS,
+    LYCORIS_TAIL,
+    AbstractLycoris,
+    LycorisConfig,
+    check_common,
+    kaiming_uniform,
+    register,
+)
 from ._products import LayerKeys
 
 LoKrInit = Literal["default", "lycoris", "random"]
@@ -287,3 +304,70 @@ def lokr(
         module_dropout=module_dropout,
         rank_dropout_scale=rank_dropout_scale,
     )
+
+
+# -- the config ------------------------------------------------------------------------------
+
+_LOKR_KEYS = (
+    *LYCORIS_KEYS,
+    "decompose_both",
+    "decompose_factor",
+    "rank_dropout_scale",
+    *LYCORIS_TAIL,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoKrConfig(LycorisConfig):
+    """HF PEFT's `LoKrConfig`: the same field names, meanings and defaults.
+
+    `ΔW = (alpha / r) · w1 ⊗ w2` on each targeted Linear layer (`LoKrArray`), applied to
+    the activations factor by factor, never formed.
+
+    **Arguments:**
+
+    - `r`, `alpha`: the rank of the factored factors and `scaling = alpha / r`.
+    - `decompose_both`: factor `w1` too (`lokr_w1_a @ lokr_w1_b`) when `r` is below half its
+      larger side; `w2` is factored whenever `r` is below half its larger side.
+    - `decompose_factor`: PEFT's `factorization` of `out` and `in` into the factors' sides:
+      -1 splits near the square root, a divisor `f` gives `(f, dim / f)`.
+    - `rank_dropout`: in training, each row of `ΔW` is dropped with this probability;
+      `rank_dropout_scale` divides the kept rows by the fraction kept.
+    - `module_dropout`: in training, a layer's whole update is skipped with this probability.
+    - `init_weights`: `True` (`w1` zeros: a no-op at start), `"lycoris"` (`w2` zeros),
+      `False` (all random).
+    - `use_effective_conv2d`: Conv only, so it must stay `False`.
+    - `rank_pattern`, `alpha_pattern` and the rest: as for `LoHaConfig`.
+    Mixed-adapter batches are refused, as PEFT has none for LoKr.
+    """
+
+    peft_type: Literal["LOKR"] = "LOKR"
+    decompose_both: bool = False
+    decompose_factor: int = field(
+        default=-1,
+        range=Range(
+            lambda v: v == -1 or v >= 1,
+            "`decompose_factor` must be -1 (split near the square root) or a positive integer",
+        ),
+    )
+    rank_dropout_scale: bool = False
+    init_weights: bool | Literal["lycoris"] = True
+
+    toml_table: ClassVar[str | None] = "lokr"
+    _KEYS: ClassVar[tuple[str, ...] | None] = _LOKR_KEYS
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        self.checked_layer(layer)
+        init = {True: "default", False: "random"}.get(self.init_weights, self.init_weights)
+        return lokr(
+            base,
+            r=layer.rank,
+            alpha=layer.alpha,
+            decompose_both=self.decompose_both,
+            decompose_factor=self.decompose_factor,
+            init=init,
+            rank_dropout=self.rank_dropout,
+            module_dropout=self.module_dropout,
+            rank_dropout_scale=self.rank_dropout_scale,
+            key=key,
+        )

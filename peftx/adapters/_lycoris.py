@@ -1,19 +1,38 @@
 """What LoHa and LoKr share (PEFT's LyCORIS family): `alpha / r` scaling, the rank and
 module dropouts of training, PEFT's Kaiming-uniform init, and the `dot_general` handlers
-around each kind's own product with its update."""
+around each kind's own product with its update.
+
+Their config's common fields and rules are `LycorisConfig`."""
 
 import abc
+import dataclasses
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
 
-from ._kind import AbstractAdapter
+from .._config import (
+    FINITE,
+    PEFT_BASE_KEYS,
+    PROBABILITY,
+    RANK,
+    RANKS,
+    RANKS_TYPE,
+    SCALES,
+    SCALES_TYPE,
+    AbstractAdapterConfig,
+    AdaptedLayer,
+    by_pattern,
+    field,
+)
+from .._kind import AbstractAdapter
 from ._layout import WeightProduct, weight_dot_handlers
 from ._products import LayerKeys, add_update, cast_base_on_astype
+from .lora import LORA_TARGET_MODULES
 
 
 class AbstractLycoris(AbstractAdapter):
@@ -28,6 +47,7 @@ class AbstractLycoris(AbstractAdapter):
 
     weight: eqx.AbstractVar[Any]
     dropout_key: eqx.AbstractVar[LayerKeys | None]
+    draws_dropout: ClassVar[bool] = True
     r: eqx.AbstractVar[int]
     alpha: eqx.AbstractVar[float]
     rank_dropout: eqx.AbstractVar[float]
@@ -127,3 +147,75 @@ def register(cls: type) -> None:
     the base's, as PEFT adds them) and the `astype` rule of a LyCORIS kind."""
     weight_dot_handlers(cls, _product, _update)
     cast_base_on_astype(cls)
+
+
+# -- the config ------------------------------------------------------------------------------
+
+# The keys PEFT's `LoHaConfig` and `LoKrConfig` share, in its order: the first ones, then
+# each kind's own, then the last ones.
+LYCORIS_KEYS = (
+    *PEFT_BASE_KEYS,
+    "rank_pattern",
+    "alpha_pattern",
+    "r",
+    "alpha",
+    "rank_dropout",
+    "module_dropout",
+    "use_effective_conv2d",
+)
+LYCORIS_TAIL = (
+    "target_modules",
+    "exclude_modules",
+    "init_weights",
+    "layers_to_transform",
+    "layers_pattern",
+    "modules_to_save",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LycorisConfig(AbstractAdapterConfig):
+    """The fields and rules PEFT's `LoHaConfig` and `LoKrConfig` share (`LycorisConfig`)."""
+
+    r: int = field(default=8, range=RANK)
+    alpha: int | float = field(default=8, range=FINITE)
+    rank_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
+    module_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
+    use_effective_conv2d: bool = False
+    rank_pattern: dict[str, int] = field(default_factory=dict, range=RANKS, means=RANKS_TYPE)
+    alpha_pattern: dict[str, int | float] = field(
+        default_factory=dict, range=SCALES, means=SCALES_TYPE
+    )
+
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
+    mixed_batches: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.use_effective_conv2d:
+            raise ValueError(
+                f"`use_effective_conv2d=True` decomposes Conv kernels; peftx's {self.peft_type} "
+                "adapts Linear layers only, where PEFT ignores it. Set use_effective_conv2d=False."
+            )
+
+    def rank_and_alpha(self, path: str) -> tuple[int, int | float]:
+        """PEFT's `rank_pattern`/`alpha_pattern` for the module at `path`, else `r`/`alpha`."""
+        return (
+            by_pattern(self.rank_pattern, path, self.r),
+            by_pattern(self.alpha_pattern, path, self.alpha),
+        )
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if not isinstance(layer, eqx.nn.Linear):
+            return (
+                f"{self.peft_type} in peftx adapts Linear layers only; {path!r} is an "
+                f"eqx.nn.{type(layer).__name__}."
+            )
+        return None
+
+    def checked_layer(self, layer: AdaptedLayer) -> None:
+        if layer.transposed:
+            raise ValueError(
+                f"{layer.path!r} is a GPT-2 Conv1D layer, which PEFT's {self.peft_type} does not "
+                "adapt (it has no fan_in_fan_out); exclude it (exclude_modules) or use LoRA."
+            )

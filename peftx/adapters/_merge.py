@@ -3,11 +3,12 @@
 import warnings
 from typing import Any
 
+import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._kind import AbstractAdapter
 from ..implicit import ImplicitArray, materialize
-from ._kind import AbstractAdapter
 from ._quantized import Int8Array, NF4Array, quantize_int8, quantize_nf4
 from ._set import AdapterSet
 
@@ -58,3 +59,9 @@ def merge(
         stacklevel=2,
     )
     return requantized
+
+
+def unmerge(merged: Array, adapter: AbstractAdapter) -> AbstractAdapter:
+    """The adapter on the base weight recovered from `merged`, the dense weight it stood
+    for (`W + s·B·A` for LoRA), by its class's `unmerged`."""
+    return eqx.tree_at(lambda m: m.weight, adapter, adapter.unmerged(merged))

@@ -1,9 +1,13 @@
 """OFT: a block-diagonal orthogonal rotation of a weight's input features (HF PEFT's `OFT`),
-applied to the activations block by block, never to a rebuilt weight."""
+applied to the activations block by block, never to a rebuilt weight.
 
+The kind whole: `OFTArray`, its handlers, and `OFTConfig`."""
+
+import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any, ClassVar
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -11,9 +15,20 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._kind import AbstractAdapter
+from .._config import (
+    FLOAT32_MAX,
+    MAX_RANK,
+    PEFT_BASE_KEYS,
+    PROBABILITY,
+    AbstractAdapterConfig,
+    AdaptedLayer,
+    Range,
+    field,
+)
+from .._kind import AbstractAdapter
 from ._layout import Labels, WeightProduct, weight_dot_handlers
 from ._products import cast_base_on_astype
+from .lora import LORA_TARGET_MODULES
 
 
 class OFTArray(AbstractAdapter):
@@ -227,3 +242,177 @@ def _oft_update(w: OFTArray, x: Array, w_is_lhs: bool, params: dict[str, Any], b
 
 weight_dot_handlers(OFTArray, _oft_dot, _oft_update)
 cast_base_on_astype(OFTArray)
+
+
+# -- the config ------------------------------------------------------------------------------
+
+_OFT_KEYS = (
+    *PEFT_BASE_KEYS,
+    "r",
+    "oft_block_size",
+    "module_dropout",
+    "target_modules",
+    "fan_in_fan_out",
+    "bias",
+    "exclude_modules",
+    "init_weights",
+    "layers_to_transform",
+    "layers_pattern",
+    "modules_to_save",
+    "coft",
+    "eps",
+    "block_share",
+    "use_cayley_neumann",
+    "num_cayley_neumann_terms",
+)
+
+# The PEFT version whose Cayley-Neumann series `OFTArray` computes, written to a saved
+# OFT config that names none (PEFT refuses such a file).
+_OFT_SERIES_VERSION = "0.21.2"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OFTConfig(AbstractAdapterConfig):
+    """HF PEFT's `OFTConfig` (orthogonal fine-tuning): the same field names, meanings and
+    defaults. Each adapted `Linear` gets an `OFTArray`: its input features split into
+    blocks, each rotated by the Cayley transform of a learned skew-symmetric matrix.
+
+    **Arguments:**
+
+    - `oft_block_size`: the size of each block (default 32); or
+    - `r`: the number of blocks per layer. Exactly one of the two is non-zero (PEFT's rule;
+      the default is `r=0`). A value that does not divide a layer's input features is
+      moved to the nearest one that does, with PEFT's warning.
+    - `module_dropout`: PEFT's multiplicative dropout of whole blocks. PEFT 0.21.2 builds
+      its dropout layer but never calls it, so the value has no effect there; peftx matches
+      that and says so with a warning.
+    - `bias`: which biases train: `"none"`, `"all"` or `"oft_only"` (of adapted layers).
+    - `init_weights`: `True` starts every rotation at the identity (`oft_R = 0`); `False`
+      draws `oft_R` from `N(0, 0.1²)`, as PEFT does (for tests).
+    - `coft`, `eps`: constrained OFT: each block's skew matrix is kept within Frobenius
+      norm `eps / sqrt(blocks)` of zero.
+    - `block_share`: one rotation shared by all blocks of a layer.
+    - `use_cayley_neumann`, `num_cayley_neumann_terms`: the Cayley transform by PEFT's
+      truncated Neumann series (default, 5 terms) instead of a matrix inverse.
+    - `target_modules`, `exclude_modules`, `fan_in_fan_out`, `modules_to_save`,
+      `layers_to_transform`, `layers_pattern`, and PEFT's bookkeeping fields: as for
+      `LoraConfig`.
+    """
+
+    peft_type: Literal["OFT"] = "OFT"
+    r: int = field(
+        default=0,
+        range=Range(
+            lambda v: 0 <= v <= MAX_RANK,
+            "`r` (OFT's number of blocks per layer, 0 to use oft_block_size) must be an "
+            f"integer in [0, {MAX_RANK}]",
+        ),
+    )
+    oft_block_size: int = field(
+        default=32,
+        range=Range(
+            lambda v: 0 <= v <= MAX_RANK,
+            f"`oft_block_size` (0 to use r) must be an integer in [0, {MAX_RANK}]",
+        ),
+    )
+    module_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
+    bias: Literal["none", "all", "oft_only"] = "none"
+    init_weights: bool = True
+    coft: bool = False
+    eps: int | float = field(
+        default=6e-5,
+        range=Range(
+            lambda v: 0 < v <= FLOAT32_MAX, "`eps` (COFT's radius) must be a positive finite number"
+        ),
+        converter=float,
+    )
+    block_share: bool = False
+    use_cayley_neumann: bool = True
+    num_cayley_neumann_terms: int = field(
+        default=5,
+        range=Range(
+            lambda v: 2 <= v <= 64,
+            "`num_cayley_neumann_terms` must be an integer in [2, 64] (fewer than 2 terms "
+            "leave every rotation the identity, whatever oft_R holds)",
+        ),
+    )
+
+    toml_table: ClassVar[str | None] = "oft"
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = LORA_TARGET_MODULES
+    mixed_batches: ClassVar[bool] = False
+    _KEYS: ClassVar[tuple[str, ...] | None] = _OFT_KEYS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.r == 0) == (self.oft_block_size == 0):
+            raise ValueError(
+                f"Set exactly one of `r` ({self.r}) and `oft_block_size` "
+                f"({self.oft_block_size}) to a non-zero value (the other to 0): r x "
+                "oft_block_size is each layer's number of input features, so one gives the "
+                "other. For example OFTConfig(r=0, oft_block_size=32)."
+            )
+
+    def block_size(self, in_features: int, path: str) -> int:
+        """The block size for a layer with `in_features` inputs, adjusted as PEFT does
+        (with its warning) when `oft_block_size` or `r` does not divide them."""
+        asked = self.oft_block_size or self.r
+        fits = in_features % asked == 0 and asked <= in_features
+        value = asked if fits else _nearest_divisor(in_features, asked)
+        if not fits:
+            name = "oft_block_size" if self.oft_block_size else "r"
+            warnings.warn(
+                f"Invalid `{name}` ({asked}) for {path} with {in_features} input features! "
+                f"Adjusted `{name}` to ({value}).",
+                UserWarning,
+                stacklevel=3,
+            )
+        return value if self.oft_block_size else in_features // value
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        if self.module_dropout:
+            warnings.warn(
+                f"module_dropout={self.module_dropout} has no effect: PEFT 0.21.2 never "
+                "applies OFT's multiplicative dropout, and peftx computes what PEFT does.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return oft(
+            base,
+            block_size=self.block_size(base.shape[-1], layer.path),
+            coft=self.coft,
+            eps=self.eps,
+            block_share=self.block_share,
+            use_cayley_neumann=self.use_cayley_neumann,
+            num_cayley_neumann_terms=self.num_cayley_neumann_terms,
+            key=None if self.init_weights else key,
+        )
+
+    def as_saved(self, placed: Sequence[tuple[str, AbstractAdapter]]) -> dict[str, Any]:
+        changes = super().as_saved(placed)
+        if self.use_cayley_neumann and self.peft_version is None:
+            # PEFT refuses a Cayley-Neumann adapter without a version (its series changed
+            # in 0.18); this one computes PEFT 0.21.2's
+            changes["peft_version"] = _OFT_SERIES_VERSION
+        return changes
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if not isinstance(layer, eqx.nn.Linear):
+            return (
+                f"OFT in peftx adapts Linear layers only; {path!r} is an "
+                f"eqx.nn.{type(layer).__name__}. Exclude it (exclude_modules)."
+            )
+        return None
+
+
+def _nearest_divisor(n: int, asked: int) -> int:
+    """PEFT's `adjust_oft_parameters`: the divisor of `n` nearest `asked` (the lower one
+    on a tie), or `n` when `asked` exceeds it."""
+    if asked >= n:
+        return n
+    higher = asked
+    while higher <= n and n % higher:
+        higher += 1
+    lower = asked
+    while lower > 1 and n % lower:
+        lower -= 1
+    return lower if asked - lower <= higher - asked else higher

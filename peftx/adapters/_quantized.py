@@ -22,8 +22,8 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, ArrayLike, Float32, Int8, Shaped, UInt8
 
 from .._dtypes import float_dtype
+from .._kind import AbstractWeight
 from ..implicit import primitive_handler
-from ._kind import AbstractWeight
 from ._products import take_rows, taken_rows
 
 # bitsandbytes' NF4 code (`get_4bit_type("nf4")`), indexed by the 4-bit value.

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._kind import AbstractWeight
 from ..implicit import (
     ImplicitArray,
     Slot,
@@ -15,10 +16,9 @@ from ..implicit import (
     primitive_handler,
     use_implicit_args,
 )
-from ._experts import ExpertLoraArray, grouped_update
-from ._kind import AbstractWeight
 from ._layout import WeightProduct, weight_dot_handlers, weight_product
 from ._products import add_update, taken_rows, wider_dtype
+from .lora import ExpertLoraArray, grouped_update
 
 
 def _is_slot(x: Any) -> bool:

@@ -1,9 +1,12 @@
 """VeRA: one pair of frozen random projections shared by every adapted layer, and two
-trained vectors per layer, `ΔW = λ_b ⊙ B·(λ_d ⊙ A)`."""
+trained vectors per layer, `ΔW = λ_b ⊙ B·(λ_d ⊙ A)`.
 
+The kind whole: `VeraArray`, its handlers, and `VeraConfig`."""
+
+import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -11,9 +14,20 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ._kind import AbstractAdapter
+from .._config import (
+    FINITE,
+    PEFT_BASE_KEYS,
+    PROBABILITY,
+    RANK,
+    AbstractAdapterConfig,
+    AdaptedLayer,
+    Range,
+    field,
+)
+from .._kind import AbstractAdapter
 from ._layout import WeightProduct, weight_dot_handlers
 from ._products import LayerKeys, add_update, cast_base_on_astype, dropout, low_rank, rescale
+from .lora import LORA_TARGET_MODULES
 
 # torch's `mt19937` seeding (Knuth's multiplier), as `torch.Generator.manual_seed` runs it
 _MT_MULTIPLIER = 1812433253
@@ -82,6 +96,7 @@ class VeraArray(AbstractAdapter):
     vera_A: Array
     vera_B: Array
     dropout_key: LayerKeys | None = None
+    draws_dropout: ClassVar[bool] = True
     vera_dropout: float = eqx.field(static=True, default=0.0)
 
     peft_keys: ClassVar[Mapping[str, str]] = {
@@ -237,3 +252,102 @@ def vera(
         vera_B,
         vera_dropout=float(vera_dropout),
     )
+
+
+# -- the config ------------------------------------------------------------------------------
+
+_VERA_KEYS = (
+    *PEFT_BASE_KEYS,
+    "r",
+    "target_modules",
+    "projection_prng_key",
+    "save_projection",
+    "vera_dropout",
+    "d_initial",
+    "fan_in_fan_out",
+    "bias",
+    "modules_to_save",
+    "init_weights",
+    "layers_to_transform",
+    "layers_pattern",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VeraConfig(AbstractAdapterConfig):
+    """HF PEFT's `VeraConfig`: the same field names, meanings and defaults.
+
+    **Arguments:**
+
+    - `r`: the projections' rank (VeRA's `r` is larger than LoRA's: it trains only `r`
+      values per layer besides one per output feature).
+    - `projection_prng_key`: the seed of the shared frozen projections `vera_A`
+      `(r, in_max)` and `vera_B` `(out_max, r)`, drawn as PEFT draws them (a torch CPU
+      generator, Kaiming-uniform), so a file without them loads to the same weights.
+    - `save_projection`: write the projections into the adapter file
+      (`base_model.vera_A`, `base_model.vera_B`); otherwise they are drawn again from
+      `projection_prng_key` on loading.
+    - `vera_dropout`: dropout probability on the VeRA input, in `[0, 1)`.
+    - `d_initial`: the initial value of every `vera_lambda_d` (`vera_lambda_b` starts at
+      zeros: a no-op at start).
+    - `init_weights`: `False` starts `vera_lambda_b` at ones and `vera_lambda_d` standard
+      normal, as PEFT does (for tests of a non-identity adapter).
+    - `bias`: which biases train: `"none"`, `"all"` or `"vera_only"` (of adapted layers).
+    - `target_modules`, `exclude_modules`, `fan_in_fan_out`, `modules_to_save`,
+      `layers_to_transform`, `layers_pattern`: as for `LoraConfig`; Linear layers only.
+      PEFT's `VeraConfig` has no `exclude_modules`: it is written to JSON only when set.
+    - `task_type`, `base_model_name_or_path`, `revision`, `inference_mode`, `peft_version`:
+      PEFT's bookkeeping.
+    """
+
+    peft_type: Literal["VERA"] = "VERA"
+    r: int = field(default=256, range=RANK)
+    projection_prng_key: int = field(
+        default=0,
+        range=Range(
+            lambda v: 0 <= v < 2**64,
+            "`projection_prng_key` seeds torch's generator: an integer in [0, 2**64)",
+        ),
+    )
+    save_projection: bool = True
+    vera_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
+    d_initial: int | float = field(default=0.1, range=FINITE, converter=float)
+    bias: Literal["none", "all", "vera_only"] = "none"
+    init_weights: bool = True
+
+    toml_table: ClassVar[str | None] = "vera"
+    # PEFT's VeRA defaults are LoRA's, but Phi's attention only
+    default_targets: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        **LORA_TARGET_MODULES,
+        "phi": ("q_proj", "v_proj"),
+    }
+    _KEYS: ClassVar[tuple[str, ...] | None] = _VERA_KEYS
+
+    def planned(self, layers: tuple[AdaptedLayer, ...]) -> tuple[AdaptedLayer, ...]:
+        """Every layer with the adapter's projections, sized for the largest (PEFT's
+        `_find_dim`): one pair of arrays, shared."""
+        out_max = max(t.layer.weight.shape[-2] for t in layers)
+        in_max = max(t.layer.weight.shape[-1] for t in layers)
+        vera_A, vera_B = vera_projections(self.projection_prng_key, self.r, in_max, out_max)
+        shared = (jnp.asarray(vera_A), jnp.asarray(vera_B))
+        return tuple(dataclasses.replace(t, shared=shared) for t in layers)
+
+    def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
+        vera_A, vera_B = layer.shared
+        return vera(
+            base,
+            vera_A,
+            vera_B,
+            d_initial=self.d_initial,
+            vera_dropout=self.vera_dropout,
+            key=None if self.init_weights else key,
+        )
+
+    def unsupported(self, path: str, layer: Any) -> str | None:
+        if not isinstance(layer, eqx.nn.Linear):
+            return f"VeRA adapts Linear layers only; {path!r} is an eqx.nn.{type(layer).__name__}."
+        return None
+
+    @property
+    def saves_shared(self) -> bool:
+        return self.save_projection

@@ -122,7 +122,7 @@ def _stored_dtypes(path: Path) -> str:
 def _trained_count(adapter: Any) -> int:
     """The parameters `adapter` trains (not its base weight, nor frozen state such as
     AdaLoRA's `ranknum`)."""
-    from ..adapters._kind import count_parameters, trained_fields
+    from .._kind import count_parameters, trained_fields
 
     return count_parameters([getattr(adapter, f) for f in trained_fields(adapter)])
 

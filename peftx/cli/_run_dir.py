@@ -53,10 +53,6 @@ def is_run_dir(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def _user_entries(path: Path) -> list[str]:
-    return sorted(e.name for e in path.iterdir() if e.name not in RUN_ENTRIES)
-
-
 def plan_output(
     out: Path, job: dict[str, Any], *, overwrite: bool, protected: list[tuple[str, Path]]
 ) -> Plan:

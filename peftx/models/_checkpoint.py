@@ -37,7 +37,7 @@ from .._spans import find_span
 from ..sharding import Rules, partition_specs
 from ..sharding._hosts import spread_over_processes, to_host, wait_for_writer, writes_files
 from ._hub_keys import HubKeys, HubLayout, hub_tensors
-from ._stack import LayerStack, Layout
+from ._stack import Layout
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -790,14 +790,6 @@ def _size(size: int | str) -> int:
     if match is None:
         raise ValueError(f"max_shard_size {size!r} is not a size like '5GB' or '500MiB'.")
     return int(float(match.group(1)) * units[match.group(2)])
-
-
-def is_stacked(model: Any) -> bool:
-    """Whether `model` holds any `LayerStack`."""
-    return any(
-        isinstance(x, LayerStack)
-        for x in jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, LayerStack))
-    )
 
 
 def read_tensors(file: Path) -> dict[str, np.ndarray]:

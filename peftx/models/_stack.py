@@ -148,10 +148,6 @@ def split_stack(stack: LayerStack, boundaries: Sequence[int]) -> LayerStack:
     return LayerStack(segments)
 
 
-def num_layers(layers: "LayerStack | Sequence[Any]") -> int:
-    return len(layers)
-
-
 RematPolicy = str | None
 
 # The policies in `jax.checkpoint_policies` that are policies themselves; the rest

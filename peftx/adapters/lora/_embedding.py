@@ -10,11 +10,11 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, PRNGKeyArray
 
-from ..implicit import primitive_handler
-from ._kind import AbstractAdapter
-from ._layout import weight_dot_handlers
+from ..._kind import AbstractAdapter
+from ...implicit import primitive_handler
+from .._layout import weight_dot_handlers
+from .._products import cast_base_on_astype, check_rank
 from ._lora import LoraArray, LoraInit, lora_dot, lora_update, weighted_factors
-from ._products import cast_base_on_astype, check_rank
 
 
 class LoraEmbeddingArray(AbstractAdapter):

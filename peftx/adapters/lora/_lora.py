@@ -12,19 +12,17 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, PRNGKeyArray
 
-from .._dtypes import float_dtype
-from ..implicit import (
+from ..._dtypes import float_dtype
+from ..._kind import AbstractAdapter
+from ...implicit import (
     ImplicitArray,
     Transposed,
     dense_base,
     outer_vmap_size,
     primitive_handler,
 )
-from ._adalora import AdaLoraArray
-from ._kind import AbstractAdapter
-from ._layout import Labels, WeightProduct, weight_dot_handlers
-from ._lycoris import AbstractLycoris
-from ._products import (
+from .._layout import Labels, WeightProduct, weight_dot_handlers
+from .._products import (
     LayerKeys,
     add_update,
     branch_dtype,
@@ -34,7 +32,6 @@ from ._products import (
     fused_low_rank,
     low_rank,
 )
-from ._vera import VeraArray
 
 LoraInit = Literal["default", "gaussian", "pissa", "random"]
 
@@ -46,6 +43,7 @@ class AbstractLowRank(AbstractAdapter):
     lora_A: Array
     lora_B: Array
     dropout_key: LayerKeys | None
+    draws_dropout: ClassVar[bool] = True
     lora_alpha: float = eqx.field(static=True)
     use_rslora: bool = eqx.field(static=True)
     lora_dropout: float = eqx.field(static=True)
@@ -539,33 +537,6 @@ def _pissa(
     return residual.astype(weight.dtype), lora_A.astype(dtype), lora_B.astype(dtype)
 
 
-def with_dropout(tree: Any, key: PRNGKeyArray) -> Any:
-    """Give every adapter in `tree` a fresh dropout key (training mode).
-
-    Call it inside the jitted loss with a new key each step. It reaches the adapters of
-    an `AdapterSet` (so of a `PeftModel`) too. An adapter stacked over layers (with
-    `eqx.filter_vmap`) gets one key per layer, so `jax.lax.scan` or `jax.vmap` over the
-    stack gives each layer its own mask. Under `jax.vmap` over examples, the adapters see
-    one example at a time and share the mask unless the keys are batched too; see the
-    README.
-    """
-    adapters = [x for x in jax.tree.leaves(tree, is_leaf=_takes_key) if _takes_key(x)]
-    keys = list(jax.random.split(key, max(len(adapters), 1)))
-
-    def keyed(x: Any) -> Any:
-        # a stack of layers gets a key per layer: `lax.scan` and `jax.vmap` slice one each
-        return _set_key(x, jax.random.split(keys.pop(), x.weight.shape[: x.stack_ndim]))
-
-    return jax.tree.map(lambda x: keyed(x) if _takes_key(x) else x, tree, is_leaf=_takes_key)
-
-
-def without_dropout(tree: Any) -> Any:
-    """Remove every adapter's dropout key (inference mode)."""
-    return jax.tree.map(
-        lambda x: _set_key(x, None) if _takes_key(x) else x, tree, is_leaf=_takes_key
-    )
-
-
 def with_compute_dtype(tree: Any, dtype: Any) -> Any:
     """Run the branch of every LoRA/DoRA adapter in `tree` in `dtype` (None: in the
     factors' own dtype, the default).
@@ -592,21 +563,3 @@ def _with_static(module: eqx.Module, **changes: Any) -> Any:
 
 def _is_low_rank(x: Any) -> bool:
     return isinstance(x, AbstractLowRank)
-
-
-def _takes_key(x: Any) -> bool:
-    """Whether `x` draws dropout from a key of its own: LoRA, DoRA, VeRA, LoHa, LoKr,
-    AdaLoRA."""
-    return isinstance(x, AbstractLowRank | VeraArray | AbstractLycoris | AdaLoraArray)
-
-
-def _set_key(x: Any, key: LayerKeys | None) -> Any:
-    return eqx.tree_at(lambda m: m.dropout_key, x, key, is_leaf=lambda n: n is None)
-
-
-def unmerge(
-    merged: Array, adapter: AbstractLowRank | AbstractLycoris | AdaLoraArray
-) -> AbstractLowRank | AbstractLycoris | AdaLoraArray:
-    """The adapter on the base weight recovered from `merged = W + s·B·A` (LoRA), from its
-    DoRA counterpart, or from `W + ΔW` (LoHa, LoKr, AdaLoRA)."""
-    return eqx.tree_at(lambda m: m.weight, adapter, adapter.unmerged(merged))

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array
 
-from ..implicit import ImplicitArray, materialize
+from .implicit import ImplicitArray, materialize
 
 
 class AbstractWeight(ImplicitArray):
@@ -53,6 +53,8 @@ class AbstractAdapter(AbstractWeight):
     - `rank_axes`: the trained fields whose rank axis (given) PEFT's file holds only the
       ranks the config keeps (AdaLoRA's `rank_pattern`; see the config's `kept_ranks`);
     - `weight_axes` (see `AbstractWeight`);
+    - `draws_dropout`: whether it draws dropout in training from a `dropout_key` field of
+      its own (`with_dropout` sets it, `without_dropout` clears it);
 
     and implement `merged(weight)`, the dense weight the adapter stands for on a dense
     base `weight`: `materialize()` and `merge` use it, so the dense update is declared in
@@ -65,6 +67,7 @@ class AbstractAdapter(AbstractWeight):
     file_transposed: ClassVar[frozenset[str]] = frozenset()
     shared_keys: ClassVar[Mapping[str, str]] = {}
     rank_axes: ClassVar[Mapping[str, int]] = {}
+    draws_dropout: ClassVar[bool] = False
 
     @abc.abstractmethod
     def merged(self, weight: Array) -> Array:

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, PRNGKeyArray
 
-from ..implicit import primitive_handler
-from ._kind import AbstractAdapter
-from ._layout import WeightProduct, weight_dot_handlers
-from ._products import add_update, cast_base_on_astype, check_rank, low_rank, take_rows, taken_rows
+from ..._kind import AbstractAdapter
+from ...implicit import primitive_handler
+from .._layout import WeightProduct, weight_dot_handlers
+from .._products import add_update, cast_base_on_astype, check_rank, low_rank, take_rows, taken_rows
 
 ExpertLoraInit = Literal["default", "gaussian", "random"]
 

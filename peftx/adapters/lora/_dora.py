@@ -8,10 +8,10 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array
 
-from ..implicit import materialize, use_implicit_args
-from ._layout import WeightProduct, weight_dot_handlers
+from ...implicit import materialize, use_implicit_args
+from .._layout import WeightProduct, weight_dot_handlers
+from .._products import LayerKeys, add_update, rescale
 from ._lora import AbstractLowRank, LoraArray, init_low_rank, lora_dot, lora_terms
-from ._products import LayerKeys, add_update, rescale
 
 
 class DoraArray(AbstractLowRank):

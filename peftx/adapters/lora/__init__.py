@@ -1,0 +1,27 @@
+"""LoRA's family, one kind: `LoraConfig` and the arrays it builds (LoRA, DoRA, LoRA on an
+embedding table, LoRA on a stack of experts)."""
+
+from ._config import (
+    LORA_HARMLESS as LORA_HARMLESS,
+    LORA_KEYS as LORA_KEYS,
+    LORA_TARGET_MODULES as LORA_TARGET_MODULES,
+    PEFT_ONLY_LORA as PEFT_ONLY_LORA,
+    LoraConfig as LoraConfig,
+)
+from ._dora import DoraArray as DoraArray, dora as dora
+from ._embedding import (
+    LoraEmbeddingArray as LoraEmbeddingArray,
+    lora_embedding as lora_embedding,
+)
+from ._experts import (
+    ExpertLoraArray as ExpertLoraArray,
+    ExpertLoraInit as ExpertLoraInit,
+    expert_lora as expert_lora,
+    grouped_update as grouped_update,
+)
+from ._lora import (
+    LoraArray as LoraArray,
+    LoraInit as LoraInit,
+    lora as lora,
+    with_compute_dtype as with_compute_dtype,
+)
