@@ -7,7 +7,7 @@ PEFT loads here. Configs are frozen and hashable (usable as static fields of an 
 list-valued fields are stored as tuples.
 
 A config class is one adapter kind's entry point, defined in the kind's module beside its
-array class (`peftx/adapters/_ia3.py`; LoRA's in `peftx/adapters/lora/`) and registered by
+array class (`peftx/adapters/_ia3.py`; LoRA's in `peftx/adapters/_lora/`) and registered by
 its `peft_type` (and its TOML table) when that module is imported. It builds the adapter
 for each layer `peftx.targets` resolves (`build`) and says how PEFT writes it after placing
 it (`as_saved`). Resolving a config against a model (PEFT's per-architecture defaults when

@@ -263,7 +263,7 @@ def test_default_target_modules_follow_peft():
     from peft.utils import constants
 
     from peftx.adapters import _ia3
-    from peftx.adapters.lora import LORA_TARGET_MODULES
+    from peftx.adapters._lora import LORA_TARGET_MODULES
 
     for ours, theirs in (
         (

@@ -23,6 +23,20 @@ from ._lokr import (
     factorization as factorization,
     lokr as lokr,
 )
+from ._lora import (
+    DoraArray as DoraArray,
+    ExpertLoraArray as ExpertLoraArray,
+    ExpertLoraInit as ExpertLoraInit,
+    LoraArray as LoraArray,
+    LoraConfig as LoraConfig,
+    LoraEmbeddingArray as LoraEmbeddingArray,
+    LoraInit as LoraInit,
+    dora as dora,
+    expert_lora as expert_lora,
+    lora as lora,
+    lora_embedding as lora_embedding,
+    with_compute_dtype as with_compute_dtype,
+)
 from ._merge import merge as merge, unmerge as unmerge
 from ._oft import OFTArray as OFTArray, OFTConfig as OFTConfig, oft as oft
 from ._quantized import (
@@ -43,17 +57,3 @@ from ._vera import (
     vera_projections as vera_projections,
 )
 from ._zeros import Zeros as Zeros
-from .lora import (
-    DoraArray as DoraArray,
-    ExpertLoraArray as ExpertLoraArray,
-    ExpertLoraInit as ExpertLoraInit,
-    LoraArray as LoraArray,
-    LoraConfig as LoraConfig,
-    LoraEmbeddingArray as LoraEmbeddingArray,
-    LoraInit as LoraInit,
-    dora as dora,
-    expert_lora as expert_lora,
-    lora as lora,
-    lora_embedding as lora_embedding,
-    with_compute_dtype as with_compute_dtype,
-)

@@ -26,9 +26,9 @@ from .._config import (
 )
 from .._kind import AbstractAdapter, AbstractTrainHook
 from ._layout import WeightProduct, weight_dot_handlers
+from ._lora import LORA_HARMLESS, LORA_KEYS, LORA_TARGET_MODULES, PEFT_ONLY_LORA
 from ._products import LayerKeys, add_update, cast_base_on_astype, dropout, low_rank, rescale
 from ._set import AdapterSet
-from .lora import LORA_HARMLESS, LORA_KEYS, LORA_TARGET_MODULES, PEFT_ONLY_LORA
 
 # PEFT divides by `ranknum + 1e-5`
 _RANKNUM_EPS = 1e-5

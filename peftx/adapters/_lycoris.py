@@ -31,8 +31,8 @@ from .._config import (
 )
 from .._kind import AbstractAdapter
 from ._layout import WeightProduct, weight_dot_handlers
+from ._lora import LORA_TARGET_MODULES
 from ._products import LayerKeys, add_update, cast_base_on_astype
-from .lora import LORA_TARGET_MODULES
 
 
 class AbstractLycoris(AbstractAdapter):

@@ -27,8 +27,8 @@ from .._config import (
 )
 from .._kind import AbstractAdapter
 from ._layout import Labels, WeightProduct, weight_dot_handlers
+from ._lora import LORA_TARGET_MODULES
 from ._products import cast_base_on_astype
-from .lora import LORA_TARGET_MODULES
 
 
 class OFTArray(AbstractAdapter):

@@ -17,8 +17,8 @@ from ..implicit import (
     use_implicit_args,
 )
 from ._layout import WeightProduct, weight_dot_handlers, weight_product
+from ._lora import ExpertLoraArray, grouped_update
 from ._products import add_update, taken_rows, wider_dtype
-from .lora import ExpertLoraArray, grouped_update
 
 
 def _is_slot(x: Any) -> bool:

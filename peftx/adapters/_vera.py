@@ -26,8 +26,8 @@ from .._config import (
 )
 from .._kind import AbstractAdapter
 from ._layout import WeightProduct, weight_dot_handlers
+from ._lora import LORA_TARGET_MODULES
 from ._products import LayerKeys, add_update, cast_base_on_astype, dropout, low_rank, rescale
-from .lora import LORA_TARGET_MODULES
 
 # torch's `mt19937` seeding (Knuth's multiplier), as `torch.Generator.manual_seed` runs it
 _MT_MULTIPLIER = 1812433253
