@@ -324,7 +324,8 @@ def _peft_training(path, tmp_path):
     return patterns
 
 
-# the unrolled layout's run repeats the stacked one's PEFT loop: the whole suite's only
+# the unrolled arm repeats the stacked arm's PEFT loop on the other layout: make test-fast
+# leaves it out, make test runs it
 @pytest.mark.parametrize(
     "layout", ["stacked", pytest.param("unrolled", marks=pytest.mark.torch_round_trip)]
 )
