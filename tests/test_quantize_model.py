@@ -271,12 +271,20 @@ def test_qlora_on_each_new_architecture(name):
     config = LoraConfig(target_modules="all-linear", r=4, init_lora_weights=False)
     peft_model = get_peft_model(q, config, key=jax.random.key(1))
     ids = jnp.array([[3, 9, 27, 5, 14, 2]])
-    logits = eqx.filter_jit(lambda m: m(ids).logits)  # one compile, not one per operation
+    trainable, frozen = partition(peft_model)
+
+    @eqx.filter_jit  # the logits and the gradients in one compile
+    def grads_and_logits(trainable):
+        def loss(t):
+            logits = eqx.combine(t, frozen)(ids).logits
+            return jnp.sum(logits[0, -1] ** 2), logits
+
+        return jax.grad(loss, has_aux=True)(trainable)
+
     with strict():
-        got = logits(peft_model)
+        grads, got = grads_and_logits(trainable)
     want = eqx.filter_jit(lambda m: _dequantized(m)(ids).logits)(peft_model)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    trainable, frozen = partition(peft_model)
     is_nf4 = lambda w: isinstance(w, NF4Array)  # noqa: E731
     nf4 = [w for w in jax.tree.leaves(frozen, is_leaf=is_nf4) if is_nf4(w)]
     assert nf4
@@ -285,15 +293,6 @@ def test_qlora_on_each_new_architecture(name):
         "qwen3_moe",
     ):  # both expert stacks, (layers, experts, out, in), each expert's own
         assert sum(w.ndim == 4 for w in nf4) == 2
-
-    @eqx.filter_jit
-    def grads(trainable):
-        def loss(t):
-            return jnp.sum(eqx.combine(t, frozen)(ids).logits[0, -1] ** 2)
-
-        return jax.grad(loss)(trainable)
-
-    with strict():
-        leaves = jax.tree.leaves(grads(trainable))
+    leaves = jax.tree.leaves(grads)
     assert len(leaves) == 2 * LINEARS[name]  # A and B of each (stacked)
     assert all(float(jnp.abs(g).max()) > 0 for g in leaves)
