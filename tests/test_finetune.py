@@ -632,8 +632,9 @@ UNMIXED = {
         ('name = "a"', 'name = "a"\ntrian = "x"', (),
          "unknown key 'trian' in [[adapters]][1] of"),
         ("[adapters.lora]\nr = 2", "", (),
-         ("[[adapters]][1]: needs exactly one of [adapters.lora], [adapters.ia3], [adapters.oft], "
-          "[adapters.vera], [adapters.adalora], [adapters.loha] or [adapters.lokr], got 0")),
+         ("[[adapters]][1]: needs exactly one of [adapters.lora], [adapters.adalora], "
+          "[adapters.ia3], [adapters.loha], [adapters.lokr], [adapters.oft] or [adapters.vera], "
+          "got 0")),
         ("[adapters.lora]\nr = 4", "[adapters.ia3]\ntarget_modules = ['q_proj']", (),
          "[[adapters]][2]: [adapters.ia3] cannot join [adapters.lora] in one model"),
         ("r = 2", "rank = 2", (), "[[adapters]][1]: [adapters.lora]: "),

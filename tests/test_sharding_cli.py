@@ -101,17 +101,17 @@ def test_finetune_on_a_mesh_writes_the_one_device_adapter(llama, lora_one, tmp_p
 def _stopped_after_first_checkpoint(job, sets, monkeypatch):
     """`peftx finetune job --set ...` in this process, on its one device, stopped (as by
     Ctrl-C) once it has saved its first checkpoint."""
-    from peftx import train
     from peftx.cli import main
+    from peftx.train import _fit
 
-    save = train.save_checkpoint
+    save = _fit.save_checkpoint
 
     def save_and_stop(*args, **kwargs):
         save(*args, **kwargs)
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(train, "save_checkpoint", save_and_stop)
+        m.setattr(_fit, "save_checkpoint", save_and_stop)  # the name `fit` calls
         assert main(["finetune", str(job), *sum((["--set", s] for s in sets), [])]) == 130
 
 
