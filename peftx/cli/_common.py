@@ -44,18 +44,23 @@ def model_dir(value: str | None) -> Path:
     return path
 
 
+# the files a saved tokenizer keeps its vocabulary in (`tokenizer.save_pretrained` writes one)
+TOKENIZER_VOCABULARIES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
 # what a merged checkpoint takes from its base beside the weights: the tokenizer, its chat
 # template (transformers writes it apart from tokenizer_config.json) and the generation settings
 BASE_FILES = (
-    "tokenizer.json",
+    *TOKENIZER_VOCABULARIES,
     "tokenizer_config.json",
     "special_tokens_map.json",
-    "vocab.txt",
     "merges.txt",
-    "vocab.json",
-    "tokenizer.model",
-    "spiece.model",
-    "sentencepiece.bpe.model",
     "added_tokens.json",
     "chat_template.jinja",
     "chat_template.json",
@@ -70,17 +75,6 @@ def copy_base_files(base: Path, out: Path) -> list[str]:
     for name in copied:
         copy_file(base / name, out / name)
     return copied
-
-
-# the files a saved tokenizer keeps its vocabulary in (`tokenizer.save_pretrained` writes one)
-TOKENIZER_VOCABULARIES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-)
 
 
 def load_tokenizer(path: Path) -> Any:
