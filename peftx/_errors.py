@@ -66,3 +66,9 @@ class DiskFullError(OSError):
 class RunFailed(Exception):
     """A training run that cannot give a usable result (it diverged, collapsed, or learned
     nothing); `peftx finetune` prints it as one line, exits 1, and writes no adapter."""
+
+
+def listing(keys: list[str], limit: int = 8) -> str:
+    """`keys` for a message: the first `limit` quoted, then how many more."""
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

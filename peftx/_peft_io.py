@@ -16,7 +16,7 @@ import numpy as np
 import safetensors.numpy
 
 from ._config import CONFIG_NAME, load_config
-from ._errors import CheckpointError, TargetNotFoundError
+from ._errors import CheckpointError, TargetNotFoundError, listing
 from ._files import replaced_directory
 from ._select import Predicate, Selection, dotted, select
 from ._targets import (
@@ -27,15 +27,14 @@ from ._targets import (
     stored_transposed,
 )
 from .adapters import AbstractAdapter, AdapterSet
-from .models._checkpoint import (
+from .models import (
     ARCHITECTURES,
     Architecture,
     is_transposed,
     key_mapper,
-    listing,
     read_tensors,
 )
-from .sharding._hosts import spread_over_processes, to_host, wait_for_writer, writes_files
+from .sharding import spread_over_processes, to_host, wait_for_writer, writes_files
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 TORCH_WEIGHTS_NAME = "adapter_model.bin"

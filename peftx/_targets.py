@@ -28,8 +28,7 @@ from ._select import (
 from ._spans import find_span, parse_span
 from .adapters import AbstractWeight
 from .implicit import ImplicitArray
-from .models._checkpoint import ARCHITECTURES, is_transposed
-from .models._stack import LayerStack, split_stack
+from .models import ARCHITECTURES, LayerStack, is_transposed, split_stack
 
 ADAPTABLE = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
 """The layer types adapters are placed on."""

@@ -91,3 +91,21 @@ def test_no_module_imports_another_modules_private_name():
     assert not found, "private names imported from another module:\n" + "\n".join(
         f"{module}: from {source} import {name}" for module, source, name in found
     )
+
+
+def test_subpackages_meet_at_their_faces():
+    """No module reaches into a subpackage it is not part of: `peftx.cli._generate` may
+    import `peftx.train` (its `__init__`, what it exports) but not `peftx.train._data`.
+    Modules of one subpackage may import each other's, and any module the top-level
+    `peftx._module`s beside `_files.py`."""
+    found = []
+    for module, imported in sorted(_imports().items()):
+        for target in sorted(imported):
+            parts = target.split(".")
+            private = next((i for i, p in enumerate(parts) if p.startswith("_")), None)
+            if private is None:
+                continue
+            owner = ".".join(parts[:private])  # the package whose private module it is
+            if not (module == owner or module.startswith(owner + ".")):
+                found.append(f"{module} imports {target} (import it from {owner})")
+    assert not found, "private modules of another subpackage imported:\n" + "\n".join(found)

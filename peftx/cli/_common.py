@@ -7,8 +7,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from transformers import AutoTokenizer
+
+from .._config import TOML_TABLES, from_toml
 from .._errors import ConfigFileError, RunFailed as RunFailed
 from .._files import copy_file, read_toml as read_toml_file
+from .._select import dotted
+from ..models import ARCHITECTURES, read_config
 
 BUNDLED_MODEL = "all-MiniLM-L6-v2"
 
@@ -82,8 +90,6 @@ def load_tokenizer(path: Path) -> Any:
     tokenizes loads here. A directory with no vocabulary file is a `UsageError` naming
     the files: transformers would build BERT an empty vocabulary from `config.json`
     (every token `[UNK]`), and fail on Llama with a sentencepiece/tiktoken message."""
-    from transformers import AutoTokenizer
-
     if not any((path / name).is_file() for name in TOKENIZER_VOCABULARIES):
         raise UsageError(
             f"model directory {str(path)!r} has no tokenizer: it needs one of "
@@ -106,8 +112,6 @@ TASKS = {
 def model_class_for(task: str, model_dir: Path) -> str:
     """The transformers class name (as peftx.models knows it) that runs `task` on the
     checkpoint in `model_dir`."""
-    from ..models._checkpoint import ARCHITECTURES, read_config
-
     if task not in TASKS:
         raise UsageError(f"unknown task {task!r}: choose one of {sorted(TASKS)}")
     model_type = read_config(model_dir)["model_type"]
@@ -127,8 +131,6 @@ def model_class_for(task: str, model_dir: Path) -> str:
 def adapter_tables() -> tuple[str, ...]:
     """The adapter kinds' TOML tables (`[lora]`, `[ia3]`, ...), as each config class
     registers its own."""
-    from .._config import TOML_TABLES
-
     return tuple(TOML_TABLES)
 
 
@@ -229,8 +231,6 @@ def job_model(job: dict[str, Any], toml_path: str | Path) -> ModelSettings:
 def adapter_config(toml_path: str | Path) -> Any:
     """The adapter table of a TOML file (`[lora]`, `[ia3]`, ...) as its config class; a
     bad key or value is a `UsageError` naming the file."""
-    from .._config import from_toml
-
     try:
         return from_toml(toml_path)
     except (ValueError, TypeError) as e:
@@ -240,12 +240,6 @@ def adapter_config(toml_path: str | Path) -> Any:
 def first_non_finite(model: Any) -> str | None:
     """The dotted path of the first array of `model` that holds NaN or infinity (a broken
     base or adapter, which would make every output NaN), or None."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-
-    from .._select import dotted
-
     arrays = eqx.filter(model, eqx.is_inexact_array)
     for keypath, array in jax.tree_util.tree_flatten_with_path(arrays)[0]:
         if not bool(jnp.all(jnp.isfinite(array))):
@@ -255,6 +249,4 @@ def first_non_finite(model: Any) -> str | None:
 
 def hf_config(path: Path) -> dict[str, Any]:
     """`config.json` of a checkpoint directory, as a dict."""
-    from ..models._checkpoint import read_config
-
     return read_config(path)

@@ -6,6 +6,8 @@ import importlib.util
 import platform
 import sys
 
+import jax
+
 PACKAGES = ("peftx", "jax", "jaxlib", "equinox", "quax", "optax", "transformers", "safetensors")
 OPTIONAL = ("torch", "peft", "bitsandbytes")
 
@@ -24,8 +26,6 @@ def _version(name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import jax
-
     rows = [("python", sys.version.split()[0]), ("platform", platform.platform())]
     rows += [(name, _version(name)) for name in (*PACKAGES, *OPTIONAL)]
     rows.append(("jax devices", ", ".join(str(d) for d in jax.devices())))

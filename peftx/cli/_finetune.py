@@ -18,9 +18,8 @@ import jax.numpy as jnp
 
 from .. import QuantizationConfig, get_peft_model, models, quantize_model, train
 from .._files import write_text
-from ..models._checkpoint import Reader
-from ..sharding import batch_parts
-from ..sharding._hosts import wait_for_all, writes_files
+from ..models import Reader
+from ..sharding import batch_parts, wait_for_all, writes_files
 from ._common import (
     UsageError,
     copy_base_files,

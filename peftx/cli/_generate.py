@@ -14,8 +14,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache as cc
 
-from ..sharding import placement_line
+from .. import QuantizationConfig, quantize_model
+from .._peft_model import PeftModel
+from ..models import from_pretrained, generate
+from ..sharding import placement_line, shard, to_host, writes_files
+from ..train import check_vocab
 from ._common import (
     UsageError,
     first_non_finite,
@@ -85,8 +90,6 @@ def compilation_cache() -> Iterator[None]:
     """JAX's persistent compilation cache in `cache_dir()`, for every compile however
     short, unless the user set a cache directory of their own (`JAX_COMPILATION_CACHE_DIR`);
     the settings are restored on exit, so an in-process caller keeps its own."""
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
     if jax.config.jax_compilation_cache_dir:
         yield
         return
@@ -103,8 +106,6 @@ def compilation_cache() -> Iterator[None]:
 
 def _quantization(args: argparse.Namespace) -> Any:
     """The `QuantizationConfig` that `--quantize` and `--quantization` ask for, or None."""
-    from .. import QuantizationConfig
-
     if not args.quantize and not args.quantization:
         return None
     fields = {f.name: f for f in dataclasses.fields(QuantizationConfig)}
@@ -153,13 +154,6 @@ def _prompt_ids(tokenizer: Any, prompt: str, chat: bool, path: Path) -> list[int
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import quantize_model
-    from .._peft_model import PeftModel
-    from ..models import from_pretrained, generate
-    from ..sharding import shard
-    from ..sharding._hosts import to_host, writes_files
-    from ..train._data import check_vocab
-
     path = model_dir(args.model)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")

@@ -13,6 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from .._config import table_names
+from .._kind import count_parameters, trained_fields
+from .._peft_model import get_peft_model
+from .._select import Predicate, select
+from ..adapters import AdapterSet
+from ..models import Reader, architecture
 from ._common import (
     TASKS,
     UsageError,
@@ -23,6 +28,7 @@ from ._common import (
     model_dir,
     read_toml,
 )
+from ._finetune import Job
 
 PEFT_TASKS = {"SEQ_CLS": "classification", "CAUSAL_LM": "causal-lm"}
 
@@ -63,8 +69,6 @@ class _Plan:
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
-    from ._finetune import Job
-
     toml = args.config
     if toml is None and args.model.endswith(".toml"):
         toml, model = args.model, None
@@ -94,8 +98,6 @@ def _plan(args: argparse.Namespace) -> _Plan:
 
 
 def _default_class(path: Path) -> str:
-    from ..models._checkpoint import architecture
-
     hf = hf_config(path)
     arch = architecture(hf["model_type"])
     names = [n for n in hf.get("architectures") or () if n in arch.classes]
@@ -112,8 +114,6 @@ def _num_labels(args: argparse.Namespace, hf: dict[str, Any]) -> int:
 
 def _stored_dtypes(path: Path) -> str:
     """The dtypes of the checkpoint's tensors, most common first (headers only)."""
-    from ..models._checkpoint import Reader
-
     with Reader(path) as reader:
         counts = Counter(str(reader.dtype(k)) for k in reader.keys())
     return ", ".join(f"{d} ({n} tensors)" for d, n in counts.most_common())
@@ -122,8 +122,6 @@ def _stored_dtypes(path: Path) -> str:
 def _trained_count(adapter: Any) -> int:
     """The parameters `adapter` trains (not its base weight, nor frozen state such as
     AdaLoRA's `ranknum`)."""
-    from .._kind import count_parameters, trained_fields
-
     return count_parameters([getattr(adapter, f) for f in trained_fields(adapter)])
 
 
@@ -132,11 +130,6 @@ def survey(plan: _Plan, num_labels: int) -> dict[str, Any]:
     built): the model's parameters, and with a config each adapted module's path, base
     shape and trained adapter parameters, and PEFT's (trainable, all)
     pair."""
-    from .._peft_model import get_peft_model
-    from .._select import Predicate, select
-    from ..adapters import AdapterSet
-    from ..models._checkpoint import architecture
-
     hf = hf_config(plan.path)
     arch = architecture(hf["model_type"])
     cls = arch.classes[plan.class_name]

@@ -5,6 +5,7 @@ import sys
 import traceback
 from typing import NoReturn
 
+from .. import __version__
 from .._errors import TargetNotFoundError, UnknownAdapterError
 from ..sharding import exit_run, lost_process
 from . import _env, _finetune, _generate, _inspect, _merge
@@ -30,8 +31,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .. import __version__
-
     parser = _Parser(prog="peftx", description="Parameter-efficient fine-tuning for JAX.")
     parser.add_argument("--version", action="version", version=f"peftx {__version__}")
     parser.add_argument(

@@ -12,7 +12,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..sharding import placement_line
+from .._config import load_config
+from .._peft_io import WEIGHTS_NAME
+from .._peft_model import PeftModel
+from ..models import from_pretrained, safetensors_header, save_pretrained
+from ..sharding import placement_line, writes_files
 from ._common import (
     UsageError,
     copy_base_files,
@@ -42,9 +46,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _head_labels(adapter: Path) -> int | None:
     """The number of classes of the classification head saved with the adapter, if any."""
-    from .._peft_io import WEIGHTS_NAME
-    from ..models._checkpoint import safetensors_header
-
     file = adapter / WEIGHTS_NAME
     if not file.is_file():
         return None  # PEFT's .bin adapter: the checkpoint's own num_labels is used
@@ -67,8 +68,6 @@ def _with_labels(base: Path, labels: int, scratch: Path) -> Path:
 def _load_base(
     base: Path, adapter: Path, task_type: str | None, scratch: Path, placed: dict[str, Any]
 ) -> Any:
-    from ..models import from_pretrained
-
     task = PEFT_TASKS.get(task_type)
     name = None if task is None else model_class_for(task, base)
     if task == "classification":
@@ -85,11 +84,6 @@ def _load_base(
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._config import load_config
-    from .._peft_model import PeftModel
-    from ..models import save_pretrained
-    from ..sharding._hosts import writes_files
-
     base = model_dir(args.base)
     adapter = Path(args.adapter)
     if not adapter.is_dir():

@@ -5,6 +5,9 @@ import argparse
 import dataclasses
 from typing import Any
 
+import jax
+
+from ..sharding import PRESETS, initialize_distributed, make_mesh
 from ._common import UsageError, option_value, unknown_key
 
 MESH_KEYS = {"data": 1, "fsdp": -1, "tensor": 1, "rules": "fsdp"}
@@ -29,8 +32,6 @@ class MeshSettings:
 
 def mesh_settings(table: Any, where: str) -> MeshSettings | None:
     """The `[mesh]` table `table` (None: not given), checked; `where` names it in errors."""
-    from ..sharding import PRESETS
-
     if table is None:
         return None
     if not isinstance(table, dict):
@@ -83,10 +84,6 @@ def run_mesh(settings: MeshSettings | None) -> tuple[Any, str | None]:
     visible device on `fsdp`; `(None, None)` (the plain one-device path) when none are
     given and there is one device. A run of several processes that the environment
     describes is joined first (`peftx.sharding.initialize_distributed`)."""
-    import jax
-
-    from ..sharding import initialize_distributed, make_mesh
-
     try:
         initialize_distributed()
     except ValueError as e:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._files import file_mode, remove_leftovers, swap_in, write_text
+from ..sharding import agree, writes_files
 from ._common import UsageError
 
 MARKER = ".peftx-run"
@@ -192,8 +193,6 @@ def open_run(
     In a run of several processes, process 0 does this and tells the others where the run
     writes and whether it resumes (`out` must be on a file system they all see); they
     never touch `out`."""
-    from ..sharding._hosts import agree, writes_files
-
     if not writes_files():
         code = agree(0)
         if code < 0:

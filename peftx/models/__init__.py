@@ -8,7 +8,19 @@ from ._bert import (
     BertLayer as BertLayer,
     BertModel as BertModel,
 )
-from ._checkpoint import from_pretrained as from_pretrained, save_pretrained as save_pretrained
+from ._checkpoint import (
+    ARCHITECTURES as ARCHITECTURES,
+    Architecture as Architecture,
+    Reader as Reader,
+    architecture as architecture,
+    from_pretrained as from_pretrained,
+    is_transposed as is_transposed,
+    key_mapper as key_mapper,
+    read_config as read_config,
+    read_tensors as read_tensors,
+    safetensors_header as safetensors_header,
+    save_pretrained as save_pretrained,
+)
 from ._common import (
     BaseModelOutput as BaseModelOutput,
     CausalLMOutput as CausalLMOutput,

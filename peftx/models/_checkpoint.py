@@ -30,12 +30,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import SafetensorError, safe_open
 
 from .._dtypes import float_dtype
-from .._errors import CheckpointError, ConfigFileError
+from .._errors import CheckpointError, ConfigFileError, listing
 from .._files import read_json, replaced_directory
 from .._select import dotted
 from .._spans import find_span
-from ..sharding import Rules, partition_specs
-from ..sharding._hosts import spread_over_processes, to_host, wait_for_writer, writes_files
+from ..implicit import is_implicit
+from ..sharding import (
+    Rules,
+    partition_specs,
+    spread_over_processes,
+    to_host,
+    wait_for_writer,
+    writes_files,
+)
 from ._hub_keys import HubKeys, HubLayout, hub_tensors
 from ._stack import Layout
 
@@ -625,11 +632,6 @@ def _ignored(arch: Architecture, key: str) -> bool:
     return any(re.fullmatch(p, key) for p in arch.ignored)
 
 
-def listing(keys: list[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(k) for k in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
-
-
 # `jax.device_put` on CPU adopts a numpy array's memory without a copy when it starts
 # on a 64-byte boundary (else it copies, and the array is briefly held twice).
 _ALIGN = 64
@@ -707,8 +709,6 @@ def save_pretrained(
     kept; weight files of an earlier save are not (as transformers does), so the
     directory holds one checkpoint.
     """
-    from ..implicit import is_implicit
-
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_hf_config"):
         raise TypeError(

@@ -2,10 +2,17 @@
 placing a model (adapters follow their base weights), and runs of several processes."""
 
 from ._hosts import (
+    agree as agree,
     exit_run as exit_run,
     initialize_distributed as initialize_distributed,
     lost_process as lost_process,
     own_rows as own_rows,
+    process_rows as process_rows,
+    spread_over_processes as spread_over_processes,
+    to_host as to_host,
+    wait_for_all as wait_for_all,
+    wait_for_writer as wait_for_writer,
+    writes_files as writes_files,
 )
 from ._mesh import (
     AXES as AXES,

@@ -10,6 +10,7 @@ from ._checkpoints import (
 from ._data import (
     IGNORE as IGNORE,
     batches_per_epoch as batches_per_epoch,
+    check_vocab as check_vocab,
     encode_causal_lm as encode_causal_lm,
     encode_chat as encode_chat,
     encode_classification as encode_classification,

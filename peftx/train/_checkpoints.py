@@ -15,7 +15,7 @@ from safetensors import SafetensorError
 
 from .._errors import CheckpointError
 from .._files import remove_leftovers, replaced_directory
-from ..sharding._hosts import spread_over_processes, to_host, wait_for_writer, writes_files
+from ..sharding import spread_over_processes, to_host, wait_for_writer, writes_files
 from ._step import TrainState, trained_model
 
 STATE_FILE = "train_state.safetensors"

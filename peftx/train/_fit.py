@@ -22,8 +22,7 @@ from tqdm import tqdm
 from .._errors import CheckpointError, RunFailed
 from .._files import naming_a_full_disk, temporary_file, write_text
 from .._peft_model import BASE, PeftModel
-from ..sharding import own_rows, placement_line
-from ..sharding._hosts import writes_files
+from ..sharding import own_rows, placement_line, writes_files
 from ._checkpoints import checkpoints, restore_checkpoint, save_checkpoint
 from ._data import eval_batches, mixed_batches, train_batches
 from ._step import (

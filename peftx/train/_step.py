@@ -15,8 +15,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._peft_model import PeftModel, partition
 from ..adapters import AbstractTrainHook, with_dropout
-from ..sharding import batch_parts, batch_sharding, shard
-from ..sharding._hosts import process_rows
+from ..sharding import batch_parts, batch_sharding, process_rows, shard
 
 Batch = dict[str, Array]
 # `loss_fn(model, batch, key) -> (summed loss, sums)`: `sums["count"]` is what the loss is
