@@ -396,6 +396,10 @@ class AbstractAdapterConfig:
     """Whether PEFT's class of this kind has `layers_to_transform`; where it has not, a
     saved config names the chosen layers' modules instead."""
 
+    bias: ClassVar[str] = "none"
+    """Which biases the adapter trains and saves (PEFT's `bias`): a kind with PEFT's field
+    declares it as a field; one without trains none."""
+
     combination_types: ClassVar[tuple[str, ...]] = ()
     """`add_weighted_adapter`'s ways to combine adapters of this kind, the default first
     (none: they cannot be combined)."""

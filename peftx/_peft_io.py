@@ -7,18 +7,19 @@ import json
 import os
 import pathlib
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.tree_util as jtu
 import numpy as np
 import safetensors.numpy
 
 from ._config import CONFIG_NAME, load_config
 from ._errors import CheckpointError, TargetNotFoundError, listing
 from ._files import replaced_directory
-from ._select import Predicate, Selection, dotted, select
+from ._select import Predicate, Selection, dotted, node_at, select
 from ._targets import (
     expert_fields,
     layer_paths,
@@ -57,7 +58,7 @@ class _Tensor:
     `LayerStack` segment one per layer, along the array's leading axis."""
 
     keys: tuple[str, ...]
-    where: Callable[[Any, dict], Any]  # (PeftModel, memo) -> the array in it
+    keypath: tuple  # where the array lies in the PeftModel
     value: Any
     stacked: bool
     transposed: bool  # stored transposed in the file (GPT-2's Conv1D)
@@ -142,96 +143,87 @@ def adapted_layer_paths(peft_model: Any, name: str) -> list[str]:
 
 
 def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
-    """Every array that adapter `name` saves, with its PEFT keys (without `PREFIX`)."""
+    """Every array that adapter `name` saves, with its PEFT keys (without `PREFIX`) and
+    its key path in `peft_model`."""
     arch = _arch(peft_model.base_model)
     config = peft_model.peft_config[name]
     out: list[_Tensor] = []
 
     def add(
-        path: str,
+        owner: tuple,
         suffix: str,
-        where: Callable,
+        below: tuple,
         value: Any,
         embedding: str | None = None,
         flip: bool | None = None,
         shared: bool = False,
         rank_axis: int | None = None,
     ) -> None:
-        """One tensor; `flip` says whether the file stores it transposed (by default, as
-        the architecture's checkpoints store a base layer's weight); a `shared` one has
-        the key `suffix` for every layer; along `rank_axis`, the file holds the ranks
-        the config keeps."""
+        """The tensor at key path `owner + below` of the PeftModel, saved under the module
+        path `owner` names (`suffix` after it; a `shared` one has the key `suffix` for
+        every layer); `flip` says whether the file stores it transposed (by default, as
+        the architecture's checkpoints store a base layer's weight); along `rank_axis`,
+        the file holds the ranks the config keeps."""
+        path = _module_path(owner)
         paths = layer_paths(path)
         keys = tuple(suffix if shared else f"{p}.{suffix}" for p in paths)
         if flip is None:
             flip = arch is not None and is_transposed(arch, keys[0])
         kept = tuple(config.kept_ranks(p) for p in paths) if rank_axis is not None else ()
         out.append(
-            _Tensor(keys, where, value, paths != [path], flip, embedding, shared, rank_axis, kept)
+            _Tensor(
+                keys,
+                owner + below,
+                value,
+                paths != [path],
+                flip,
+                embedding,
+                shared,
+                rank_axis,
+                kept,
+            )
         )
 
-    layers = _adapted(peft_model, name)
-    get_layers = layers.where_fn()
     embedding_targeted = _embedding_targeted(config, peft_model)
-    for k, (path, layer) in enumerate(zip(layers.paths(), layers.get())):
-        module = path.removeprefix("base_model.")
+    adapted = _adapted(peft_model, name).matches
+    for _, owner, layer in adapted:
         adapter = layer.weight.adapters[name]
         kind = type(adapter)
+        in_set = (_ATTR("weight"), _ATTR("adapters"), jtu.DictKey(name))
         for field, key in kind.peft_keys.items():
             if getattr(adapter, field) is None:  # a part this adapter's layout lacks
                 continue
             add(
-                module,
+                owner,
                 key,
-                lambda m, c, k=k, f=field: getattr(
-                    _memo(c, get_layers, m)[k].weight.adapters[name], f
-                ),
+                in_set + (_ATTR(field),),
                 getattr(adapter, field),
                 flip=field in kind.file_transposed,
                 rank_axis=kind.rank_axes.get(field),
             )
         for field, key in kind.shared_keys.items() if config.saves_shared else ():
+            add(owner, key, in_set + (_ATTR(field),), getattr(adapter, field), shared=True)
+        if getattr(layer, "bias", None) is not None and config.bias != "none":
+            add(owner, "base_layer.bias", (_ATTR("bias"),), layer.bias)
+        if _module_path(owner).rsplit(".", 1)[-1] in _EMBEDDINGS:
             add(
-                module,
-                key,
-                lambda m, c, k=k, f=field: getattr(
-                    _memo(c, get_layers, m)[k].weight.adapters[name], f
-                ),
-                getattr(adapter, field),
-                flip=False,
-                shared=True,
-            )
-        if getattr(layer, "bias", None) is not None and config_bias(config) != "none":
-            add(
-                module,
-                "base_layer.bias",
-                lambda m, c, k=k: _memo(c, get_layers, m)[k].bias,
-                layer.bias,
-            )
-        if module.rsplit(".", 1)[-1] in _EMBEDDINGS:
-            add(
-                module,
+                owner,
                 "base_layer.weight",
-                lambda m, c, k=k: _memo(c, get_layers, m)[k].weight.weight,
+                (_ATTR("weight"), _ATTR("weight")),
                 layer.weight.weight,
                 embedding="targeted" if embedding_targeted else "untargeted",
             )
-    stacks = _adapted_stacks(peft_model, name)
-    get_owners = stacks.where_fn()
-    for k, (path, owner) in enumerate(zip(stacks.paths(), stacks.get())):
-        module = path.removeprefix("base_model.")
-        fields = [f for f in expert_fields(owner) if _carries(getattr(owner, f), name)]
+    for _, owner, node in _adapted_stacks(peft_model, name).matches:
+        fields = [f for f in expert_fields(node) if _carries(getattr(node, f), name)]
         for depth, field in enumerate(fields):
             # PEFT nests one wrapper per parameter, the first innermost
             nesting = "base_layer." * (len(fields) - 1 - depth)
-            adapter = getattr(owner, field).adapters[name]
+            adapter = getattr(node, field).adapters[name]
             for attr, key in type(adapter).peft_keys.items():
                 add(
-                    module,
+                    owner,
                     nesting + key,
-                    lambda m, c, k=k, f=field, a=attr: getattr(
-                        getattr(_memo(c, get_owners, m)[k], f).adapters[name], a
-                    ),
+                    (_ATTR(field), _ATTR("adapters"), jtu.DictKey(name), _ATTR(attr)),
                     getattr(adapter, attr),
                     flip=False,
                 )
@@ -247,51 +239,56 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
             "embeddings",
         )
     )
-    get_embeddings = embeddings.where_fn()
-    for k, (path, node) in enumerate(zip(embeddings.paths(), embeddings.get())):
+    for _, owner, node in embeddings.matches:
         add(
-            path.removeprefix("base_model."),
+            owner,
             "weight",
-            lambda m, c, k=k: _memo(c, get_embeddings, m)[k].weight,
+            (_ATTR("weight"),),
             node.weight,
             embedding="unadapted" if embedding_targeted else "untargeted",
         )
-    if config_bias(config) == "all":
-        adapted = set(layers.paths())
+    if config.bias == "all":
+        layer_owners = {owner for _, owner, _ in adapted}
         biased = select(peft_model).at(
             Predicate(
                 lambda p, n: (
-                    p.startswith("base_model.")
-                    and p not in adapted
-                    and isinstance(getattr(n, "bias", None), jax.Array)
+                    p.startswith("base_model.") and isinstance(getattr(n, "bias", None), jax.Array)
                 ),
                 "biases",
             )
         )
-        get_biased = biased.where_fn()
-        for k, (path, node) in enumerate(zip(biased.paths(), biased.get())):
-            module = path.removeprefix("base_model.")
+        for _, owner, node in biased.matches:
+            if owner in layer_owners:
+                continue
+            module = _module_path(owner)
+            if module not in saved:
+                add(owner, "bias", (_ATTR("bias"),), node.bias)
+                continue
             # PEFT's `ModulesToSaveWrapper` holds the original and the copy, both listed
-            suffix = "original_module.bias" if module in saved else "bias"
-            add(module, suffix, lambda m, c, k=k: _memo(c, get_biased, m)[k].bias, node.bias)
-            if module in saved:
-                add(
-                    module,
-                    "modules_to_save.bias",
-                    lambda m, c, p=module: m.saved_modules[name][p].bias,
-                    saved[module].bias,
-                )
-    for path, module in peft_model.saved_modules.get(name, {}).items():
-        flat, _ = jax.tree_util.tree_flatten_with_path(module)
-        for keypath, leaf in flat:
+            add(owner, "original_module.bias", (_ATTR("bias"),), node.bias)
+            copy = _saved_path(name, module)
+            add(copy, "modules_to_save.bias", (_ATTR("bias"),), saved[module].bias)
+    for module, copy in saved.items():
+        for below, leaf in jtu.tree_flatten_with_path(copy)[0]:
             if eqx.is_inexact_array(leaf):
-                add(
-                    path,
-                    dotted(keypath),
-                    lambda m, c, p=path, kp=keypath: _at(m.saved_modules[name][p], kp),
-                    leaf,
-                )
+                add(_saved_path(name, module), dotted(below), tuple(below), leaf)
     return out
+
+
+_ATTR = jtu.GetAttrKey
+
+
+def _module_path(keypath: tuple) -> str:
+    """The module path PEFT's keys use for the node at `keypath` of a PeftModel: its
+    dotted path below `base_model`, or for a saved module's copy the path it copies."""
+    if keypath[:1] == (_ATTR("saved_modules"),):
+        return keypath[2].key
+    return dotted(keypath).removeprefix("base_model.")
+
+
+def _saved_path(name: str, module: str) -> tuple:
+    """The key path of adapter `name`'s own copy of `module` (`modules_to_save`)."""
+    return (_ATTR("saved_modules"), jtu.DictKey(name), jtu.DictKey(module))
 
 
 def _carries(x: Any, name: str) -> bool:
@@ -309,30 +306,6 @@ def _adapted_stacks(peft_model: Any, name: str) -> Selection:
             f"expert stacks with adapter {name!r}",
         )
     )
-
-
-def _memo(memo: dict, where: Callable[[Any], Any], model: Any) -> Any:
-    """`where(model)`, computed once per `memo` (a selection's nodes, shared by the
-    tensors of all its layers)."""
-    if id(where) not in memo:
-        memo[id(where)] = where(model)
-    return memo[id(where)]
-
-
-def _at(node: Any, keypath: tuple) -> Any:
-    """The node at `keypath` below `node`."""
-    for k in keypath:
-        if isinstance(k, jax.tree_util.GetAttrKey):
-            node = getattr(node, k.name)
-        elif isinstance(k, jax.tree_util.DictKey):
-            node = node[k.key]
-        else:
-            node = node[k.idx]
-    return node
-
-
-def config_bias(config: Any) -> str:
-    return getattr(config, "bias", "none")
 
 
 def _embedding_targeted(config: Any, peft_model: Any) -> bool:
@@ -573,7 +546,7 @@ def load_adapter_into(
     tensors = _tensors(skeleton, adapter_name)
     values = _match(tensors, stored, file, _arch(skeleton.base_model), origin)
     loaded = eqx.tree_at(
-        lambda m: (lambda memo: [t.where(m, memo) for t, _ in values])({}),
+        lambda m: [node_at(m, t.keypath) for t, _ in values],
         skeleton,
         [v for _, v in values],
     )

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
+from ._config import AbstractAdapterConfig
 from ._errors import UnknownAdapterError
 from ._kind import count_parameters, trained_fields
 from ._peft_io import adapted_layer_paths, load_adapter_into, save_adapters
@@ -93,7 +94,7 @@ class PeftModel(eqx.Module):
 
     @property
     def bias(self) -> str:
-        return getattr(self.configs[0][1], "bias", "none")
+        return self.configs[0][1].bias
 
     def __call__(
         self,
@@ -625,10 +626,10 @@ class PeftModel(eqx.Module):
 CLASSIFIER_NAMES = ("classifier", "score")
 
 
-def with_classifier(config: Any) -> Any:
+def with_classifier(config: AbstractAdapterConfig) -> AbstractAdapterConfig:
     """PEFT's rule for `task_type="SEQ_CLS"`: the classification head (`classifier` or
     `score`, whichever the model has) joins `modules_to_save`, so it trains and is saved."""
-    if getattr(config, "task_type", None) != "SEQ_CLS" or not hasattr(config, "modules_to_save"):
+    if config.task_type != "SEQ_CLS":
         return config
     names = list(config.modules_to_save or ())
     names += [n for n in CLASSIFIER_NAMES if n not in names]

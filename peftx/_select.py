@@ -249,7 +249,7 @@ class Selection:
     def where_fn(self) -> Callable[[Any], list[Any]]:
         """A `where` for `eqx.tree_at`: the selected nodes of a model shaped like this one."""
         keypaths = [keypath for _, keypath, _ in self.matches]
-        return lambda model: [_get(model, keypath) for keypath in keypaths]
+        return lambda model: [node_at(model, keypath) for keypath in keypaths]
 
     def apply(self, fn: Callable[[Any], Any]) -> Any:
         """A new model with every selected node replaced by `fn(node)`."""
@@ -278,7 +278,8 @@ class Selection:
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def _get(model: Any, keypath: tuple) -> Any:
+def node_at(model: Any, keypath: tuple) -> Any:
+    """The node of `model` at the JAX key path `keypath`."""
     node = model
     for key in keypath:
         if isinstance(key, jtu.GetAttrKey):
