@@ -90,6 +90,15 @@ class AbstractAdapter(AbstractWeight):
         (IA3 scales a layer's whole output, bias included, as PEFT does)."""
         return None
 
+    def grouped_update(
+        self, primitive: Any, x: Array, group_sizes: Array, params: Mapping[str, Any]
+    ) -> Any:
+        """The update this adapter adds to a grouped product (`ragged_dot_general` of
+        `x`'s rows with an expert stack, `params` its parameters), without the base
+        product; NotImplemented where the kind has none, as most kinds (a mixed batch
+        over expert stacks needs it)."""
+        return NotImplemented
+
     @classmethod
     def weighted(
         cls, present: Sequence[tuple["AbstractAdapter", float]], combination_type: str, config: Any

@@ -221,7 +221,7 @@ def _result_labels(p: WeightProduct, la: Labels, lb: Labels) -> Labels:
 
 
 def fused_low_rank(p: WeightProduct, meet: int) -> Any:
-    """`f(x, x_d, W, first, second, scale)` for `_fused_lora_dot` (in `lora/_lora.py`), where `x`
+    """`f(x, x_d, W, first, second, scale)` for `_fused_lora_dot` (in `_lora/_lora.py`), where `x`
     meets axis `meet` of `W`. `second` is laid out like `W` with `r` in place of that axis
     (`B` when `x` meets `W`'s input axis, `A` when its output axis), so it extends `W` along
     it."""

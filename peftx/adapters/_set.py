@@ -17,7 +17,6 @@ from ..implicit import (
     use_implicit_args,
 )
 from ._layout import WeightProduct, weight_dot_handlers, weight_product
-from ._lora import ExpertLoraArray, grouped_update
 from ._products import add_update, taken_rows, wider_dtype
 
 
@@ -264,10 +263,7 @@ def _rows_gated(
         base = bind(x, s.weight, group_sizes)
         updates = []
         for k, name in used:
-            adapter = s.adapter(name)
-            if not isinstance(adapter, ExpertLoraArray):
-                return NotImplemented
-            u = grouped_update(primitive, x, adapter, group_sizes, params)
+            u = s.adapter(name).grouped_update(primitive, x, group_sizes, params)
             if u is NotImplemented:
                 return NotImplemented
             updates.append(s.gate[:, k, None].astype(u.dtype) * u)

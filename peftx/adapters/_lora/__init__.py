@@ -17,7 +17,6 @@ from ._experts import (
     ExpertLoraArray as ExpertLoraArray,
     ExpertLoraInit as ExpertLoraInit,
     expert_lora as expert_lora,
-    grouped_update as grouped_update,
 )
 from ._lora import (
     LoraArray as LoraArray,

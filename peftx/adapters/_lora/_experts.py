@@ -125,6 +125,19 @@ class ExpertLoraArray(AbstractAdapter):
         b = jnp.moveaxis(self.lora_B.reshape(*stack, out, self.r, self.experts), -1, -3)
         return a, b
 
+    def grouped_update(
+        self, primitive: Any, x: Array, group_sizes: Array, params: Mapping[str, Any]
+    ) -> Any:
+        """`scaling · B_e A_e x` for each row `x` of expert `e`'s group, in the factors'
+        dtype: two grouped products through rank `r`."""
+        if self.stack_ndim or params["ragged_dot_dimension_numbers"] != _GROUPED:
+            return NotImplemented
+        a, b = self.factors()
+        dtype = a.dtype
+        branch = {**params, "preferred_element_type": None}
+        t = primitive.bind(x.astype(dtype), a, group_sizes, **branch)
+        return primitive.bind(jnp.asarray(self.scaling, dtype) * t, b, group_sizes, **branch)
+
     def merged(self, weight: Array) -> Array:
         a, b = self.factors()
         delta = self.scaling * jnp.matmul(b, a)
@@ -198,21 +211,7 @@ def _grouped(
         return NotImplemented
     dims = {"ragged_dot_dimension_numbers": _GROUPED, **params}
     base = primitive.bind(x, w.weight, group_sizes, **dims)
-    return add_update(base, grouped_update(primitive, x, w, group_sizes, dims))
-
-
-def grouped_update(
-    primitive: Any, x: jax.Array, w: ExpertLoraArray, group_sizes: jax.Array, params: Any
-) -> Any:
-    """The adapter branch of the grouped product (`ragged_dot_general`, its `params`) of
-    `x`'s rows with `w`, in the factors' dtype; NotImplemented for any other product."""
-    if w.stack_ndim or params["ragged_dot_dimension_numbers"] != _GROUPED:
-        return NotImplemented
-    a, b = w.factors()
-    dtype = a.dtype
-    branch = {**params, "preferred_element_type": None}
-    t = primitive.bind(x.astype(dtype), a, group_sizes, **branch)
-    return primitive.bind(jnp.asarray(w.scaling, dtype) * t, b, group_sizes, **branch)
+    return add_update(base, w.grouped_update(primitive, x, group_sizes, dims))
 
 
 @primitive_handler("gather")
