@@ -2,8 +2,13 @@
 
 from . import adapters as adapters, implicit as implicit, models as models, train as train
 from ._config import (
+    FINITE as FINITE,
+    PROBABILITY as PROBABILITY,
+    RANK as RANK,
     AbstractAdapterConfig as AbstractAdapterConfig,
     AdaptedLayer as AdaptedLayer,
+    Range as Range,
+    field as field,
     from_toml as from_toml,
     load_config as load_config,
     save_config as save_config,

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray
 
-from peftx import AbstractAdapterConfig, AdaptedLayer
-from peftx._config import FINITE, field
+from peftx import FINITE, AbstractAdapterConfig, AdaptedLayer, field
 from peftx.adapters import AbstractAdapter
 from peftx.implicit import primitive_handler, use_implicit_args
 
