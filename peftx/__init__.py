@@ -1,6 +1,7 @@
 """peftx: parameter-efficient fine-tuning for JAX and Equinox."""
 
 from . import adapters as adapters, implicit as implicit, models as models, train as train
+from ._bank import PeftBankModel as PeftBankModel, SlotTable as SlotTable
 from ._config import (
     FINITE as FINITE,
     PROBABILITY as PROBABILITY,

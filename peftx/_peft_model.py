@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
+from ._bank import PeftBankModel, bank_from
 from ._config import AbstractAdapterConfig
 from ._errors import UnknownAdapterError
 from ._kind import count_parameters, trained_fields
@@ -20,6 +21,7 @@ from ._peft_io import adapted_layer_paths, load_adapter_into, save_adapters
 from ._select import Predicate, dotted, of_type, peft_targets, require_matches, select
 from ._targets import (
     ADAPTABLE,
+    BASE,
     AdaptedLayer,
     AdaptedParameter,
     layer_paths,
@@ -31,9 +33,6 @@ from ._targets import (
 from .adapters import AdapterSet, detach, merge
 from .implicit import use_implicit_args
 from .sharding import placed_like
-
-BASE = "__base__"
-"""The name that routes an example of a mixed batch to the base model (PEFT's)."""
 
 CombinationType = Literal["svd", "linear", "cat"]
 
@@ -343,10 +342,15 @@ class PeftModel(eqx.Module):
         is_trainable: bool = False,
         *,
         model_type: str | None = None,
-    ) -> "PeftModel":
+        max_adapters: int | None = None,
+        max_rank: int | None = None,
+    ) -> "PeftModel | PeftBankModel":
         """`model` (a plain Equinox model) with the adapter saved in `model_id`, by
         peftx or PyTorch PEFT (a directory holding `adapter_config.json`; if it holds
         none, its subfolder `adapter_name`).
+
+        With `max_adapters`, a `PeftBankModel` of that many slots, the adapter in the
+        first; ranks are padded to `max_rank` (default: the adapter's `r`).
 
         Strict, unlike PEFT: a missing or unexpected key or a wrong shape raises
         `CheckpointError` naming the module and shapes, a corrupt file one naming the
@@ -362,9 +366,12 @@ class PeftModel(eqx.Module):
                 "model is a PeftModel already; add a saved adapter with "
                 "`peft_model.load_adapter(directory, adapter_name)`."
             )
-        return load_adapter_into(
+        loaded = load_adapter_into(
             PeftModel(model, {}, (), adapter_name), model_id, adapter_name, is_trainable, model_type
         )
+        if max_adapters is None:
+            return loaded
+        return bank_from(loaded, max_adapters, max_rank, get_peft_model, PeftModel.from_pretrained)
 
     def load_adapter(
         self,
@@ -652,8 +659,12 @@ def partition(model: PeftModel, adapters: Sequence[str] | None = None) -> tuple[
     """`(trainable, frozen)` halves of a `PeftModel`, for `eqx.combine` inside a loss.
 
     `adapters` names the adapters that train (default: the active one); name several to
-    train them together in mixed batches.
+    train them together in mixed batches. A `PeftBankModel`'s halves hold every slot's
+    factors, and mark the slots of `adapters` as the ones that train (`trained_slots`):
+    `peftx.train.keep_untrained_slots` keeps the others as they were after an update.
     """
+    if isinstance(model, PeftBankModel):
+        model = model.with_trained(adapters)
     return eqx.partition(model, model.trainable_spec(adapters))
 
 
@@ -664,7 +675,9 @@ def get_peft_model(
     key: PRNGKeyArray,
     adapter_name: str = "default",
     model_type: str | None = None,
-) -> PeftModel:
+    max_adapters: int | None = None,
+    max_rank: int | None = None,
+) -> PeftModel | PeftBankModel:
     """Place the adapter a PEFT config describes on an Equinox model.
 
     **Arguments:**
@@ -679,6 +692,11 @@ def get_peft_model(
     - `key`: PRNG key for the adapter's initialization.
     - `adapter_name`: the adapter's name (more can be added with `add_adapter`).
     - `model_type`: the transformers model type, for default targets.
+    - `max_adapters`: make a `PeftBankModel` of this many LoRA slots instead, the adapter
+      in the first; more come and go with `add_adapter`, `load_adapter` and
+      `delete_adapter` without a recompile.
+    - `max_rank`: the bank's rank (default: the adapter's `r`); adapters of lower rank
+      are padded with zeros.
 
     **Returns:**
 
@@ -689,7 +707,10 @@ def get_peft_model(
             "model is a PeftModel already; add another adapter with "
             "`peft_model.add_adapter(name, config, key=...)`."
         )
-    return PeftModel(model, {}, (), adapter_name)._add(adapter_name, config, key, model_type)
+    one = PeftModel(model, {}, (), adapter_name)._add(adapter_name, config, key, model_type)
+    if max_adapters is None:
+        return one
+    return bank_from(one, max_adapters, max_rank, get_peft_model, PeftModel.from_pretrained)
 
 
 def _with_expert_adapters(

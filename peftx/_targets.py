@@ -37,6 +37,9 @@ ADAPTABLE = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
 # and, for sequence classification, `score`/`classifier`).
 HEAD_NAMES = ("lm_head", "embed_out", "score", "classifier", "qa_outputs")
 
+BASE = "__base__"
+"""The name that routes an example of a mixed batch to the base model (PEFT's)."""
+
 
 def model_type_of(model: Any) -> str | None:
     """`model.config.model_type` (attribute or key), as transformers models carry it."""
