@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
+from ._config import AbstractAdapterConfig
 from ._errors import UnknownAdapterError
 from ._select import Predicate, node_at, select
 from ._targets import BASE, layer_paths
@@ -187,7 +188,7 @@ class PeftBankModel(eqx.Module):
     # -- slots ----------------------------------------------------------------------------
 
     def add_adapter(
-        self, adapter_name: str, config: LoraConfig, *, key: PRNGKeyArray
+        self, adapter_name: str, config: AbstractAdapterConfig, *, key: PRNGKeyArray
     ) -> "PeftBankModel":
         """A model with `adapter_name` placed by `config` in a free slot (the active
         adapter is unchanged)."""
@@ -287,7 +288,7 @@ class PeftBankModel(eqx.Module):
         spec = jax.tree.map(lambda _: False, self)
 
         def bank_spec(b: LoraBank) -> LoraBank:
-            return dataclasses.replace(b, lora_A=True, lora_B=True)
+            return eqx.tree_at(lambda x: (x.lora_A, x.lora_B), b, (True, True))
 
         return eqx.tree_at(
             lambda m: m.base_model,
@@ -347,7 +348,7 @@ class PeftBankModel(eqx.Module):
         listed = ", ".join(map(repr, valid)) or "none"
         return UnknownAdapterError(f"no adapter named {name!r}; this bank has {listed}.{hint}")
 
-    def _check_new(self, name: str, config: LoraConfig | None) -> None:
+    def _check_new(self, name: str, config: AbstractAdapterConfig | None) -> None:
         if name == BASE or not name:
             raise ValueError(f"{name!r} cannot name an adapter; {BASE!r} means the base model.")
         if name in self.adapter_names:

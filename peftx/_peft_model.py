@@ -655,7 +655,9 @@ def _saved_copies(model: Any, config: Any, adapter_name: str) -> dict[str, dict[
     return {adapter_name: dict(zip(chosen.paths(), chosen.get()))}
 
 
-def partition(model: PeftModel, adapters: Sequence[str] | None = None) -> tuple[Any, Any]:
+def partition(
+    model: PeftModel | PeftBankModel, adapters: Sequence[str] | None = None
+) -> tuple[Any, Any]:
     """`(trainable, frozen)` halves of a `PeftModel`, for `eqx.combine` inside a loss.
 
     `adapters` names the adapters that train (default: the active one); name several to

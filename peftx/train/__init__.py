@@ -28,6 +28,12 @@ from ._fit import (
     fit as fit,
     make_optimizer as make_optimizer,
 )
+from ._slots import (
+    keep_untrained_slots as keep_untrained_slots,
+    per_slot_mean as per_slot_mean,
+    row_counts as row_counts,
+    slot_counts as slot_counts,
+)
 from ._step import (
     TrainState as TrainState,
     causal_lm_loss as causal_lm_loss,

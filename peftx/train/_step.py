@@ -13,9 +13,11 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._bank import PeftBankModel
 from .._peft_model import PeftModel, partition
-from ..adapters import AbstractTrainHook, with_dropout
+from ..adapters import AbstractTrainHook, LoraBank, with_dropout
 from ..sharding import batch_parts, batch_sharding, process_rows, shard
+from ._slots import keep_untrained_slots, per_slot_mean, row_counts, slot_counts
 
 Batch = dict[str, Array]
 # `loss_fn(model, batch, key) -> (summed loss, sums)`: `sums["count"]` is what the loss is
@@ -36,7 +38,7 @@ class TrainState(eqx.Module):
 
 
 def init_state(
-    model: PeftModel,
+    model: PeftModel | PeftBankModel,
     optimizer: optax.GradientTransformation,
     *,
     key: PRNGKeyArray,
@@ -80,7 +82,7 @@ def init_state(
     return TrainState(trainable, opt_state, step, key, hooks), frozen
 
 
-def trained_model(state: TrainState, frozen: Any) -> PeftModel:
+def trained_model(state: TrainState, frozen: Any) -> PeftModel | PeftBankModel:
     """The model `state` has trained: `eqx.combine(state.trainable, frozen)`, with what
     its train hooks learned written into the adapters' configs (AdaLoRA's
     `rank_pattern`, so that `save_pretrained` writes PEFT's pruned file)."""
@@ -136,7 +138,11 @@ def logits(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Array:
 
 
 def _base(model: Any) -> Any:
-    return model.base_model if isinstance(model, PeftModel) else model
+    return model.base_model if isinstance(model, PeftModel | PeftBankModel) else model
+
+
+def _in_bank(x: Any) -> bool:
+    return isinstance(x, LoraBank)
 
 
 def classification_loss(
@@ -255,9 +261,22 @@ def make_train_step(
             micro = _micro_batches(batch, grad_accumulation)
             (total, sums, grads), _ = jax.lax.scan(one, (t0, s0, g0), (micro, keys))
         count = jnp.maximum(sums["count"], 1.0)
-        grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+        bank = frozen if isinstance(frozen, PeftBankModel) else None
+        if bank is not None:  # each adapter's own mean; slots without rows stay as they were
+            ids = batch.get("adapter_ids", bank.active_slot)
+            counts = slot_counts(ids, row_counts(batch), bank.max_adapters)
+            trained = bank.trained_slots & (counts > 0)
+            grads = per_slot_mean(grads, counts)
+        grads = jax.tree.map(
+            lambda g: g if bank is not None and _in_bank(g) else (g / count).astype(g.dtype),
+            grads,
+            is_leaf=_in_bank,
+        )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
         trainable = eqx.apply_updates(state.trainable, updates)
+        if bank is not None:
+            trainable = keep_untrained_slots(trainable, state.trainable, trained)
+            opt_state = keep_untrained_slots(opt_state, state.opt_state, trained)
         hooks = []
         for hook in state.hooks:
             trainable, hook = hook.update(trainable, grads, state.step)

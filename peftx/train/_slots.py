@@ -1,0 +1,94 @@
+"""Training the slots of an adapter bank together: each adapter's gradient is the mean
+over its own rows, and a slot whose rows are absent from a batch is left exactly as it
+was, factors and optimizer state alike."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from ..adapters import LoraBank
+
+
+def _is_bank(x: Any) -> bool:
+    return isinstance(x, LoraBank)
+
+
+def _factors(bank: LoraBank, a: Any, b: Any) -> LoraBank:
+    """`bank` with factors `a` and `b` (a pytree node of gradients or optimizer state
+    may hold None where the model holds its other fields)."""
+    return eqx.tree_at(lambda x: (x.lora_A, x.lora_B), bank, (a, b), is_leaf=lambda x: x is None)
+
+
+def _along_slots(per_slot: Array, factor: Array) -> Array:
+    """`per_slot` `(slots,)` shaped to broadcast along a factor's slot axis (the third
+    from last, after any stack axes)."""
+    return per_slot.reshape((1,) * (factor.ndim - 3) + (-1, 1, 1))
+
+
+def row_counts(batch: dict[str, Array]) -> Float[Array, " batch"]:
+    """The supervised targets of each row, as `causal_lm_loss` (labels `(batch, seq)`,
+    shifted by one) and `classification_loss` (labels `(batch,)`) count them."""
+    labels = batch["labels"]
+    valid = labels[:, 1:] >= 0 if labels.ndim == 2 else labels >= 0
+    return valid.reshape(valid.shape[0], -1).sum(axis=1).astype(jnp.float32)
+
+
+def slot_counts(
+    adapter_ids: Int[Array, " batch"] | Int[Array, ""], counts: Float[Array, " batch"], slots: int
+) -> Float[Array, " slots"]:
+    """The supervised targets each slot's rows hold (`adapter_ids`: one slot per row, or
+    one for all; `slots` and above are the base, counted nowhere)."""
+    ids = jnp.broadcast_to(adapter_ids, counts.shape)
+    return jax.ops.segment_sum(counts, ids, num_segments=slots)
+
+
+def per_slot_mean(grads: Any, counts: Float[Array, " slots"]) -> Any:
+    """`grads` with each bank's factor gradients divided, slot by slot, by that slot's
+    count (at least 1): each adapter's gradient of the mean loss over its own rows."""
+
+    def scale(g: Any) -> Any:
+        if not _is_bank(g):
+            return g
+        div = jnp.maximum(counts, 1.0)
+        return _factors(
+            g,
+            (g.lora_A / _along_slots(div, g.lora_A)).astype(g.lora_A.dtype),
+            (g.lora_B / _along_slots(div, g.lora_B)).astype(g.lora_B.dtype),
+        )
+
+    return jax.tree.map(scale, grads, is_leaf=_is_bank)
+
+
+def keep_untrained_slots(new: Any, old: Any, trained: Bool[Array, " slots"]) -> Any:
+    """`new` (parameters after an optimizer update, or the optimizer's new state), with
+    every bank slot not in `trained` taken from `old`: bit for bit as before the step,
+    AdamW's moment decay and weight decay included.
+
+    In your own optax loop:
+
+    ```python
+    trained = frozen.trained_slots & (peftx.train.slot_counts(ids, counts, n) > 0)
+    params = peftx.train.keep_untrained_slots(new_params, params, trained)
+    opt_state = peftx.train.keep_untrained_slots(new_opt_state, opt_state, trained)
+    ```
+    """
+
+    def keep(n: Any, o: Any) -> Any:
+        if not _is_bank(n):
+            return n
+        a = (
+            n.lora_A
+            if n.lora_A is None
+            else jnp.where(_along_slots(trained, n.lora_A), n.lora_A, o.lora_A)
+        )
+        b = (
+            n.lora_B
+            if n.lora_B is None
+            else jnp.where(_along_slots(trained, n.lora_B), n.lora_B, o.lora_B)
+        )
+        return _factors(n, a, b)
+
+    return jax.tree.map(keep, new, old, is_leaf=_is_bank)

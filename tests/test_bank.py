@@ -1,0 +1,424 @@
+"""The adapter bank: many LoRA adapters in slots on one base, each row of a batch with its
+own, checked against PyTorch PEFT with each adapter active alone; slots filled and freed
+without a recompile; training that leaves absent adapters bit for bit as they were."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import tiny_llama_config
+
+import peftx
+from peftx.implicit import assert_no_dense
+
+VOCAB = 64
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+# twelve adapters: ranks 4, 8 and 16, several alphas, every third rsLoRA
+SPECS = [
+    (r, alpha, k % 3 == 2)
+    for k, (r, alpha) in enumerate(
+        [
+            (4, 8),
+            (8, 16),
+            (16, 4),
+            (4, 1),
+            (8, 8),
+            (16, 32),
+            (4, 12),
+            (8, 2),
+            (16, 16),
+            (4, 4),
+            (8, 24),
+            (16, 8),
+        ]
+    )
+]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """A tiny Llama saved by transformers, and twelve LoRA adapters saved by PyTorch PEFT."""
+    import peft
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("bank")
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny_llama_config(VOCAB)).save_pretrained(root / "base")
+    for k, (r, alpha, rslora) in enumerate(SPECS):
+        torch.manual_seed(100 + k)
+        model = transformers.LlamaForCausalLM.from_pretrained(root / "base")
+        config = peft.LoraConfig(
+            r=r,
+            lora_alpha=alpha,
+            use_rslora=rslora,
+            target_modules=TARGETS,
+            init_lora_weights=False,  # random B: every adapter changes the output
+        )
+        peft.get_peft_model(model, config).save_pretrained(root / f"a{k}")
+    return root
+
+
+def _peft_logits(root, adapter, ids):
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.LlamaForCausalLM.from_pretrained(root / "base")
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids))).logits.numpy()
+
+
+def _bank(root, layout, n=12, max_adapters=16, dtype=None):
+    base = peftx.from_pretrained(root / "base", layout=layout, dtype=dtype)
+    bank = peftx.PeftModel.from_pretrained(
+        base, root / "a0", "a0", is_trainable=True, max_adapters=max_adapters, max_rank=16
+    )
+    for k in range(1, n):
+        bank = bank.load_adapter(root / f"a{k}", f"a{k}", is_trainable=True)
+    return bank
+
+
+def _optax_promotion():
+    """optax's bias correction mixes Python floats and its int32 count."""
+    return jax.numpy_dtype_promotion("standard")
+
+
+_logits = eqx.filter_jit(lambda m, ids, rows: m(ids, adapter_names=rows).logits)
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "stacked"])
+def test_each_row_equals_peft_with_its_adapter(zoo, layout):
+    bank = _bank(zoo, layout)
+    names = [f"a{k}" for k in range(12)] + [peftx.BASE]
+    ids = np.random.default_rng(0).integers(1, VOCAB, (len(names), 6))
+    got = np.asarray(_logits(bank, jnp.asarray(ids), bank.adapter_ids(names)))
+    for row, name in enumerate(names):
+        adapter = None if name == peftx.BASE else zoo / name
+        want = _peft_logits(zoo, adapter, ids[row : row + 1])[0]
+        np.testing.assert_allclose(got[row], want, atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+def test_a_bf16_base_is_within_its_epsilon(zoo):
+    bank = _bank(zoo, "stacked", n=4, dtype=jnp.bfloat16)
+    names = ["a3", "a1", peftx.BASE, "a2"]
+    ids = np.random.default_rng(1).integers(1, VOCAB, (4, 6))
+    got = np.asarray(_logits(bank, jnp.asarray(ids), bank.adapter_ids(names)), np.float32)
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    for row, name in enumerate(names):
+        adapter = None if name == peftx.BASE else zoo / name
+        want = _peft_logits(zoo, adapter, ids[row : row + 1])[0]
+        # a bf16 forward of two layers: each logit within a few roundings of its size
+        bound = 64 * eps * (1.0 + np.abs(want))
+        assert np.all(np.abs(got[row] - want) <= bound), name
+
+
+def test_no_product_forms_a_dense_update(zoo):
+    # max_rank 8: no gathered factor shares a weight's shape (the value projection is
+    # (16, 32), as a rank-16 slot's `(rows, 16, 32)` factors would look)
+    base = peftx.from_pretrained(zoo / "base")
+    bank = peftx.PeftModel.from_pretrained(base, zoo / "a0", "a0", max_adapters=4, max_rank=8)
+    bank = bank.load_adapter(zoo / "a1", "a1").load_adapter(zoo / "a3", "a3")
+    ids = jnp.ones((3, 5), jnp.int32)
+    rows = bank.adapter_ids(["a3", "a0", "a1"])
+    assert_no_dense(lambda m, x, r: m(x, adapter_names=r).logits, bank, ids, rows)
+
+
+class _Compiles:
+    """Counts XLA compilations while active."""
+
+    count = 0
+
+    def __enter__(self):
+        def listen(event, duration, **kwargs):
+            if event == "/jax/core/compile/backend_compile_duration":
+                self.count += 1
+
+        self._listen = listen
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+
+def test_slots_come_and_go_without_a_recompile(zoo):
+    bank = _bank(zoo, "stacked", n=3, max_adapters=4)
+    ids = jnp.asarray(np.random.default_rng(2).integers(1, VOCAB, (3, 6)))
+    prompt = ids[:, :3]
+    optimizer = optax.adamw(1e-2, weight_decay=0.1)
+    step = peftx.train.make_train_step(peftx.train.causal_lm_loss, optimizer)
+
+    def train_batch(model, names):
+        labels = jnp.where(jnp.arange(6) < 2, -100, ids)
+        return {
+            "input_ids": ids,
+            "attention_mask": jnp.ones_like(ids),
+            "labels": labels,
+            "adapter_ids": model.adapter_ids(names),
+        }
+
+    def everything(model, names):
+        _logits(model, ids, model.adapter_ids(names)).block_until_ready()
+        peftx.generate(model, prompt, 3, adapter_names=names).block_until_ready()
+        state, frozen = peftx.train.init_state(
+            model, optimizer, key=jax.random.key(0), adapters=list(model.adapter_names)
+        )
+        state, metrics = step(state, frozen, train_batch(model, names))
+        return float(metrics["loss"])
+
+    with _optax_promotion():
+        _slots_come_and_go(zoo, bank, everything)
+
+
+def _slots_come_and_go(zoo, bank, everything):
+    """The jitted programs compile once; loading and deleting run small eager ops, which
+    compile once per new shape (an adapter's first rank) and then never again."""
+    everything(bank, ["a0", "a1", "a2"])  # compiles each program once
+    counted = _Compiles()
+    calls = 0
+
+    def run(model, names):
+        nonlocal calls
+        with counted:
+            everything(model, names)
+        calls += 1
+        return counted.count
+
+    for cycle in range(2):
+        with _Compiles() as loading:
+            one = bank.load_adapter(zoo / "a3", "a3", True)  # a free slot
+            two = one.delete_adapter("a1").load_adapter(zoo / "a5", "a5", True)  # rank 16 for 8
+            three = two.delete_adapter("a0").delete_adapter("a5")
+        if cycle == 1:
+            assert loading.count == 0  # the same loads again: nothing new to compile
+        assert run(one, ["a3", "a1", peftx.BASE]) == 0
+        assert run(two, ["a5", "a0", "a3"]) == 0
+        assert run(three, ["a2", "a3", peftx.BASE]) == 0
+    assert calls == 6
+
+
+def test_training_leaves_absent_adapters_bit_for_bit(zoo):
+    bank = _bank(zoo, "stacked", n=8, max_adapters=8)
+    bank = jax.tree.map(lambda x: x, bank)
+    names = ["a1", "a4", "a1", "a6", "a7", "a4"]
+    present, absent = {"a1", "a4", "a6", "a7"}, ["a0", "a2", "a3", "a5"]
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(rng.integers(1, VOCAB, (6, 8)))
+    labels = jnp.where(jnp.asarray(rng.random((6, 8))) < 0.3, -100, ids)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": jnp.ones_like(ids),
+        "labels": labels,
+        "adapter_ids": bank.adapter_ids(names),
+    }
+    optimizer = optax.adamw(1e-2, weight_decay=0.1)
+    state, frozen = peftx.train.init_state(
+        bank, optimizer, key=jax.random.key(0), adapters=list(bank.adapter_names)
+    )
+    # one pass of AdamW over every slot first, so that absent slots have moments to decay
+    warm = dict(batch, adapter_ids=bank.adapter_ids(["a0", "a2", "a3", "a5", "a6", "a7"]))
+    step = peftx.train.make_train_step(peftx.train.causal_lm_loss, optimizer)
+    with _optax_promotion():
+        state, _ = step(state, frozen, warm)
+        before = state
+        for _ in range(3):
+            state, _ = step(state, frozen, batch)
+
+    def slot_arrays(tree, slot):
+        banks = [x for x in jax.tree.leaves(tree, is_leaf=_is_bank) if _is_bank(x)]
+        return [np.asarray(a[..., slot, :, :]) for b in banks for a in (b.lora_A, b.lora_B)]
+
+    table = bank.table
+    for name in absent:
+        slot = table.slot(name)
+        for tree_now, tree_then in (
+            (state.trainable, before.trainable),
+            (state.opt_state, before.opt_state),
+        ):
+            for now, then in zip(slot_arrays(tree_now, slot), slot_arrays(tree_then, slot)):
+                np.testing.assert_array_equal(now, then, err_msg=name)
+    for name in present:
+        slot = table.slot(name)
+        assert any(
+            not np.array_equal(now, then)
+            for now, then in zip(
+                slot_arrays(state.trainable, slot), slot_arrays(before.trainable, slot)
+            )
+        ), name
+
+
+def _is_bank(x):
+    return isinstance(x, peftx.adapters.LoraBank)
+
+
+def test_each_adapters_gradient_is_its_own_rows_alone(zoo):
+    """The step's gradient for an adapter equals the gradient of the mean loss over its
+    own rows, computed with that adapter alone as a plain PeftModel."""
+    bank = _bank(zoo, "unrolled", n=4, max_adapters=4)
+    names = ["a1", "a3", "a1", "a2"]
+    rng = np.random.default_rng(4)
+    ids = jnp.asarray(rng.integers(1, VOCAB, (4, 7)))
+    labels = jnp.where(jnp.asarray(rng.random((4, 7))) < 0.3, -100, ids)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": jnp.ones_like(ids),
+        "labels": labels,
+        "adapter_ids": bank.adapter_ids(names),
+    }
+    # plain SGD at rate 1: the step moves each slot by minus its gradient
+    optimizer = optax.sgd(1.0)
+    state, frozen = peftx.train.init_state(
+        bank, optimizer, key=jax.random.key(0), adapters=list(bank.adapter_names)
+    )
+    with _optax_promotion():
+        new, _ = peftx.train.make_train_step(peftx.train.causal_lm_loss, optimizer)(
+            state, frozen, batch
+        )
+    g = jax.tree.map(lambda a, b: a - b, state.trainable, new.trainable)
+    layer = lambda m: m.base_model.model.layers[1].self_attn.v_proj.weight  # noqa: E731
+    for name in ("a1", "a3", "a2"):
+        rows = [i for i, n in enumerate(names) if n == name]
+        one = bank.to_peft_model([name])
+        trainable, fro = peftx.partition(one, [name])
+        sub = {k: v[jnp.asarray(rows)] for k, v in batch.items() if k != "adapter_ids"}
+
+        def mean_loss(t):
+            total, sums = peftx.train.causal_lm_loss(eqx.combine(t, fro), sub)
+            return total / sums["count"]
+
+        alone = jax.grad(mean_loss)(trainable)
+        want = layer(alone).adapters[name]
+        slot = bank.table.slot(name)
+        r = want.lora_A.shape[0]
+        got_a = layer(g).lora_A[slot, :r]
+        got_b = layer(g).lora_B[slot, :, :r]
+        np.testing.assert_allclose(got_a, want.lora_A, rtol=1e-4, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(got_b, want.lora_B, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_greedy_generation_equals_each_adapters_own(zoo):
+    bank = _bank(zoo, "stacked", n=5, max_adapters=8)
+    names = ["a4", peftx.BASE, "a0", "a2"]
+    prompt = jnp.asarray(np.random.default_rng(5).integers(1, VOCAB, (4, 5)))
+    mixed = np.asarray(peftx.generate(bank, prompt, 6, adapter_names=names))
+    for row, name in enumerate(names):
+        if name == peftx.BASE:
+            alone = peftx.generate(bank.disable_adapters(), prompt[row : row + 1], 6)
+        else:
+            alone = peftx.generate(bank.to_peft_model([name]), prompt[row : row + 1], 6)
+        np.testing.assert_array_equal(mixed[row], np.asarray(alone)[0], err_msg=name)
+
+
+def test_saved_adapters_load_in_peft_with_equal_logits(zoo, tmp_path):
+    bank = _bank(zoo, "stacked", n=3, max_adapters=4)
+    bank.save_pretrained(tmp_path / "out")
+    ids = np.random.default_rng(6).integers(1, VOCAB, (1, 6))
+    for k in range(3):
+        folder = tmp_path / "out" / f"a{k}"
+        r = SPECS[k][0]
+        import safetensors.numpy
+
+        tensors = safetensors.numpy.load_file(folder / "adapter_model.safetensors")
+        assert {v.shape[0] for key, v in tensors.items() if "lora_A" in key} == {r}
+        np.testing.assert_allclose(
+            _peft_logits(zoo, folder, ids), _peft_logits(zoo, zoo / f"a{k}", ids), atol=1e-5
+        )
+
+
+def test_a_large_bank_trains_many_adapters_in_one_step(zoo):
+    base = peftx.from_pretrained(zoo / "base", layout="stacked")
+    config = peftx.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
+    bank = peftx.get_peft_model(base, config, key=jax.random.key(0), max_adapters=256, max_rank=8)
+    keys = jax.random.split(jax.random.key(1), 63)
+    for k in range(63):
+        bank = bank.add_adapter(f"t{k}", dataclasses.replace(config, r=8), key=keys[k])
+    one = peftx.get_peft_model(base, dataclasses.replace(config, r=8), key=jax.random.key(0))
+    single = sum(x.nbytes for x in jax.tree.leaves(peftx.partition(one)[0]) if eqx.is_array(x))
+    banks = [x for x in jax.tree.leaves(bank.base_model, is_leaf=_is_bank) if _is_bank(x)]
+    scalings = sum(b.scaling.nbytes for b in banks)  # one float32 per slot and layer
+    # 256 adapters of the bank's rank; the first, of rank 4, is padded to it
+    assert bank.bank_bytes() == 256 * single + scalings
+    names = list(bank.adapter_names)
+    assert len(names) == 64
+    rng = np.random.default_rng(7)
+    ids = jnp.asarray(rng.integers(1, VOCAB, (64, 6)))
+    batch = {
+        "input_ids": ids,
+        "attention_mask": jnp.ones_like(ids),
+        "labels": ids,
+        "adapter_ids": bank.adapter_ids(names),
+    }
+    optimizer = optax.adam(1e-2)
+    state, frozen = peftx.train.init_state(bank, optimizer, key=jax.random.key(0), adapters=names)
+    with _optax_promotion():
+        new, metrics = peftx.train.make_train_step(peftx.train.causal_lm_loss, optimizer)(
+            state, frozen, batch
+        )
+    assert bool(metrics["finite"])
+    first = lambda tree: next(x for x in jax.tree.leaves(tree, is_leaf=_is_bank) if _is_bank(x))  # noqa: E731
+    b_now, b_then = (
+        first(new.trainable).lora_B,
+        first(state.trainable).lora_B,
+    )  # (layers, slots, ...)
+    moved = np.any(np.asarray(b_now != b_then), axis=(0, 2, 3))
+    assert moved[:64].all() and not moved[64:].any()
+
+
+def test_bad_input_is_refused_and_changes_nothing(zoo):
+    import peft  # noqa: F401  (the files below are PEFT's)
+
+    bank = _bank(zoo, "unrolled", n=2, max_adapters=2)
+    before = jax.tree.leaves(bank)
+    with pytest.raises(ValueError, match=r"the bank is full: max_adapters=2"):
+        bank.load_adapter(zoo / "a2", "a2")
+    small = peftx.PeftModel.from_pretrained(
+        peftx.from_pretrained(zoo / "base"), zoo / "a0", "a0", max_adapters=3
+    )
+    with pytest.raises(ValueError, match=r"rank 8 exceeds the bank's max_rank=4"):
+        small.load_adapter(zoo / "a1", "a1")
+    with pytest.raises(ValueError, match=r"'__base__' cannot name an adapter"):
+        small.add_adapter(
+            peftx.BASE, peftx.LoraConfig(r=4, target_modules=TARGETS), key=jax.random.key(0)
+        )
+    with pytest.raises(peftx.UnknownAdapterError, match=r"no adapter named 'a9'"):
+        bank.adapter_ids(["a0", "a9"])
+    with pytest.raises(
+        ValueError,
+        match=r"adapts model\.layers\.0\.self_attn\.k_proj.*which the "
+        r"bank does not hold",
+    ):
+        small.add_adapter(
+            "k", peftx.LoraConfig(r=4, target_modules=["k_proj"]), key=jax.random.key(0)
+        )
+    with pytest.raises(TypeError, match=r"a bank holds LoRA adapters .* got a IA3Config"):
+        small.add_adapter(
+            "ia3",
+            peftx.IA3Config(target_modules=TARGETS, feedforward_modules=[]),
+            key=jax.random.key(0),
+        )
+    with pytest.raises(ValueError, match=r"this config has use_dora=True"):
+        small.add_adapter(
+            "d", peftx.LoraConfig(r=4, target_modules=TARGETS, use_dora=True), key=jax.random.key(0)
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"adapter id 3 is out of range: ids are slots 0 to 1, "
+        r"or 2 for the base",
+    ):
+        bank(jnp.ones((1, 4), jnp.int32), adapter_names=jnp.asarray([3]))
+    with pytest.raises(ValueError, match=r"max_adapters must be a positive integer, got 0"):
+        peftx.get_peft_model(
+            peftx.from_pretrained(zoo / "base"),
+            peftx.LoraConfig(target_modules=TARGETS),
+            key=jax.random.key(0),
+            max_adapters=0,
+        )
+    after = jax.tree.leaves(bank)
+    assert all(a is b for a, b in zip(before, after)) and small.adapter_names == ("a0",)
