@@ -40,9 +40,10 @@ class LoraBank(AbstractWeight):
     scaling: Array
     rows: Array | None
 
-    # the slot axis is the bank's own (replicated); A's input axis and B's output axis
-    # follow the weight's, as LoRA's factors do
+    # the base is the weight; the slot axis is the bank's own (replicated); A's input
+    # axis and B's output axis follow the weight's, as LoRA's factors do
     weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {
+        "weight": (0, 1),
         "lora_A": (None, None, 1),
         "lora_B": (None, 0, None),
         "scaling": (None,),
