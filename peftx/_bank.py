@@ -312,11 +312,6 @@ class PeftBankModel(eqx.Module):
                     f"adapter {name!r} was loaded for inference (is_trainable=False, PEFT's "
                     "inference_mode); load it with is_trainable=True to train it."
                 )
-            if config.lora_dropout:
-                raise ValueError(
-                    f"adapter {name!r} has lora_dropout={config.lora_dropout}; a bank trains "
-                    "without dropout. Set lora_dropout=0.0 to train it in a bank."
-                )
             mask[self.table.slot(name)] = True
         return eqx.tree_at(lambda m: m.trained_slots, self, jnp.asarray(mask))
 
@@ -446,8 +441,9 @@ def _bank_layers(model: PeftBankModel) -> list[tuple[tuple, list[str], LoraBank]
     return out
 
 
-def _layer_factors(one: Any, name: str) -> dict[str, tuple[Array, Array, float]]:
-    """`{per-layer module path: (A (r, in), B (out, r), scaling)}` of adapter `name`."""
+def _layer_factors(one: Any, name: str) -> dict[str, tuple[np.ndarray, np.ndarray, float, float]]:
+    """`{per-layer module path: (A (r, in), B (out, r), scaling, dropout)}` of adapter
+    `name`, on the host."""
     found = select(one.base_model).at(
         Predicate(
             lambda p, n: (
@@ -466,59 +462,69 @@ def _layer_factors(one: Any, name: str) -> dict[str, tuple[Array, Array, float]]
         paths = layer_paths(path)
         for i, p in enumerate(paths):
             index = (i,) if adapter.stack_ndim else ()
-            out[p] = (adapter.lora_A[index], adapter.lora_B[index], adapter.scaling)
+            out[p] = (
+                np.asarray(adapter.lora_A[index]),
+                np.asarray(adapter.lora_B[index]),
+                adapter.scaling,
+                adapter.lora_dropout,
+            )
     return out
 
 
 def _with_slot(
-    bank: LoraBank, slot: int, factors: list[tuple[Array, Array, float] | None]
+    bank: LoraBank, slot: int, factors: list[tuple[np.ndarray, np.ndarray, float, float] | None]
 ) -> LoraBank:
-    """`bank` with `slot` holding `factors`, one per layer of its stack (None: zeros)."""
+    """`bank` with `slot` holding `(A, B, scaling, dropout)` for each layer of its stack
+    (None: zeros, a layer the adapter leaves alone)."""
     stacked = bank.stack_ndim > 0
     _, r_max, d_in = bank.lora_A.shape[-3:]
     d_out = bank.lora_B.shape[-2]
-    a_rows, b_rows, scales = [], [], []
+    a_rows, b_rows, scales, rates = [], [], [], []
     for f in factors:
-        a = jnp.zeros((r_max, d_in), bank.lora_A.dtype)
-        b = jnp.zeros((d_out, r_max), bank.lora_B.dtype)
-        s = 0.0
+        a = np.zeros((r_max, d_in), bank.lora_A.dtype)
+        b = np.zeros((d_out, r_max), bank.lora_B.dtype)
+        scale = rate = 0.0
         if f is not None:
-            fa, fb, s = f
+            fa, fb, scale, rate = f
             r = fa.shape[0]
-            a = a.at[:r].set(fa.astype(a.dtype))
-            b = b.at[:, :r].set(fb.astype(b.dtype))
+            a[:r] = np.asarray(fa, a.dtype)
+            b[:, :r] = np.asarray(fb, b.dtype)
         a_rows.append(a)
         b_rows.append(b)
-        scales.append(s)
-    a = jnp.stack(a_rows) if stacked else a_rows[0]
-    b = jnp.stack(b_rows) if stacked else b_rows[0]
-    s = jnp.asarray(scales if stacked else scales[0], jnp.float32)
-    lora_A, lora_B, scaling = _set_slot(bank.lora_A, bank.lora_B, bank.scaling, slot, a, b, s)
-    return dataclasses.replace(bank, lora_A=lora_A, lora_B=lora_B, scaling=scaling)
+        scales.append(scale)
+        rates.append(rate)
+    a = np.stack(a_rows) if stacked else a_rows[0]
+    b = np.stack(b_rows) if stacked else b_rows[0]
+    s = np.asarray(scales if stacked else scales[0], np.float32)
+    d = np.asarray(rates if stacked else rates[0], np.float32)
+    return _set_slot(bank, slot, (a, b, s, d))
+
+
+def _cleared(bank: LoraBank, slot: int) -> LoraBank:
+    stack = tuple(bank.weight.shape[: bank.stack_ndim])
+    a = np.zeros((*stack, *bank.lora_A.shape[-2:]), bank.lora_A.dtype)
+    b = np.zeros((*stack, *bank.lora_B.shape[-2:]), bank.lora_B.dtype)
+    zeros = np.zeros(stack, np.float32)
+    return _set_slot(bank, slot, (a, b, zeros, zeros))
+
+
+def _set_slot(bank: LoraBank, slot: int, values: tuple[Any, ...]) -> LoraBank:
+    arrays = (bank.lora_A, bank.lora_B, bank.scaling, bank.dropout)
+    lora_A, lora_B, scaling, dropout = _put_slot(arrays, jnp.int32(slot), values)
+    return dataclasses.replace(bank, lora_A=lora_A, lora_B=lora_B, scaling=scaling, dropout=dropout)
 
 
 @jax.jit
-def _set_slot(
-    lora_A: Array, lora_B: Array, scaling: Array, slot: Array, a: Array, b: Array, s: Array
-) -> tuple[Array, Array, Array]:
-    """One slot of each array set (the slot along the axis after the stack's): one
+def _put_slot(arrays: tuple[Array, ...], slot: Array, values: tuple[Any, ...]) -> tuple:
+    """Each array with `slot` (along the axis after the stack's) set to its value: one
     compiled update per bank shape, whatever the slot."""
-    stack = scaling.ndim - 1
+    stack = arrays[2].ndim - 1  # the scaling: (*stack, slots)
 
     def put(x: Array, value: Array) -> Array:
         moved = jnp.moveaxis(x, stack, 0)
         return jnp.moveaxis(moved.at[slot].set(value.astype(x.dtype)), 0, stack)
 
-    return put(lora_A, a), put(lora_B, b), put(scaling, s)
-
-
-def _cleared(bank: LoraBank, slot: int) -> LoraBank:
-    stack = bank.weight.shape[: bank.stack_ndim]
-    a = jnp.zeros((*stack, *bank.lora_A.shape[-2:]), bank.lora_A.dtype)
-    b = jnp.zeros((*stack, *bank.lora_B.shape[-2:]), bank.lora_B.dtype)
-    s = jnp.zeros(stack, jnp.float32)
-    lora_A, lora_B, scaling = _set_slot(bank.lora_A, bank.lora_B, bank.scaling, slot, a, b, s)
-    return dataclasses.replace(bank, lora_A=lora_A, lora_B=lora_B, scaling=scaling)
+    return tuple(put(x, v) for x, v in zip(arrays, values))
 
 
 def _with_slot_factors(model: Any, bank_model: PeftBankModel, name: str) -> Any:
@@ -593,6 +599,7 @@ def bank_from(
             s.weight,
             jnp.zeros((*stack, max_adapters, max_rank, d_in), dtype),
             jnp.zeros((*stack, max_adapters, d_out, max_rank), adapter.lora_B.dtype),
+            jnp.zeros((*stack, max_adapters), jnp.float32),
             jnp.zeros((*stack, max_adapters), jnp.float32),
             None,
         )

@@ -25,9 +25,13 @@ class AbstractWeight(ImplicitArray):
     follow nothing. A field that flattens the weight row-major (NF4's packed codes) lists
     axis 0: its one axis splits as the weight's rows do. Sharding places each field by
     this map, so a new kind declares it once here.
+
+    `draws_dropout`: whether it draws dropout in training from a `dropout_key` field of
+    its own (`with_dropout` sets it, `without_dropout` clears it).
     """
 
     weight_axes: eqx.AbstractClassVar[Mapping[str, tuple[int | None, ...]]]
+    draws_dropout: ClassVar[bool] = False
 
     def num_parameters(self) -> int:
         """Its parameters as PEFT counts them (`print_trainable_parameters`): by default
@@ -53,8 +57,7 @@ class AbstractAdapter(AbstractWeight):
     - `rank_axes`: the trained fields whose rank axis (given) PEFT's file holds only the
       ranks the config keeps (AdaLoRA's `rank_pattern`; see the config's `kept_ranks`);
     - `weight_axes` (see `AbstractWeight`);
-    - `draws_dropout`: whether it draws dropout in training from a `dropout_key` field of
-      its own (`with_dropout` sets it, `without_dropout` clears it);
+    - `draws_dropout` (see `AbstractWeight`);
 
     and implement `merged(weight)`, the dense weight the adapter stands for on a dense
     base `weight`: `materialize()` and `merge` use it, so the dense update is declared in
@@ -67,7 +70,6 @@ class AbstractAdapter(AbstractWeight):
     file_transposed: ClassVar[frozenset[str]] = frozenset()
     shared_keys: ClassVar[Mapping[str, str]] = {}
     rank_axes: ClassVar[Mapping[str, int]] = {}
-    draws_dropout: ClassVar[bool] = False
 
     @abc.abstractmethod
     def merged(self, weight: Array) -> Array:

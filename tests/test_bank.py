@@ -422,3 +422,35 @@ def test_bad_input_is_refused_and_changes_nothing(zoo):
         )
     after = jax.tree.leaves(bank)
     assert all(a is b for a, b in zip(before, after)) and small.adapter_names == ("a0",)
+
+
+def test_dropout_draws_each_rows_own_slots_rate():
+    """Slot 0 drops at 0.5, slot 1 not at all, the base row has no branch: with a dropout
+    key only slot 0's row changes, and over many keys its mean is the row without dropout
+    (inverted dropout)."""
+    k = jax.random.split(jax.random.key(0), 4)
+    w = jax.random.normal(k[0], (6, 5))
+    a = jax.random.normal(k[1], (2, 3, 5))
+    b = jax.random.normal(k[2], (2, 6, 3))
+    bank = peftx.adapters.LoraBank(
+        w, a, b, jnp.asarray([0.7, 1.3]), jnp.asarray([0.5, 0.0]), jnp.asarray([0, 1, 2])
+    )
+    x = jax.random.normal(k[3], (3, 4, 5))
+    product = peftx.use_implicit_args(
+        lambda m, x: jax.lax.dot_general(x, m, (((2,), (1,)), ((), ())))
+    )
+    plain = product(bank, x)
+    want = [x[i] @ (w + s * b[i] @ a[i]).T for i, s in ((0, 0.7), (1, 1.3))] + [x[2] @ w.T]
+    np.testing.assert_allclose(plain, jnp.stack(want), rtol=1e-5, atol=1e-5)
+
+    def dropped(key):
+        return product(
+            eqx.tree_at(lambda m: m.dropout_key, bank, key, is_leaf=lambda n: n is None), x
+        )
+
+    one = dropped(jax.random.key(1))
+    np.testing.assert_array_equal(one[1:], plain[1:])
+    assert not np.allclose(one[0], plain[0])
+    mean = jnp.mean(jax.vmap(dropped)(jax.random.split(jax.random.key(2), 4000)), axis=0)
+    # 4000 draws: the mean is within a few standard errors of the undropped row
+    np.testing.assert_allclose(mean[0], plain[0], atol=0.1 * float(jnp.max(jnp.abs(plain[0]))))

@@ -14,7 +14,7 @@ from jaxtyping import Array
 from .._kind import AbstractWeight
 from ..implicit import materialize
 from ._layout import WeightProduct, weight_dot_handlers
-from ._products import add_update
+from ._products import LayerKeys, add_update
 
 
 class LoraBank(AbstractWeight):
@@ -25,6 +25,8 @@ class LoraBank(AbstractWeight):
       an adapter of rank `r < max_rank` fills the first `r` ranks, the rest stay zero;
     - `scaling`: `(*stack, slots)` float32, each slot's `lora_alpha / r` (or `/ √r`), zero
       for a free slot;
+    - `dropout`: `(*stack, slots)` float32, each slot's `lora_dropout`, drawn on its rows'
+      input to `A` in training (when `dropout_key` is set, see `with_dropout`);
     - `rows`: the slot of each row of the batch, `(*stack, batch)` int32 (`slots` means the
       base: nothing is added), or one slot for every row, `(*stack,)`; None adds nothing.
 
@@ -38,7 +40,10 @@ class LoraBank(AbstractWeight):
     lora_A: Array
     lora_B: Array
     scaling: Array
+    dropout: Array
     rows: Array | None
+    dropout_key: LayerKeys | None = None
+    draws_dropout: ClassVar[bool] = True
 
     # the base is the weight; the slot axis is the bank's own (replicated); A's input
     # axis and B's output axis follow the weight's, as LoRA's factors do
@@ -47,6 +52,7 @@ class LoraBank(AbstractWeight):
         "lora_A": (None, None, 1),
         "lora_B": (None, 0, None),
         "scaling": (None,),
+        "dropout": (None,),
         "rows": (None,),
     }
 
@@ -111,6 +117,7 @@ def _bank_dot(bank: LoraBank, x: Array, w_is_lhs: bool, params: dict[str, Any]) 
     used = rows < slots
     slot = jnp.minimum(rows, slots - 1)
     scale = jnp.where(used, jnp.take(bank.scaling, slot, axis=0), 0.0)
+    rate = jnp.where(used, jnp.take(bank.dropout, slot, axis=0), 0.0)
     a = jnp.take(bank.lora_A, slot, axis=0)
     b = jnp.take(bank.lora_B, slot, axis=0)
     if rows.ndim == 0:
@@ -126,7 +133,12 @@ def _bank_dot(bank: LoraBank, x: Array, w_is_lhs: bool, params: dict[str, Any]) 
         row_labels = (lead,)
     dtype = bank.lora_A.dtype
     p = dataclasses.replace(p, preferred_element_type=None)  # the branch in the factors' dtype
-    t, t_labels = p.contract(x.astype(dtype), p.x, a, (*row_labels, "rank", in_label))
+    x = x.astype(dtype)
+    if bank.dropout_key is not None:  # inverted dropout at each row's own slot's rate
+        keep = 1.0 - (p.along(rate, row_labels, p.x) if row_labels else rate)
+        mask = jax.random.bernoulli(bank.dropout_key, jnp.broadcast_to(keep, x.shape))
+        x = jnp.where(mask, x / keep.astype(dtype), jnp.zeros((), dtype))
+    t, t_labels = p.contract(x, p.x, a, (*row_labels, "rank", in_label))
     t = t * p.along(scale.astype(dtype), row_labels, t_labels) if row_labels else t * scale
     u, u_labels = p.contract(t.astype(dtype), t_labels, b, (*row_labels, out_label, "rank"))
     return add_update(base, p.arrange(u, u_labels))

@@ -1,5 +1,5 @@
-"""Dropout in training: every adapter whose class declares `draws_dropout` holds a key of
-its own, set for a step with `with_dropout` and cleared with `without_dropout`."""
+"""Dropout in training: every adapter (or bank) whose class declares `draws_dropout` holds
+a key of its own, set for a step with `with_dropout` and cleared with `without_dropout`."""
 
 from typing import Any
 
@@ -7,12 +7,12 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
-from .._kind import AbstractAdapter
+from .._kind import AbstractWeight
 from ._products import LayerKeys
 
 
 def _draws_dropout(x: Any) -> bool:
-    return isinstance(x, AbstractAdapter) and x.draws_dropout
+    return isinstance(x, AbstractWeight) and x.draws_dropout
 
 
 def _set_key(x: Any, key: LayerKeys | None) -> Any:
