@@ -4,6 +4,7 @@ function of the model sees only arrays, so adapters come and go without a recomp
 
 import dataclasses
 import difflib
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ from ._config import AbstractAdapterConfig
 from ._errors import UnknownAdapterError
 from ._select import Predicate, node_at, select
 from ._targets import BASE, layer_paths
-from .adapters import AdapterSet, LoraArray, LoraBank, LoraConfig
+from .adapters import AdapterSet, ExpertLoraArray, ExpertLoraBank, LoraArray, LoraBank, LoraConfig
 from .implicit import use_implicit_args
 
 
@@ -61,12 +62,8 @@ class SlotTable:
 _ATTR = jax.tree_util.GetAttrKey
 
 
-def _is_bank_layer(node: Any) -> bool:
-    return isinstance(getattr(node, "weight", None), LoraBank)
-
-
 def _is_bank(x: Any) -> bool:
-    return isinstance(x, LoraBank)
+    return isinstance(x, LoraBank | ExpertLoraBank)
 
 
 class PeftBankModel(eqx.Module):
@@ -287,7 +284,7 @@ class PeftBankModel(eqx.Module):
         del adapters
         spec = jax.tree.map(lambda _: False, self)
 
-        def bank_spec(b: LoraBank) -> LoraBank:
+        def bank_spec(b: Any) -> Any:
             return eqx.tree_at(lambda x: (x.lora_A, x.lora_B), b, (True, True))
 
         return eqx.tree_at(
@@ -368,11 +365,11 @@ class PeftBankModel(eqx.Module):
         slot = self.table.free_slot()
         assert slot is not None
         factors = _layer_factors(one, name)
-        banks = _bank_layers(self)
+        banks = _banks(self)
         missing = sorted(set(factors) - {p for _, paths, _ in banks for p in paths})
         if missing:
             raise ValueError(
-                f"adapter {name!r} adapts {missing[0]}"
+                f"adapter {name!r} adapts {missing[0].removesuffix('.weight')}"
                 + (f" and {len(missing) - 1} more layers" if len(missing) > 1 else "")
                 + ", which the bank does not hold: a bank holds the layers its first "
                 "adapter targets. Make the bank from a config that targets them all."
@@ -400,7 +397,6 @@ def check_bank_config(config: Any, max_rank: int) -> None:
         what
         for what, present in (
             ("use_dora=True", config.use_dora),
-            ("target_parameters (experts)", config.target_parameters),
             (f"bias={config.bias!r}", config.bias != "none"),
             ("modules_to_save", config.modules_to_save),
             (
@@ -412,7 +408,7 @@ def check_bank_config(config: Any, max_rank: int) -> None:
     ]
     if unheld:
         raise ValueError(
-            f"a bank holds plain LoRA and rsLoRA on Linear weights; this config has "
+            f"a bank holds plain LoRA and rsLoRA on Linear weights and experts; this config has "
             f"{', '.join(unheld)}."
         )
     ranks = [config.r, *config.rank_pattern.values()]
@@ -427,98 +423,98 @@ def _map_banks(tree: Any, fn: Any) -> Any:
     return jax.tree.map(lambda x: fn(x) if _is_bank(x) else x, tree, is_leaf=_is_bank)
 
 
-def _bank_layers(model: PeftBankModel) -> list[tuple[tuple, list[str], LoraBank]]:
-    """`(key path of the bank, the per-layer module paths along its stack, bank)`."""
-    found = select(model.base_model).at(Predicate(lambda p, n: _is_bank_layer(n), "banks"))
-    out = []
-    for path, keypath, layer in found.matches:
-        full = (
-            jax.tree_util.GetAttrKey("base_model"),
-            *keypath,
-            jax.tree_util.GetAttrKey("weight"),
-        )
-        out.append((full, layer_paths(path), layer.weight))
-    return out
+def _banks(model: PeftBankModel) -> list[tuple[tuple, list[str], Any]]:
+    """`(key path, the per-layer paths along its stack, bank)` of each bank of `model`;
+    a bank's path is where it sits (`...q_proj.weight`, `...experts.gate_up_proj`)."""
+    found = select(model.base_model).at(Predicate(lambda p, n: _is_bank(n), "banks"))
+    return [
+        ((_ATTR("base_model"), *keypath), layer_paths(path), bank)
+        for path, keypath, bank in found.matches
+    ]
 
 
-def _layer_factors(one: Any, name: str) -> dict[str, tuple[np.ndarray, np.ndarray, float, float]]:
-    """`{per-layer module path: (A (r, in), B (out, r), scaling, dropout)}` of adapter
-    `name`, on the host."""
-    found = select(one.base_model).at(
-        Predicate(
-            lambda p, n: (
-                isinstance(getattr(n, "weight", None), AdapterSet) and name in n.weight.adapters
-            ),
-            f"layers with {name!r}",
-        )
+Factors = tuple[np.ndarray, np.ndarray, float, float]
+
+
+def _carrying(model: Any, name: str) -> Any:
+    """The `AdapterSet`s of a `PeftModel` that carry adapter `name`."""
+    return select(model.base_model).at(
+        Predicate(lambda p, n: isinstance(n, AdapterSet) and name in n.adapters, f"{name!r}")
     )
+
+
+def _layer_factors(one: Any, name: str) -> dict[str, Factors]:
+    """`{per-layer path: (A, B, scaling, dropout)}` of adapter `name` of the PeftModel
+    `one`, on the host: a linear layer's `A (r, in)` and `B (out, r)`, an expert stack's
+    `A (experts, r, in)` and `B (experts, out, r)`."""
     out = {}
-    for path, layer in zip(found.paths(), found.get()):
-        adapter = layer.weight.adapter(name)
-        if type(adapter) is not LoraArray or adapter.kernel_ndim:
+    for path, s in zip(*(lambda f: (f.paths(), f.get()))(_carrying(one, name))):
+        adapter = s.adapters[name]
+        if type(adapter) is LoraArray and not adapter.kernel_ndim:
+            a, b, rate = adapter.lora_A, adapter.lora_B, adapter.lora_dropout
+        elif type(adapter) is ExpertLoraArray:
+            (a, b), rate = adapter.factors(), 0.0
+        else:
             raise ValueError(
-                f"{path} holds a {type(adapter).__name__}; a bank holds LoRA on Linear weights."
+                f"{path} holds a {type(adapter).__name__}; a bank holds LoRA on Linear "
+                "weights and on experts."
             )
-        paths = layer_paths(path)
-        for i, p in enumerate(paths):
+        for i, p in enumerate(layer_paths(path)):
             index = (i,) if adapter.stack_ndim else ()
-            out[p] = (
-                np.asarray(adapter.lora_A[index]),
-                np.asarray(adapter.lora_B[index]),
-                adapter.scaling,
-                adapter.lora_dropout,
-            )
+            out[p] = (np.asarray(a[index]), np.asarray(b[index]), adapter.scaling, rate)
     return out
 
 
-def _with_slot(
-    bank: LoraBank, slot: int, factors: list[tuple[np.ndarray, np.ndarray, float, float] | None]
-) -> LoraBank:
+def _with_slot(bank: Any, slot: int, factors: list[Factors | None]) -> Any:
     """`bank` with `slot` holding `(A, B, scaling, dropout)` for each layer of its stack
-    (None: zeros, a layer the adapter leaves alone)."""
-    stacked = bank.stack_ndim > 0
-    _, r_max, d_in = bank.lora_A.shape[-3:]
-    d_out = bank.lora_B.shape[-2]
+    (None: zeros, a layer the adapter leaves alone), each padded to the bank's rank."""
+    stack = bank.stack_ndim
+    a_shape = bank.lora_A.shape[stack + 1 :]
+    b_shape = bank.lora_B.shape[stack + 1 :]
     a_rows, b_rows, scales, rates = [], [], [], []
     for f in factors:
-        a = np.zeros((r_max, d_in), bank.lora_A.dtype)
-        b = np.zeros((d_out, r_max), bank.lora_B.dtype)
+        a = np.zeros(a_shape, bank.lora_A.dtype)
+        b = np.zeros(b_shape, bank.lora_B.dtype)
         scale = rate = 0.0
         if f is not None:
             fa, fb, scale, rate = f
-            r = fa.shape[0]
-            a[:r] = np.asarray(fa, a.dtype)
-            b[:, :r] = np.asarray(fb, b.dtype)
+            r = fa.shape[-2]
+            a[..., :r, :] = np.asarray(fa, a.dtype)
+            b[..., :r] = np.asarray(fb, b.dtype)
         a_rows.append(a)
         b_rows.append(b)
         scales.append(scale)
         rates.append(rate)
-    a = np.stack(a_rows) if stacked else a_rows[0]
-    b = np.stack(b_rows) if stacked else b_rows[0]
-    s = np.asarray(scales if stacked else scales[0], np.float32)
-    d = np.asarray(rates if stacked else rates[0], np.float32)
-    return _set_slot(bank, slot, (a, b, s, d))
+    pick = (lambda xs: np.stack(xs)) if stack else (lambda xs: xs[0])
+    values = (
+        pick(a_rows),
+        pick(b_rows),
+        np.asarray(scales if stack else scales[0], np.float32),
+        np.asarray(rates if stack else rates[0], np.float32),
+    )
+    return _set_slot(bank, slot, values)
 
 
-def _cleared(bank: LoraBank, slot: int) -> LoraBank:
+def _cleared(bank: Any, slot: int) -> Any:
     stack = tuple(bank.weight.shape[: bank.stack_ndim])
-    a = np.zeros((*stack, *bank.lora_A.shape[-2:]), bank.lora_A.dtype)
-    b = np.zeros((*stack, *bank.lora_B.shape[-2:]), bank.lora_B.dtype)
+    a = np.zeros((*stack, *bank.lora_A.shape[bank.stack_ndim + 1 :]), bank.lora_A.dtype)
+    b = np.zeros((*stack, *bank.lora_B.shape[bank.stack_ndim + 1 :]), bank.lora_B.dtype)
     zeros = np.zeros(stack, np.float32)
     return _set_slot(bank, slot, (a, b, zeros, zeros))
 
 
-def _set_slot(bank: LoraBank, slot: int, values: tuple[Any, ...]) -> LoraBank:
-    arrays = (bank.lora_A, bank.lora_B, bank.scaling, bank.dropout)
-    lora_A, lora_B, scaling, dropout = _put_slot(arrays, jnp.int32(slot), values)
-    return dataclasses.replace(bank, lora_A=lora_A, lora_B=lora_B, scaling=scaling, dropout=dropout)
+def _set_slot(bank: Any, slot: int, values: tuple[Any, ...]) -> Any:
+    fields = ("lora_A", "lora_B", "scaling", "dropout")
+    fields = tuple(f for f in fields if hasattr(bank, f))  # an expert bank has no dropout
+    arrays = tuple(getattr(bank, f) for f in fields)
+    new = _put_slot(arrays, jnp.int32(slot), values[: len(fields)], bank.stack_ndim)
+    return eqx.tree_at(lambda x: tuple(getattr(x, f) for f in fields), bank, new)
 
 
-@jax.jit
-def _put_slot(arrays: tuple[Array, ...], slot: Array, values: tuple[Any, ...]) -> tuple:
-    """Each array with `slot` (along the axis after the stack's) set to its value: one
+@functools.partial(jax.jit, static_argnums=3)
+def _put_slot(arrays: tuple[Array, ...], slot: Array, values: tuple[Any, ...], stack: int) -> tuple:
+    """Each array with `slot` (the axis after the `stack` axes) set to its value: one
     compiled update per bank shape, whatever the slot."""
-    stack = arrays[2].ndim - 1  # the scaling: (*stack, slots)
 
     def put(x: Array, value: Array) -> Array:
         moved = jnp.moveaxis(x, stack, 0)
@@ -528,29 +524,25 @@ def _put_slot(arrays: tuple[Array, ...], slot: Array, values: tuple[Any, ...]) -
 
 
 def _with_slot_factors(model: Any, bank_model: PeftBankModel, name: str) -> Any:
-    """`model` (holding adapter `name` as plain LoRA) with `name`'s factors read from its
-    slot of `bank_model`, each layer trimmed to its own rank."""
+    """`model` (a PeftModel holding adapter `name` as plain LoRA) with `name`'s factors
+    read from its slot of `bank_model`, each layer trimmed to its own rank."""
     slot = bank_model.table.slot(name)
     values = {}
-    for _, paths, bank in _bank_layers(bank_model):
+    for _, paths, bank in _banks(bank_model):
         for i, p in enumerate(paths):
             index = (i, slot) if bank.stack_ndim else (slot,)
             values[p] = (bank.lora_A[index], bank.lora_B[index])
-    found = select(model.base_model).at(
-        Predicate(
-            lambda p, n: (
-                isinstance(getattr(n, "weight", None), AdapterSet) and name in n.weight.adapters
-            ),
-            f"layers with {name!r}",
-        )
-    )
-    where = found.where_fn()
-    new_layers = []
-    for path, layer in zip(found.paths(), found.get()):
-        adapter = layer.weight.adapters[name]
-        r = adapter.lora_A.shape[-2]
-        a = jnp.stack([values[p][0][:r] for p in layer_paths(path)])
-        b = jnp.stack([values[p][1][:, :r] for p in layer_paths(path)])
+    found = _carrying(model, name)
+    new = []
+    for path, s in zip(found.paths(), found.get()):
+        adapter = s.adapters[name]
+        expert = type(adapter) is ExpertLoraArray
+        r = adapter.r
+        a = jnp.stack([values[p][0][..., :r, :] for p in layer_paths(path)])
+        b = jnp.stack([values[p][1][..., :r] for p in layer_paths(path)])
+        if expert:  # PEFT's layouts: A (r·experts, in) expert-major, B (out, r·experts)
+            a = a.reshape(a.shape[0], -1, a.shape[-1])
+            b = jnp.moveaxis(b, 1, -1).reshape(b.shape[0], b.shape[2], -1)
         if not adapter.stack_ndim:
             a, b = a[0], b[0]
         adapter = eqx.tree_at(
@@ -558,15 +550,8 @@ def _with_slot_factors(model: Any, bank_model: PeftBankModel, name: str) -> Any:
             adapter,
             (a.astype(adapter.lora_A.dtype), b.astype(adapter.lora_B.dtype)),
         )
-        s = layer.weight
-        new_layers.append(
-            eqx.tree_at(
-                lambda m: m.weight,
-                layer,
-                AdapterSet(s.weight, {**s.adapters, name: adapter}, s.gate, s.active),
-            )
-        )
-    return eqx.tree_at(lambda m: where(m.base_model), model, new_layers)
+        new.append(AdapterSet(s.weight, {**s.adapters, name: adapter}, s.gate, s.active))
+    return eqx.tree_at(lambda m: found.where_fn()(m.base_model), model, new)
 
 
 def bank_from(
@@ -590,15 +575,23 @@ def bank_from(
     check_bank_config(config, max_rank)
     factors = _layer_factors(model, name)
 
-    def banked(s: AdapterSet) -> LoraBank:
+    def banked(s: AdapterSet) -> Any:
         adapter = s.adapters[name]
-        stack = tuple(s.weight.shape[:-2])
-        d_out, d_in = s.weight.shape[-2:]
-        dtype = adapter.lora_A.dtype
+        *stack, d_out, d_in = s.weight.shape
+        a_dtype, b_dtype = adapter.lora_A.dtype, adapter.lora_B.dtype
+        if type(adapter) is ExpertLoraArray:
+            *stack, experts = stack
+            return ExpertLoraBank(
+                s.weight,
+                jnp.zeros((*stack, max_adapters, experts, max_rank, d_in), a_dtype),
+                jnp.zeros((*stack, max_adapters, experts, d_out, max_rank), b_dtype),
+                jnp.zeros((*stack, max_adapters), jnp.float32),
+                None,
+            )
         return LoraBank(
             s.weight,
-            jnp.zeros((*stack, max_adapters, max_rank, d_in), dtype),
-            jnp.zeros((*stack, max_adapters, d_out, max_rank), adapter.lora_B.dtype),
+            jnp.zeros((*stack, max_adapters, max_rank, d_in), a_dtype),
+            jnp.zeros((*stack, max_adapters, d_out, max_rank), b_dtype),
             jnp.zeros((*stack, max_adapters), jnp.float32),
             jnp.zeros((*stack, max_adapters), jnp.float32),
             None,
@@ -615,7 +608,7 @@ def bank_from(
         jnp.zeros((max_adapters,), bool),
         SlotTable(max_adapters, max_rank, place, load),
     )
-    banks = _bank_layers(empty)
+    banks = _banks(empty)
     filled = empty
     for keypath, paths, bank in banks:
         value = _with_slot(bank, 0, [factors.get(p) for p in paths])

@@ -454,3 +454,160 @@ def test_dropout_draws_each_rows_own_slots_rate():
     mean = jnp.mean(jax.vmap(dropped)(jax.random.split(jax.random.key(2), 4000)), axis=0)
     # 4000 draws: the mean is within a few standard errors of the undropped row
     np.testing.assert_allclose(mean[0], plain[0], atol=0.1 * float(jnp.max(jnp.abs(plain[0]))))
+
+
+@pytest.fixture(scope="module")
+def moe_zoo(tmp_path_factory):
+    """A tiny Qwen3-MoE saved by transformers, and four PEFT adapters on its experts
+    (`target_parameters`) and value projections, of ranks 2, 4, 2 and 3."""
+    import peft
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("moe_bank")
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts_per_tok=2,
+        initializer_range=0.2,
+        intermediate_size=40,
+        moe_intermediate_size=12,
+        num_experts=4,
+        head_dim=8,
+        norm_topk_prob=True,
+    )
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(root / "base")
+    for k, (r, alpha, rslora) in enumerate(
+        [(2, 3, False), (4, 8, True), (2, 1, False), (3, 6, False)]
+    ):
+        torch.manual_seed(200 + k)
+        model = transformers.AutoModelForCausalLM.from_pretrained(root / "base")
+        lora = peft.LoraConfig(
+            r=r,
+            lora_alpha=alpha,
+            use_rslora=rslora,
+            target_modules=["v_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            init_lora_weights=False,
+        )
+        peft.get_peft_model(model, lora).save_pretrained(root / f"m{k}")
+    return root
+
+
+@pytest.mark.parametrize("layout", ["unrolled", "stacked"])
+def test_expert_rows_equal_peft_with_their_adapter(moe_zoo, layout):
+    """Each row routes through its own adapter's experts: (adapter, expert) pairs."""
+    base = peftx.from_pretrained(moe_zoo / "base", layout=layout)
+    bank = peftx.PeftModel.from_pretrained(base, moe_zoo / "m0", "m0", max_adapters=6, max_rank=4)
+    for k in range(1, 4):
+        bank = bank.load_adapter(moe_zoo / f"m{k}", f"m{k}")
+    names = ["m2", peftx.BASE, "m0", "m3", "m1"]
+    ids = np.random.default_rng(8).integers(1, VOCAB, (len(names), 7))
+    got = np.asarray(_logits(bank, jnp.asarray(ids), bank.adapter_ids(names)))
+    for row, name in enumerate(names):
+        adapter = None if name == peftx.BASE else moe_zoo / name
+        want = _moe_logits(moe_zoo, adapter, ids[row : row + 1])[0]
+        np.testing.assert_allclose(got[row], want, atol=1e-4, rtol=1e-4, err_msg=name)
+    if layout == "unrolled":  # and each adapter saved from the bank is PEFT's again
+        import safetensors.numpy
+
+        out = moe_zoo / f"saved_{layout}"
+        bank.save_pretrained(out, ["m1", "m3"])
+        for name in ("m1", "m3"):
+            mine = safetensors.numpy.load_file(out / name / "adapter_model.safetensors")
+            theirs = safetensors.numpy.load_file(moe_zoo / name / "adapter_model.safetensors")
+            assert mine.keys() == theirs.keys()
+            for key in theirs:
+                np.testing.assert_allclose(mine[key], theirs[key], atol=1e-7, err_msg=key)
+
+
+def _moe_logits(root, adapter, ids):
+    import peft
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(root / "base").eval()
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids))).logits.numpy()
+
+
+def test_grouped_expert_product_gathers_each_rows_slot_and_expert():
+    """`ragged_dot_general` (the GPU and TPU path of a mixture of experts) over an expert
+    bank: row m of expert e(m), slot s(m), gets x·(W[e] + s_k B[s,e] A[s,e])ᵀ, written
+    densely here; rows past the groups get zeros, as `ragged_dot` gives them."""
+    from jax import lax
+
+    from peftx.models._moe import GROUPED
+
+    k = jax.random.split(jax.random.key(3), 4)
+    experts, slots, rank, d_in, d_out = 3, 4, 2, 5, 6
+    w = jax.random.normal(k[0], (experts, d_out, d_in))
+    a = jax.random.normal(k[1], (slots, experts, rank, d_in))
+    b = jax.random.normal(k[2], (slots, experts, d_out, rank))
+    scaling = jnp.asarray([0.5, 2.0, 0.0, 1.5])
+    group_sizes = jnp.asarray([3, 0, 4], jnp.int32)  # 7 rows in groups, 2 past them
+    rows = jnp.asarray([1, 4, 0, 3, 1, 4, 0, 2, 1], jnp.int32)  # 4 is the base
+    x = jax.random.normal(k[3], (9, d_in))
+    bank = peftx.adapters.ExpertLoraBank(w, a, b, scaling, rows)
+    got = peftx.use_implicit_args(lambda bank, x, gs: lax.ragged_dot_general(x, bank, gs, GROUPED))(
+        bank, x, group_sizes
+    )
+    expert_of = [0, 0, 0, 2, 2, 2, 2]
+    want = []
+    for m in range(9):
+        if m >= 7:
+            want.append(jnp.zeros(d_out))
+            continue
+        e, s = expert_of[m], int(rows[m])
+        dense = w[e] if s == slots else w[e] + scaling[s] * b[s, e] @ a[s, e]
+        want.append(dense @ x[m])
+    np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_on_expert_banks_leaves_absent_adapters_as_they_were(moe_zoo):
+    base = peftx.from_pretrained(moe_zoo / "base", layout="stacked")
+    bank = peftx.PeftModel.from_pretrained(
+        base, moe_zoo / "m0", "m0", True, max_adapters=4, max_rank=4
+    )
+    for k in range(1, 4):
+        bank = bank.load_adapter(moe_zoo / f"m{k}", f"m{k}", True)
+    ids = jnp.asarray(np.random.default_rng(9).integers(1, VOCAB, (4, 6)))
+    batch = {
+        "input_ids": ids,
+        "attention_mask": jnp.ones_like(ids),
+        "labels": ids,
+        "adapter_ids": bank.adapter_ids(["m0", "m2", "m2", "m0"]),
+    }
+    optimizer = optax.adamw(1e-2, weight_decay=0.1)
+    state, frozen = peftx.train.init_state(
+        bank, optimizer, key=jax.random.key(0), adapters=list(bank.adapter_names)
+    )
+    with _optax_promotion():
+        new, metrics = peftx.train.make_train_step(peftx.train.causal_lm_loss, optimizer)(
+            state, frozen, batch
+        )
+    assert bool(metrics["finite"])
+    experts = lambda t: [  # noqa: E731
+        x
+        for x in jax.tree.leaves(t, is_leaf=_is_any_bank)
+        if isinstance(x, peftx.adapters.ExpertLoraBank)
+    ]
+    assert len(experts(new.trainable)) == 2  # gate_up_proj and down_proj, stacked over layers
+    for now, then in zip(experts(new.trainable), experts(state.trainable)):
+        for name in ("m1", "m3"):
+            slot = bank.table.slot(name)
+            np.testing.assert_array_equal(now.lora_A[:, slot], then.lora_A[:, slot])
+            np.testing.assert_array_equal(now.lora_B[:, slot], then.lora_B[:, slot])
+        for name in ("m0", "m2"):
+            slot = bank.table.slot(name)
+            assert not np.array_equal(now.lora_B[:, slot], then.lora_B[:, slot]), name
+
+
+def _is_any_bank(x):
+    return isinstance(x, peftx.adapters.LoraBank | peftx.adapters.ExpertLoraBank)

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._kind import AbstractWeight
-from ..implicit import materialize
+from ..implicit import materialize, primitive_handler
 from ._layout import WeightProduct, weight_dot_handlers
-from ._products import LayerKeys, add_update
+from ._lora._experts import GROUPED as _GROUPED
+from ._products import LayerKeys, add_update, cast_base_on_astype, take_rows, taken_rows
 
 
 class LoraBank(AbstractWeight):
@@ -44,6 +45,8 @@ class LoraBank(AbstractWeight):
     rows: Array | None
     dropout_key: LayerKeys | None = None
     draws_dropout: ClassVar[bool] = True
+    # the slot axis of `lora_A` and `lora_B`, from their last axis
+    factor_slot_axis: ClassVar[int] = -3
 
     # the base is the weight; the slot axis is the bank's own (replicated); A's input
     # axis and B's output axis follow the weight's, as LoRA's factors do
@@ -145,3 +148,162 @@ def _bank_dot(bank: LoraBank, x: Array, w_is_lhs: bool, params: dict[str, Any]) 
 
 
 weight_dot_handlers(LoraBank, _bank_dot)
+
+
+cast_base_on_astype(LoraBank)
+
+
+class ExpertLoraBank(AbstractWeight):
+    """A bank of LoRA slots on a stack of experts `W (*stack, experts, out, in)` (PEFT's
+    `target_parameters`): `W[e] + scaling[s] · B[s, e] @ A[s, e]` for a row of expert `e`
+    routed to slot `s`.
+
+    - `lora_A`: `(*stack, slots, experts, max_rank, in)`, `lora_B`: `(*stack, slots,
+      experts, out, max_rank)`;
+    - `scaling`, `rows`: as `LoraBank`'s (no dropout: PEFT's `ParamWrapper` draws none).
+
+    A mixture of experts reorders its rows (`peftx.implicit.gate_rows`), takes whole
+    experts (`jnp.take`) and multiplies them grouped (`ragged_dot_general`) or batched;
+    each row gathers its own slot's factors for its own expert.
+    """
+
+    weight: Any
+    lora_A: Array
+    lora_B: Array
+    scaling: Array
+    rows: Array | None
+
+    factor_slot_axis: ClassVar[int] = -4
+    weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {
+        "weight": (0, 1, 2),
+        "lora_A": (None, 0, None, 2),
+        "lora_B": (None, 0, 1, None),
+        "scaling": (None,),
+        "rows": (None,),
+    }
+
+    @property
+    def stack_ndim(self) -> int:
+        return len(self.weight.shape) - 3
+
+    @property
+    def slots(self) -> int:
+        return self.lora_A.shape[self.stack_ndim]
+
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
+
+    def materialize(self) -> Array:
+        w = materialize(self.weight)
+        if self.rows is None:
+            return w
+        raise ValueError(
+            "an expert bank routing rows to slots has no single dense weight; multiply it "
+            "with its rows instead."
+        )
+
+    def with_rows(self, rows: Array | None) -> "ExpertLoraBank":
+        if rows is not None:
+            stack = tuple(self.weight.shape[: self.stack_ndim])
+            rows = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (*stack, *jnp.shape(rows)))
+        return eqx.tree_at(lambda b: b.rows, self, rows, is_leaf=lambda x: x is None)
+
+    def row_factors(self, experts: Array) -> tuple[Array, Array, Array]:
+        """Each row's `(A (…, rank, in), B (…, out, rank), scale (…))` for its slot and
+        `experts` (the expert of each row, `rows`' shape); a base row's scale is 0."""
+        slots = self.slots
+        used = self.rows < slots
+        slot = jnp.minimum(self.rows, slots - 1)
+        a = self.lora_A[slot, experts]
+        b = self.lora_B[slot, experts]
+        scale = jnp.where(used, jnp.take(self.scaling, slot, axis=0), 0.0)
+        return a, b, scale
+
+
+@primitive_handler("gate_rows")
+def _bank_rows(primitive: Any, bank: LoraBank | ExpertLoraBank, rows: Array) -> Any:
+    """Rows reordered before a product: each new row takes the slot of the row it was."""
+    if bank.rows is None or bank.stack_ndim:
+        return bank
+    taken = bank.rows if bank.rows.ndim == 0 else jnp.take(bank.rows, rows, axis=0)
+    return eqx.tree_at(lambda b: b.rows, bank, jnp.broadcast_to(taken, rows.shape))
+
+
+@primitive_handler("gather")
+def _bank_take_experts(primitive: Any, bank: ExpertLoraBank, indices: Array, **params: Any) -> Any:
+    """Whole experts taken along axis 0: the bank over the taken experts."""
+    if bank.stack_ndim or not taken_rows(bank.shape, indices, params):
+        return NotImplemented
+
+    def take_experts(factor: Array) -> Array:  # the experts axis is the second
+        moved = jnp.moveaxis(factor, 1, 0)
+        return jnp.moveaxis(take_rows(primitive, moved, indices, params), 0, 1)
+
+    return eqx.tree_at(
+        lambda b: (b.weight, b.lora_A, b.lora_B),
+        bank,
+        (
+            take_rows(primitive, bank.weight, indices, params),
+            take_experts(bank.lora_A),
+            take_experts(bank.lora_B),
+        ),
+    )
+
+
+@primitive_handler("ragged_dot_general")
+def _bank_grouped(
+    primitive: Any,
+    x: Array,
+    bank: ExpertLoraBank,
+    group_sizes: Array,
+    *,
+    ragged_dot_dimension_numbers: Any,
+    **params: Any,
+) -> Any:
+    """The grouped product (rows of `x` sorted by expert): the base grouped product, and
+    each row's own slot's update for its expert, from gathered factors."""
+    dims = ragged_dot_dimension_numbers
+    if bank.stack_ndim or dims != _GROUPED:
+        return NotImplemented
+    base = primitive.bind(x, bank.weight, group_sizes, ragged_dot_dimension_numbers=dims, **params)
+    if bank.rows is None:
+        return base
+    m = x.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    index = jnp.arange(m, dtype=ends.dtype)
+    experts = jnp.minimum(jnp.searchsorted(ends, index, side="right"), bank.weight.shape[0] - 1)
+    a, b, scale = dataclasses.replace(bank, rows=jnp.broadcast_to(bank.rows, (m,))).row_factors(
+        experts
+    )
+    scale = jnp.where(index < ends[-1], scale, 0.0)  # rows past the groups get nothing
+    dtype = bank.lora_A.dtype
+    t = jnp.einsum("mi,mri->mr", x.astype(dtype), a)
+    u = jnp.einsum("mr,mor->mo", t * scale[:, None].astype(dtype), b)
+    return add_update(base, u)
+
+
+def _expert_bank_dot(bank: ExpertLoraBank, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    """Experts multiplied batched over blocks of rows (`x (blocks, rows, in)` against the
+    taken experts `(blocks, out, in)`): each row's own slot's update for its block's expert."""
+    if bank.stack_ndim:
+        return NotImplemented
+    p = WeightProduct.parse(3, x.ndim, w_is_lhs, params)
+    expert_l, out_l, in_l = p.w
+    base = p.arrange(*p.contract(x, p.x, bank.weight, p.w))
+    if bank.rows is None:
+        return base
+    if x.ndim != 3 or p.x[0] != expert_l or p.x[2] != in_l or expert_l not in p.out:
+        return NotImplemented
+    blocks, per_block = x.shape[:2]
+    rows = jnp.broadcast_to(bank.rows, (blocks, per_block))
+    experts = jnp.broadcast_to(jnp.arange(blocks)[:, None], (blocks, per_block))
+    a, b, scale = dataclasses.replace(bank, rows=rows).row_factors(experts)
+    dtype = bank.lora_A.dtype
+    t = jnp.einsum("bni,bnri->bnr", x.astype(dtype), a)
+    u = jnp.einsum("bnr,bnor->bno", t * scale[..., None].astype(dtype), b)
+    labels = (expert_l, p.x[1], out_l)
+    return add_update(base, p.arrange(u, labels))
+
+
+weight_dot_handlers(ExpertLoraBank, _expert_bank_dot)
+cast_base_on_astype(ExpertLoraBank)

@@ -9,23 +9,23 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..adapters import LoraBank
+from ..adapters import ExpertLoraBank, LoraBank
 
 
 def _is_bank(x: Any) -> bool:
-    return isinstance(x, LoraBank)
+    return isinstance(x, LoraBank | ExpertLoraBank)
 
 
-def _factors(bank: LoraBank, a: Any, b: Any) -> LoraBank:
+def _factors(bank: Any, a: Any, b: Any) -> Any:
     """`bank` with factors `a` and `b` (a pytree node of gradients or optimizer state
     may hold None where the model holds its other fields)."""
     return eqx.tree_at(lambda x: (x.lora_A, x.lora_B), bank, (a, b), is_leaf=lambda x: x is None)
 
 
-def _along_slots(per_slot: Array, factor: Array) -> Array:
-    """`per_slot` `(slots,)` shaped to broadcast along a factor's slot axis (the third
-    from last, after any stack axes)."""
-    return per_slot.reshape((1,) * (factor.ndim - 3) + (-1, 1, 1))
+def _along_slots(per_slot: Array, factor: Array, bank: Any) -> Array:
+    """`per_slot` `(slots,)` shaped to broadcast along a bank factor's slot axis."""
+    after = -bank.factor_slot_axis - 1
+    return per_slot.reshape((1,) * (factor.ndim - after - 1) + (-1,) + (1,) * after)
 
 
 def row_counts(batch: dict[str, Array]) -> Float[Array, " batch"]:
@@ -55,8 +55,8 @@ def per_slot_mean(grads: Any, counts: Float[Array, " slots"]) -> Any:
         div = jnp.maximum(counts, 1.0)
         return _factors(
             g,
-            (g.lora_A / _along_slots(div, g.lora_A)).astype(g.lora_A.dtype),
-            (g.lora_B / _along_slots(div, g.lora_B)).astype(g.lora_B.dtype),
+            (g.lora_A / _along_slots(div, g.lora_A, g)).astype(g.lora_A.dtype),
+            (g.lora_B / _along_slots(div, g.lora_B, g)).astype(g.lora_B.dtype),
         )
 
     return jax.tree.map(scale, grads, is_leaf=_is_bank)
@@ -82,12 +82,12 @@ def keep_untrained_slots(new: Any, old: Any, trained: Bool[Array, " slots"]) -> 
         a = (
             n.lora_A
             if n.lora_A is None
-            else jnp.where(_along_slots(trained, n.lora_A), n.lora_A, o.lora_A)
+            else jnp.where(_along_slots(trained, n.lora_A, n), n.lora_A, o.lora_A)
         )
         b = (
             n.lora_B
             if n.lora_B is None
-            else jnp.where(_along_slots(trained, n.lora_B), n.lora_B, o.lora_B)
+            else jnp.where(_along_slots(trained, n.lora_B, n), n.lora_B, o.lora_B)
         )
         return _factors(n, a, b)
 

@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._bank import PeftBankModel
 from .._peft_model import PeftModel, partition
-from ..adapters import AbstractTrainHook, LoraBank, with_dropout
+from ..adapters import AbstractTrainHook, ExpertLoraBank, LoraBank, with_dropout
 from ..sharding import batch_parts, batch_sharding, process_rows, shard
 from ._slots import keep_untrained_slots, per_slot_mean, row_counts, slot_counts
 
@@ -142,7 +142,7 @@ def _base(model: Any) -> Any:
 
 
 def _in_bank(x: Any) -> bool:
-    return isinstance(x, LoraBank)
+    return isinstance(x, LoraBank | ExpertLoraBank)
 
 
 def classification_loss(

@@ -20,7 +20,7 @@ ExpertLoraInit = Literal["default", "gaussian", "random"]
 
 # `lax.ragged_dot_general`'s grouped product with the expert stack on the right: rows of
 # `x` ragged by expert, `x`'s features against the experts' input axis
-_GROUPED = lax.RaggedDotDimensionNumbers(
+GROUPED = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(((1,), (2,)), ((), ())),
     lhs_ragged_dimensions=(0,),
     rhs_group_dimensions=(0,),
@@ -130,7 +130,7 @@ class ExpertLoraArray(AbstractAdapter):
     ) -> Any:
         """`scaling · B_e A_e x` for each row `x` of expert `e`'s group, in the factors'
         dtype: two grouped products through rank `r`."""
-        if self.stack_ndim or params["ragged_dot_dimension_numbers"] != _GROUPED:
+        if self.stack_ndim or params["ragged_dot_dimension_numbers"] != GROUPED:
             return NotImplemented
         a, b = self.factors()
         dtype = a.dtype
@@ -207,9 +207,9 @@ def _grouped(
     ragged_dot_dimension_numbers: Any,
     **params: Any,
 ) -> Any:
-    if w.stack_ndim or ragged_dot_dimension_numbers != _GROUPED:
+    if w.stack_ndim or ragged_dot_dimension_numbers != GROUPED:
         return NotImplemented
-    dims = {"ragged_dot_dimension_numbers": _GROUPED, **params}
+    dims = {"ragged_dot_dimension_numbers": GROUPED, **params}
     base = primitive.bind(x, w.weight, group_sizes, **dims)
     return add_update(base, w.grouped_update(primitive, x, group_sizes, dims))
 
