@@ -1,0 +1,246 @@
+"""The adapter bank against one adapter and against `AdapterSet`: train steps over one
+batch of the same tokens routed to 1, 8, 64 and 256 distinct adapters; forward and greedy
+generation with 32 distinct adapters; loading a slot; compiles over load/delete cycles;
+bytes. Every time in a table is a median over calls taken round-robin, so that drifts of
+the machine hit all rows alike; ratios are within the run.
+
+On the suite's Llama (`suite.py`'s sizes: hidden 512, 4 layers on CPU; ~1B parameters in
+bfloat16 on a GPU), LoRA r=8 on the seven projections, AdamW, `peftx.train`'s step.
+
+Run: `python benchmarks/bank.py [--quick | --tiny | --gpu] [--out FILE]`.
+"""
+
+import argparse
+import datetime
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from suite import LLAMA_TARGETS, SIZES, llama_config, md_table, mib, ms
+
+import peftx
+import peftx.models as pm
+
+RANK, ALPHA = 8, 16
+
+
+class Timed:
+    """A function called again and again (a step feeds its state back)."""
+
+    def __init__(self, name: str, call: Callable[[], Any]):
+        self.name, self.call, self.times = name, call, []
+        jax.block_until_ready(call())  # compiles
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        jax.block_until_ready(self.call())
+        self.times.append(time.perf_counter() - t0)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def measure(rows: list[Timed], warmup: int, repeats: int) -> None:
+    for _ in range(warmup):
+        for r in rows:
+            r.run()
+    for r in rows:
+        r.times.clear()
+    for _ in range(repeats):
+        for r in rows:
+            r.run()
+
+
+def stepper(model: Any, names: list[str] | None, batch: dict) -> Callable[[], Any]:
+    optimizer = optax.adamw(1e-4)
+    state, frozen = peftx.train.init_state(model, optimizer, key=jax.random.key(0), adapters=names)
+    step = peftx.train.make_train_step(peftx.train.causal_lm_loss, optimizer)
+    box = {"state": state}
+
+    def call() -> Any:
+        with jax.numpy_dtype_promotion("standard"):
+            box["state"], metrics = step(box["state"], frozen, batch)
+        return metrics["loss"]
+
+    return call
+
+
+def lora(r: int = RANK) -> peftx.LoraConfig:
+    return peftx.LoraConfig(
+        r=r, lora_alpha=ALPHA, target_modules=LLAMA_TARGETS, init_lora_weights=False
+    )
+
+
+def bank_of(base: Any, n: int) -> peftx.PeftBankModel:
+    bank = peftx.get_peft_model(
+        base, lora(), key=jax.random.key(1), adapter_name="a0", max_adapters=n
+    )
+    keys = jax.random.split(jax.random.key(2), n)
+    for k in range(1, n):
+        bank = bank.add_adapter(f"a{k}", lora(), key=keys[k])
+    return bank
+
+
+def adapter_set_of(base: Any, n: int) -> peftx.PeftModel:
+    model = peftx.get_peft_model(base, lora(), key=jax.random.key(1), adapter_name="a0")
+    keys = jax.random.split(jax.random.key(2), n)
+    for k in range(1, n):
+        model = model.add_adapter(f"a{k}", lora(), key=keys[k])
+    return model
+
+
+def routed(batch: dict, ids: jax.Array) -> dict:
+    return {**batch, "adapter_ids": ids}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true")
+    size.add_argument("--tiny", action="store_true")
+    size.add_argument("--gpu", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    name = "gpu" if args.gpu else "quick" if args.quick else "tiny" if args.tiny else "full"
+    sizes = SIZES[name]
+    dtype = jnp.bfloat16 if args.gpu else jnp.float32
+    c = llama_config(sizes["llama"])
+    *_, b, s = sizes["llama"]
+    tokens = b * s
+    rows_n = 256 if not args.tiny else 16  # rows of the batch: one per distinct adapter at most
+    seq = max(tokens // rows_n, 2)
+    counts = [1, 8, 64, 256] if not args.tiny else [1, 4, 16]
+    set_counts = [1, 8, 32] if not args.tiny else [1, 4]
+    warmup, repeats = sizes["warmup"], sizes["repeats"]
+    base = pm.LlamaForCausalLM(c, key=jax.random.key(0), dtype=dtype)
+    ids = jax.random.randint(jax.random.key(3), (rows_n, seq), 1, c.vocab_size)
+    batch = {"input_ids": ids, "attention_mask": jnp.ones_like(ids), "labels": ids}
+    out = [
+        f"# The adapter bank (`bank.py`, {datetime.date.today()})",
+        "",
+        f"{jax.devices()[0].device_kind}, {platform.machine()}; Llama hidden {c.hidden_size}, "
+        f"{c.num_hidden_layers} layers, {dtype.__name__ if hasattr(dtype, '__name__') else dtype}; "
+        f"batch {rows_n} rows x {seq} tokens; LoRA r={RANK} on the seven projections; AdamW.",
+        "",
+    ]
+
+    # -- train steps --------------------------------------------------------------------
+    one = peftx.get_peft_model(base, lora(), key=jax.random.key(1))
+    steps = [Timed("one adapter (PeftModel)", stepper(one, None, batch))]
+    biggest = max(counts)
+    for n in counts:
+        bank = bank_of(base, n)
+        names = list(bank.adapter_names)
+        row_ids = bank.adapter_ids([names[i % n] for i in range(rows_n)])
+        steps.append(Timed(f"bank of {n}, {n} distinct", stepper(bank, names, routed(batch, row_ids))))
+    big = bank_of(base, biggest)
+    for n in (1, 64 if not args.tiny else 4):
+        names = list(big.adapter_names)
+        row_ids = big.adapter_ids([names[i % n] for i in range(rows_n)])
+        steps.append(
+            Timed(f"bank of {biggest}, {n} distinct", stepper(big, names, routed(batch, row_ids)))
+        )
+    for n in set_counts:
+        model = adapter_set_of(base, n)
+        names = list(model.adapter_names)
+        row_ids = model.adapter_ids([names[i % n] for i in range(rows_n)])
+        steps.append(
+            Timed(f"AdapterSet of {n}, {n} distinct", stepper(model, names, routed(batch, row_ids)))
+        )
+    measure(steps, warmup, repeats)
+    ref = steps[0].median
+    out += ["## Train step", "", md_table(
+        ["step", "median ms", "vs one adapter"],
+        [[t.name, ms(t.median), f"{t.median / ref:.2f}x"] for t in steps],
+    ), ""]
+    target = next(t for t in steps if t.name == f"bank of 64, 64 distinct") if not args.tiny else None
+    if target is not None:
+        ratio = target.median / ref
+        out += [f"64 distinct adapters in a bank of 64: {ratio:.2f}x one adapter's step "
+                f"(target <= 1.25x: {'PASS' if ratio <= 1.25 else 'MISS'}).", ""]
+
+    # -- forward and generation -----------------------------------------------------------
+    k = 32 if not args.tiny else 4
+    bank = bank_of(base, k)
+    names = list(bank.adapter_names)
+    row_ids = bank.adapter_ids([names[i % k] for i in range(rows_n)])
+    forward = jax.jit(lambda m, x, r: m(x, adapter_names=r).logits)
+    plain = jax.jit(lambda m, x: m(x).logits)
+    prompt_rows = min(rows_n, 32 if not args.tiny else 4)
+    prompt = ids[:prompt_rows, : max(seq // 2, 1)]
+    gen_names = [names[i % k] for i in range(prompt_rows)]
+    new = 16 if not args.tiny else 2
+    infer = [
+        Timed("base", lambda: plain(base, ids)),
+        Timed("one adapter", lambda: one(ids)),
+        Timed(f"bank, {k} distinct", lambda: forward(bank, ids, row_ids)),
+        Timed("generate: base", lambda: peftx.generate(base, prompt, new)),
+        Timed("generate: one adapter", lambda: peftx.generate(one, prompt, new)),
+        Timed(
+            f"generate: bank, {k} distinct",
+            lambda: peftx.generate(bank, prompt, new, adapter_names=gen_names),
+        ),
+    ]
+    one_fwd = jax.jit(lambda m, x: m(x).logits)
+    infer[1] = Timed("one adapter", lambda: one_fwd(one, ids))
+    measure(infer, warmup, repeats)
+    by = {t.name: t.median for t in infer}
+    out += ["## Forward and greedy generation", "", md_table(
+        ["call", "median ms", "vs one adapter", "vs base"],
+        [
+            [t.name, ms(t.median),
+             f"{t.median / by['one adapter' if 'generate' not in t.name else 'generate: one adapter']:.2f}x",
+             f"{t.median / by['base' if 'generate' not in t.name else 'generate: base']:.2f}x"]
+            for t in infer
+        ],
+    ), ""]
+
+    # -- loading a slot, compiles, bytes --------------------------------------------------
+    with tempfile.TemporaryDirectory() as tmp:
+        single = peftx.get_peft_model(base, lora(), key=jax.random.key(5), adapter_name="x")
+        single.save_pretrained(Path(tmp) / "x")
+        folder = Path(tmp) / "x" / "x"
+        bank = bank_of(base, 4).delete_adapter("a3")
+        bank.load_adapter(folder, "x")  # the first load compiles the slot setter
+        compiles = []
+
+        def listen(event: str, duration: float, **kw: Any) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                compiles.append(kw.get("fun_name"))
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        loads = []
+        for _ in range(100):
+            t0 = time.perf_counter()
+            loaded = bank.load_adapter(folder, "x")
+            jax.block_until_ready(jax.tree.leaves(loaded))
+            loads.append(time.perf_counter() - t0)
+            bank = loaded.delete_adapter("x")
+        jax.monitoring.unregister_event_duration_listener(listen)
+    one_bytes = sum(x.nbytes for x in jax.tree.leaves(peftx.partition(one)[0]) if hasattr(x, "nbytes"))
+    bank_bytes = big.bank_bytes()
+    out += ["## Loading, compiles and bytes", "", md_table(
+        ["figure", "value"],
+        [
+            ["load one PEFT adapter into a free slot (median of 100)", f"{ms(statistics.median(loads))} ms"],
+            ["compiles over 100 load/delete cycles (after the first load)", str(len(compiles))],
+            [f"bank of {biggest}: bytes", f"{mib(bank_bytes)} MiB"],
+            [f"{biggest} single adapters: bytes", f"{mib(biggest * one_bytes)} MiB"],
+        ],
+    ), ""]
+    text = "\n".join(out)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
