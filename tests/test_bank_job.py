@@ -5,6 +5,7 @@ the job check refuses what a bank cannot train before the output directory is to
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ from helpers import FILLER, WORDS, run_cli, write_jsonl
 import peftx
 from peftx import train
 from peftx.cli import main
+from peftx.cli._job import Bank, Job
 
 # three adapters, each its own way of going on from the prompt's last word: by 1, by 2,
 # and back by 1; ranks 2, 4 and 8, the last rsLoRA, on nested targets
@@ -28,6 +30,7 @@ ADAPTERS = [
     ("skip", 2, LORA + 'r = 4\nlora_alpha = 4\ntarget_modules = ["q_proj", "v_proj"]'),
     ("back", -1, LORA + 'r = 8\nlora_alpha = 8\nuse_rslora = true\ntarget_modules = ["v_proj"]'),
 ]
+CONFIGS = Path(__file__).parents[1] / "configs"
 BANK = "[bank]\nmax_adapters = 4\n"
 NAMES = [name for name, _, _ in ADAPTERS]
 
@@ -249,3 +252,18 @@ def test_an_adapter_on_layers_the_bank_lacks_is_refused_before_the_output(llama,
     assert "adapter 'skip' cannot join the [bank]: adapter 'skip' adapts " in err, err
     assert "which the bank does not hold" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_bank_config_is_a_job_of_three_adapters_in_a_bank(llama, capsys):
+    """configs/bank_llama_causal.toml on the tiny Llama (MODEL_DIR in place of its
+    model.path): the job check passes, its bank has the entries' largest r, and
+    `peftx inspect` lists each adapter."""
+    job = CONFIGS / "bank_llama_causal.toml"
+    parsed = Job(job, [f"model.path={llama / 'base'}"])
+    assert [a.name for a in parsed.adapters] == ["stories", "support", "support_small"]
+    assert parsed.bank == Bank(max_adapters=4, max_rank=16)
+    code, out, err = run_cli(capsys, "inspect", llama / "base", job)
+    assert code == 0, err
+    assert [s.split("'")[0] for s in out.split("\nadapter '")[1:]] == [
+        a.name for a in parsed.adapters
+    ]
