@@ -249,8 +249,8 @@ def test_an_adapter_on_layers_the_bank_lacks_is_refused_before_the_output(llama,
     job = _job(tmp_path, adapters=wider, bank="[bank]\nmax_adapters = 2\n")
     code, out, err = run_cli(capsys, "finetune", job, "--set", f"output.dir={tmp_path / 'run'}")
     assert code == 2, (out, err)
-    assert "adapter 'skip' cannot join the [bank]: adapter 'skip' adapts " in err, err
-    assert "which the bank does not hold" in err
+    assert "[[adapters]][2] cannot join the [bank]: adapter 'skip' adapts " in err, err
+    assert "(the bank's layers are those [[adapters]][1], 'back', targets)" in err
     assert not (tmp_path / "run").exists()
 
 

@@ -200,7 +200,8 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
             # a bank holds the layers its first adapter targets, which the job check
             # cannot see without the model
             raise UsageError(
-                f"{job.path}: adapter {a.name!r} cannot join the [bank]: {e}"
+                f"{job.path}: [[adapters]][{n + 1}] cannot join the [bank]: {e} (the bank's "
+                f"layers are those [[adapters]][1], {first.name!r}, targets)"
             ) from None
     return model
 
