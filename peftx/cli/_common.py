@@ -140,6 +140,7 @@ def job_tables() -> tuple[str, ...]:
         "data",
         *adapter_tables(),
         "adapters",
+        "bank",
         "quantization",
         "train",
         "output",

@@ -3,6 +3,7 @@
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import re
@@ -188,9 +189,20 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
         table = job.raw.get("quantization") or {"load_in_4bit": True}
         model = quantize_model(model, QuantizationConfig.from_dict(table))
     first, *rest = job.adapters
-    model = get_peft_model(model, first.config, key=key, adapter_name=first.name)
+    bank = {} if job.bank is None else dataclasses.asdict(job.bank)
+    model = get_peft_model(model, first.config, key=key, adapter_name=first.name, **bank)
     for n, a in enumerate(rest, 1):
-        model = model.add_adapter(a.name, a.config, key=jax.random.fold_in(key, n))
+        try:
+            model = model.add_adapter(a.name, a.config, key=jax.random.fold_in(key, n))
+        except ValueError as e:
+            if job.bank is None:
+                raise
+            # a bank holds the layers its first adapter targets, which the job check
+            # cannot see without the model
+            raise UsageError(
+                f"{job.path}: [[adapters]][{n + 1}] cannot join the [bank]: {e} (the bank's "
+                f"layers are those [[adapters]][1], {first.name!r}, targets)"
+            ) from None
     return model
 
 

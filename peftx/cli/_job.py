@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import BASE
+from .._bank import check_bank_config
 from .._config import TOML_TABLES, table_names
 from .._files import followed
 from ..train import OPTIMIZERS, SCHEDULES
@@ -53,6 +54,9 @@ TRAIN_KEYS = {
     "quantize": False,
 }
 OUTPUT_KEYS = {"dir": None, "merged": False, "keep_checkpoints": 2}
+# `[bank]`: the slots of the adapter bank the `[[adapters]]` train in (max_rank: their
+# largest r when left out)
+BANK_KEYS = {"max_adapters": None, "max_rank": None}
 PATHS = {("model", "path"), ("data", "train"), ("data", "eval"), ("output", "dir")}
 TASK_TYPES = {"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
 # a name is a folder of the output (PEFT saves an adapter in a subfolder of its name)
@@ -163,6 +167,15 @@ def _check_numbers(job: "Job", path: Path) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Bank:
+    """A job's `[bank]`: its `[[adapters]]` train as one `PeftBankModel` of
+    `max_adapters` slots, each of rank up to `max_rank`."""
+
+    max_adapters: int
+    max_rank: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Adapter:
     """One adapter a job trains: its name, config, and its own train and eval files."""
 
@@ -187,7 +200,8 @@ class Adapter:
 class Job:
     """A fine-tune job's TOML, checked, with `--set` overrides applied: one adapter
     (`[lora]`/`[ia3]`, named "default", data in `[data]`), or several (`[[adapters]]`,
-    `multi`) trained and evaluated in mixed batches."""
+    `multi`) trained and evaluated in mixed batches, as one adapter bank with `[bank]`
+    (`bank`)."""
 
     def __init__(self, path: Path, overrides: list[str]):
         self.path = path
@@ -208,6 +222,7 @@ class Job:
         self.mesh = mesh_settings(raw.get("mesh"), str(path))
         self.multi = "adapters" in raw
         self.adapters = self._several(raw, path) if self.multi else [self._single(raw, path)]
+        self.bank = self._bank(raw, path)
         # the file's output.dir is taken from its directory, the default from the current one
         out = self.output["dir"]
         out = path.parent / Path(out).expanduser() if out else Path("runs", path.stem)
@@ -332,6 +347,54 @@ class Job:
                 f"the number of [[adapters]] ({len(adapters)}), so each batch mixes them evenly"
             )
         return adapters
+
+    def _bank(self, raw: dict[str, Any], path: Path) -> Bank | None:
+        """The `[bank]` table, checked against the `[[adapters]]` it is to hold (what a
+        bank cannot hold is `check_bank_config`'s to say), or None without one."""
+        if "bank" not in raw:
+            return None
+        table = raw["bank"]
+        if not isinstance(table, dict):
+            raise UsageError(f"{path}: 'bank' must be a table ([bank]), got {table!r}")
+        if not self.multi:
+            raise UsageError(
+                f"{path}: [bank] trains the job's [[adapters]] entries as one bank; this job "
+                "has none (give each adapter an [[adapters]] entry, with its own data)"
+            )
+        for key in table:
+            if key not in BANK_KEYS:
+                raise unknown_key(f"[bank] of {path}", key, BANK_KEYS)
+        if self.model.task != "causal-lm":
+            raise UsageError(
+                f'{path}: [bank] needs model.task = "causal-lm": a classifier\'s head is a '
+                "copy per adapter (modules_to_save), which a bank does not hold; train "
+                "classifiers in [[adapters]] without [bank]"
+            )
+        count = len(self.adapters)
+        if "max_adapters" not in table:
+            raise UsageError(
+                f"{path}: [bank] needs max_adapters, its number of slots (at least the "
+                f"{count} [[adapters]])"
+            )
+        for key, value in table.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UsageError(f"{path}: bank.{key} must be a positive integer, got {value!r}")
+            if value > MAX_COUNT:
+                raise UsageError(f"{path}: bank.{key} must be at most {MAX_COUNT}, got {value}")
+        if table["max_adapters"] < count:
+            raise UsageError(
+                f"{path}: bank.max_adapters ({table['max_adapters']}) is less than the "
+                f"{count} [[adapters]]: the bank needs a slot for each"
+            )
+        for n, adapter in enumerate(self.adapters, 1):
+            try:  # without max_rank, the largest r is the bank's: no rank is refused
+                check_bank_config(adapter.config, table.get("max_rank", MAX_COUNT))
+            except (TypeError, ValueError) as e:
+                raise UsageError(
+                    f"{path}: [[adapters]][{n}] ({adapter.name!r}) cannot go in the [bank]: {e}"
+                ) from None
+        ranks = (r for a in self.adapters for r in (a.config.r, *a.config.rank_pattern.values()))
+        return Bank(table["max_adapters"], table.get("max_rank", max(ranks)))
 
     def optimizer_settings(self) -> dict[str, Any]:
         """The `[train]` settings of `peftx.train.make_optimizer` (and `fit`)."""

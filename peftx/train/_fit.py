@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray
 from tqdm import tqdm
 
+from .._bank import PeftBankModel
 from .._errors import CheckpointError, RunFailed
 from .._files import naming_a_full_disk, temporary_file, write_text
 from .._peft_model import BASE, PeftModel
@@ -50,7 +51,7 @@ class FitResult:
     `before` and `after` training, the number of `steps` trained, and with several
     adapters, the `serving` check of their mixed batch."""
 
-    model: PeftModel
+    model: PeftModel | PeftBankModel
     before: dict[str, Any]
     after: dict[str, Any]
     steps: int
@@ -92,7 +93,7 @@ def make_optimizer(
 
 
 def fit(
-    model: PeftModel,
+    model: PeftModel | PeftBankModel,
     train_data: Data | Sequence[Data],
     eval_data: Data | Sequence[Data],
     *,
@@ -121,7 +122,8 @@ def fit(
     key: PRNGKeyArray,
 ) -> FitResult:
     """Train `model`'s active adapter, or with `adapters` several at once in mixed
-    batches, as `peftx finetune` does; the keywords are its `[train]` table's.
+    batches, as `peftx finetune` does; the keywords are its `[train]` table's. A
+    `PeftBankModel` trains the named adapters' slots, each on the mean over its own rows.
 
     **Arguments:**
 
@@ -508,7 +510,9 @@ def _check_trained(initial: Any, trained: Any, steps: int) -> None:
         )
 
 
-def _serving_check(model: PeftModel, names: list[str], eval_sets: list[Data]) -> dict:
+def _serving_check(
+    model: PeftModel | PeftBankModel, names: list[str], eval_sets: list[Data]
+) -> dict:
     """One batch with a row for each adapter and one for the base (`__base__`), each
     row's logits against that adapter run alone (`set_adapter`) and the base alone."""
     run = eqx.filter_jit(logits)
