@@ -93,8 +93,12 @@ def _optax_promotion():
 _logits = eqx.filter_jit(lambda m, ids, rows: m(ids, adapter_names=rows).logits)
 
 
-@pytest.mark.parametrize("layout", ["unrolled", "stacked"])
-def test_each_row_equals_peft_with_its_adapter(zoo, layout):
+@pytest.mark.parametrize(
+    "layout, products", [("unrolled", "gathered"), ("stacked", "gathered"), ("unrolled", "grouped")]
+)
+def test_each_row_equals_peft_with_its_adapter(zoo, layout, products, monkeypatch):
+    if products == "grouped":  # rows sorted by slot, two ragged_dots (the GPU/TPU form)
+        monkeypatch.setitem(peftx.adapters._bank.GROUPED_FROM_TOKENS, jax.default_backend(), 1)
     bank = _bank(zoo, layout)
     names = [f"a{k}" for k in range(12)] + [peftx.BASE]
     ids = np.random.default_rng(0).integers(1, VOCAB, (len(names), 6))

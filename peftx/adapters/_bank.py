@@ -141,10 +141,52 @@ def _bank_dot(bank: LoraBank, x: Array, w_is_lhs: bool, params: dict[str, Any]) 
         keep = 1.0 - (p.along(rate, row_labels, p.x) if row_labels else rate)
         mask = jax.random.bernoulli(bank.dropout_key, jnp.broadcast_to(keep, x.shape))
         x = jnp.where(mask, x / keep.astype(dtype), jnp.zeros((), dtype))
+    if row_labels and _grouped(x, p.x.index(in_label)):
+        return add_update(base, _grouped_update(bank, x, p, scale))
     t, t_labels = p.contract(x, p.x, a, (*row_labels, "rank", in_label))
     t = t * p.along(scale.astype(dtype), row_labels, t_labels) if row_labels else t * scale
     u, u_labels = p.contract(t.astype(dtype), t_labels, b, (*row_labels, out_label, "rank"))
     return add_update(base, p.arrange(u, u_labels))
+
+
+# The tokens per row from which a mixed batch's products are grouped by slot (sorted rows,
+# two `ragged_dot`s: SGMV) rather than gathered per row (BGMV), by backend; None: never.
+# XLA:CPU has no grouped GEMM (its `ragged_dot` multiplies every row by every group).
+GROUPED_FROM_TOKENS: dict[str, int | None] = {"cpu": None, "gpu": None, "tpu": None}
+
+
+def _grouped(x: Array, in_axis: int) -> bool:
+    threshold = GROUPED_FROM_TOKENS.get(jax.default_backend())
+    tokens_per_row = x.size // (x.shape[0] * x.shape[in_axis])
+    return threshold is not None and tokens_per_row >= threshold
+
+
+def _grouped_update(bank: LoraBank, x: Array, p: WeightProduct, scale: Array) -> Array:
+    """The update of a mixed batch, rows sorted by slot: each distinct slot of the batch
+    (at most one per row, so the shapes never depend on the slots present) is a group of
+    one `ragged_dot` through `A`, then one through `B`; a base row is in no group."""
+    out_label, in_label = p.w
+    lead = p.x[0]
+    rest = [lab for lab in p.x[1:] if lab != in_label]
+    xt = jnp.transpose(x, [p.x.index(lab) for lab in (lead, *rest, in_label)])
+    n_rows, d_in = xt.shape[0], xt.shape[-1]
+    flat = xt.reshape(n_rows, -1, d_in)
+    per_row = flat.shape[1]
+    slots = bank.slots
+    order = jnp.argsort(bank.rows, stable=True)
+    sorted_rows = bank.rows[order]
+    groups = jnp.unique(bank.rows, size=n_rows, fill_value=slots)  # sorted, base ids last
+    sizes = jnp.sum(sorted_rows[None, :] == groups[:, None], axis=1) * per_row
+    sizes = jnp.where(groups < slots, sizes, 0).astype(jnp.int32)
+    chosen = jnp.minimum(groups, slots - 1)
+    a = jnp.take(bank.lora_A, chosen, axis=0)  # (groups, rank, in)
+    b = jnp.take(bank.lora_B, chosen, axis=0)  # (groups, out, rank)
+    xs = flat[order].reshape(n_rows * per_row, d_in)
+    t = jax.lax.ragged_dot_general(xs, a, sizes, _GROUPED)
+    t = t * jnp.repeat(scale[order], per_row)[:, None].astype(t.dtype)
+    u = jax.lax.ragged_dot_general(t, b, sizes, _GROUPED).reshape(n_rows, per_row, -1)
+    u = u[jnp.argsort(order)].reshape(*xt.shape[:-1], -1)
+    return p.arrange(u, (lead, *rest, out_label))
 
 
 weight_dot_handlers(LoraBank, _bank_dot)
