@@ -109,6 +109,9 @@ def main() -> None:
     size.add_argument("--tiny", action="store_true")
     size.add_argument("--gpu", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--grouped", action="store_true", help="also time the products grouped by slot (SGMV)"
+    )
     args = parser.parse_args()
     name = "gpu" if args.gpu else "quick" if args.quick else "tiny" if args.tiny else "full"
     sizes = SIZES[name]
@@ -122,7 +125,7 @@ def main() -> None:
     wide, widest = (64, 256) if not args.tiny else (8, 16)  # rows of the two batches
     counts = [1, 8, wide] if not args.tiny else [1, 4, wide]
     set_counts = ([1, 8, 32] if not args.gpu else [8]) if not args.tiny else [1, 4]
-    grouped = jax.default_backend() != "cpu"  # XLA:CPU has no grouped GEMM
+    grouped = args.grouped
     warmup, repeats = sizes["warmup"], sizes["repeats"]
     base = pm.LlamaForCausalLM(c, key=jax.random.key(0), dtype=dtype)
 
