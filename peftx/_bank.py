@@ -82,7 +82,7 @@ class PeftBankModel(eqx.Module):
     """
 
     base_model: Any
-    active_slot: Int[Array, ""]
+    active_slot: Int[Array, ""]  # `max_adapters` when no adapter is active
     trained_slots: Bool[Array, " slots"]
     table: SlotTable = eqx.field(static=True)
 
@@ -147,7 +147,7 @@ class PeftBankModel(eqx.Module):
     def prepared(self, adapter_names: Sequence[str] | Array | np.ndarray | None = None) -> Any:
         """The wrapped model with each bank routed, for your own `use_implicit_args`."""
         if adapter_names is None:
-            rows = jnp.where(self.table.active is None, self.table.max_adapters, self.active_slot)
+            rows = self.active_slot  # data: the base's id when no adapter is active
         elif isinstance(adapter_names, jax.Array | np.ndarray):
             rows = jnp.asarray(adapter_names)
             if not jnp.issubdtype(rows.dtype, jnp.integer):
@@ -324,7 +324,7 @@ class PeftBankModel(eqx.Module):
     # -- internals ------------------------------------------------------------------------
 
     def _with_table(self, model: "PeftBankModel", table: SlotTable) -> "PeftBankModel":
-        active = 0 if table.active is None else table.slot(table.active)
+        active = table.max_adapters if table.active is None else table.slot(table.active)
         model = dataclasses.replace(model, table=table)
         return eqx.tree_at(lambda m: m.active_slot, model, jnp.asarray(active, jnp.int32))
 

@@ -615,3 +615,20 @@ def test_a_step_on_expert_banks_leaves_absent_adapters_as_they_were(moe_zoo):
 
 def _is_any_bank(x):
     return isinstance(x, peftx.adapters.LoraBank | peftx.adapters.ExpertLoraBank)
+
+
+def test_the_active_adapter_is_data_too(zoo):
+    """A call without `adapter_names` uses the active adapter, whose slot is data: after
+    `set_adapter` and after deleting every adapter (the base), the same compiled program."""
+    bank = _bank(zoo, "unrolled", n=2, max_adapters=2)
+    ids = jnp.asarray(np.random.default_rng(10).integers(1, VOCAB, (1, 5)))
+    call = eqx.filter_jit(lambda m, x: m(x).logits)
+    first = np.asarray(call(bank, ids))
+    np.testing.assert_allclose(first[0], _peft_logits(zoo, zoo / "a0", ids)[0], atol=1e-4)
+    with _Compiles() as compiles:
+        second = np.asarray(call(bank.set_adapter("a1"), ids))
+        empty = bank.delete_adapter("a0").delete_adapter("a1")
+        base = np.asarray(call(empty, ids))
+    assert compiles.count == 0 and empty.active_adapter is None
+    np.testing.assert_allclose(second[0], _peft_logits(zoo, zoo / "a1", ids)[0], atol=1e-4)
+    np.testing.assert_allclose(base[0], _peft_logits(zoo, None, ids)[0], atol=1e-4)

@@ -151,7 +151,10 @@ def _bank_dot(bank: LoraBank, x: Array, w_is_lhs: bool, params: dict[str, Any]) 
 
 # The tokens per row from which a mixed batch's products are grouped by slot (sorted rows,
 # two `ragged_dot`s: SGMV) rather than gathered per row (BGMV), by backend; None: never.
-# XLA:CPU has no grouped GEMM (its `ragged_dot` multiplies every row by every group).
+# Measured (benchmarks/bank.py): XLA:CPU has no grouped GEMM (its `ragged_dot` multiplies
+# every row by every group), and on an H200 with jax 0.11.2 a train step grouping 8192
+# tokens into 64 groups asked for 87 GiB, while gathering costs about one adapter's
+# forward; so gathering, for every shape, until a grouped GEMM is measured faster.
 GROUPED_FROM_TOKENS: dict[str, int | None] = {"cpu": None, "gpu": None, "tpu": None}
 
 
