@@ -45,8 +45,13 @@ class LoraBank(AbstractWeight):
     rows: Array | None
     dropout_key: LayerKeys | None = None
     draws_dropout: ClassVar[bool] = True
-    # the slot axis of `lora_A` and `lora_B`, from their last axis
-    factor_slot_axis: ClassVar[int] = -3
+    # each per-slot field's slot axis, counted from its last axis
+    slot_axes: ClassVar[Mapping[str, int]] = {
+        "lora_A": -3,
+        "lora_B": -3,
+        "scaling": -1,
+        "dropout": -1,
+    }
 
     # the base is the weight; the slot axis is the bank's own (replicated); A's input
     # axis and B's output axis follow the weight's, as LoRA's factors do
@@ -218,7 +223,7 @@ class ExpertLoraBank(AbstractWeight):
     scaling: Array
     rows: Array | None
 
-    factor_slot_axis: ClassVar[int] = -4
+    slot_axes: ClassVar[Mapping[str, int]] = {"lora_A": -4, "lora_B": -4, "scaling": -1}
     weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {
         "weight": (0, 1, 2),
         "lora_A": (None, 0, None, 2),

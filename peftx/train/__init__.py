@@ -31,8 +31,10 @@ from ._fit import (
 from ._slots import (
     keep_untrained_slots as keep_untrained_slots,
     per_slot_mean as per_slot_mean,
+    put_slots as put_slots,
     row_counts as row_counts,
     slot_counts as slot_counts,
+    take_slots as take_slots,
 )
 from ._step import (
     TrainState as TrainState,

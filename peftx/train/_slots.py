@@ -24,8 +24,60 @@ def _factors(bank: Any, a: Any, b: Any) -> Any:
 
 def _along_slots(per_slot: Array, factor: Array, bank: Any) -> Array:
     """`per_slot` `(slots,)` shaped to broadcast along a bank factor's slot axis."""
-    after = -bank.factor_slot_axis - 1
+    after = -bank.slot_axes["lora_A"] - 1
     return per_slot.reshape((1,) * (factor.ndim - after - 1) + (-1,) + (1,) * after)
+
+
+def _slot_fields(bank: Any) -> list[tuple[str, int]]:
+    """The per-slot fields a bank node holds (a node of gradients or optimizer state holds
+    None where the model holds its frozen fields), with their slot axes."""
+    return [(f, axis) for f, axis in bank.slot_axes.items() if getattr(bank, f) is not None]
+
+
+def take_slots(tree: Any, groups: Int[Array, " groups"], slots: int) -> Any:
+    """`tree` (a bank model, its gradients or optimizer state) with every bank cut down to
+    the slots `groups` lists, in order; an entry `slots` or above stands for no adapter
+    and gets zeros. A step over a batch then touches at most one slot per row, whatever
+    the bank's size."""
+    valid = groups < slots
+    index = jnp.minimum(groups, slots - 1)
+
+    def take(bank: Any) -> Any:
+        if not _is_bank(bank):
+            return bank
+        fields = _slot_fields(bank)
+        taken = []
+        for f, axis in fields:
+            x = getattr(bank, f)
+            y = jnp.take(x, index, axis=axis)
+            keep = valid.reshape((-1,) + (1,) * (-axis - 1))
+            taken.append(jnp.where(keep, y, jnp.zeros((), y.dtype)))
+        return eqx.tree_at(lambda b: [getattr(b, f) for f, _ in fields], bank, taken)
+
+    return jax.tree.map(take, tree, is_leaf=_is_bank)
+
+
+def put_slots(
+    tree: Any, groups: Int[Array, " groups"], taken: Any, write: Bool[Array, " groups"]
+) -> Any:
+    """`tree` with the slots `groups` lists set from `taken` (what `take_slots` cut out,
+    updated) where `write` holds; every other slot is left exactly as it was."""
+
+    def put(full: Any, part: Any) -> Any:
+        if not _is_bank(full):
+            return part
+        fields = _slot_fields(full)
+        new = []
+        for f, axis in fields:
+            x, y = getattr(full, f), getattr(part, f)
+            slots = x.shape[axis]
+            index = jnp.where(write, groups, slots)  # past the end: dropped
+            moved = jnp.moveaxis(x, axis, 0)
+            moved = moved.at[index].set(jnp.moveaxis(y, axis, 0), mode="drop")
+            new.append(jnp.moveaxis(moved, 0, axis))
+        return eqx.tree_at(lambda b: [getattr(b, f) for f, _ in fields], full, new)
+
+    return jax.tree.map(put, tree, taken, is_leaf=_is_bank)
 
 
 def row_counts(batch: dict[str, Array]) -> Float[Array, " batch"]:

@@ -17,7 +17,7 @@ from .._bank import PeftBankModel
 from .._peft_model import PeftModel, partition
 from ..adapters import AbstractTrainHook, ExpertLoraBank, LoraBank, with_dropout
 from ..sharding import batch_parts, batch_sharding, process_rows, shard
-from ._slots import keep_untrained_slots, per_slot_mean, row_counts, slot_counts
+from ._slots import per_slot_mean, put_slots, row_counts, slot_counts, take_slots
 
 Batch = dict[str, Array]
 # `loss_fn(model, batch, key) -> (summed loss, sums)`: `sums["count"]` is what the loss is
@@ -245,38 +245,47 @@ def make_train_step(
             batch = jax.lax.with_sharding_constraint(batch, batch_sharding(mesh))
         key, step_key = jax.random.split(state.key)
         keys = jax.random.split(step_key, grad_accumulation)
+        trainable, opt_state = state.trainable, state.opt_state
+        bank = frozen if isinstance(frozen, PeftBankModel) else None
+        if bank is not None:
+            # a bank is cut down to the slots of this batch's rows (at most one per row):
+            # the gradient, the optimizer and the write-back touch no other slot
+            slots = bank.max_adapters
+            rows = batch["input_ids"].shape[0]
+            ids = jnp.broadcast_to(batch.get("adapter_ids", bank.active_slot), (rows,))
+            groups = jnp.unique(ids, size=rows, fill_value=slots)
+            batch = {**batch, "adapter_ids": jnp.searchsorted(groups, ids).astype(jnp.int32)}
+            trainable, opt_state = (take_slots(t, groups, slots) for t in (trainable, opt_state))
+            frozen = take_slots(frozen, groups, slots)
         if grad_accumulation == 1:
-            (total, sums), grads = grad_fn(state.trainable, frozen, batch, keys[0], state.hooks)
+            (total, sums), grads = grad_fn(trainable, frozen, batch, keys[0], state.hooks)
         else:
 
             def one(carry: Any, xs: Any) -> Any:
                 micro, k = xs
-                (t, s), g = grad_fn(state.trainable, frozen, micro, k, state.hooks)
+                (t, s), g = grad_fn(trainable, frozen, micro, k, state.hooks)
                 return jax.tree.map(jnp.add, carry, (t, s, g)), None
 
-            shapes = eqx.filter_eval_shape(
-                grad_fn, state.trainable, frozen, batch, keys[0], state.hooks
-            )
+            shapes = eqx.filter_eval_shape(grad_fn, trainable, frozen, batch, keys[0], state.hooks)
             (t0, s0), g0 = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
             micro = _micro_batches(batch, grad_accumulation)
             (total, sums, grads), _ = jax.lax.scan(one, (t0, s0, g0), (micro, keys))
         count = jnp.maximum(sums["count"], 1.0)
-        bank = frozen if isinstance(frozen, PeftBankModel) else None
-        if bank is not None:  # each adapter's own mean; slots without rows stay as they were
-            ids = batch.get("adapter_ids", bank.active_slot)
-            counts = slot_counts(ids, row_counts(batch), bank.max_adapters)
-            trained = bank.trained_slots & (counts > 0)
+        if bank is not None:  # each adapter's gradient: the mean over its own rows
+            counts = slot_counts(batch["adapter_ids"], row_counts(batch), rows)
             grads = per_slot_mean(grads, counts)
+            written = (groups < slots) & bank.trained_slots[jnp.minimum(groups, slots - 1)]
+            written = written & (counts > 0)
         grads = jax.tree.map(
             lambda g: g if bank is not None and _in_bank(g) else (g / count).astype(g.dtype),
             grads,
             is_leaf=_in_bank,
         )
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.trainable)
-        trainable = eqx.apply_updates(state.trainable, updates)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        trainable = eqx.apply_updates(trainable, updates)
         if bank is not None:
-            trainable = keep_untrained_slots(trainable, state.trainable, trained)
-            opt_state = keep_untrained_slots(opt_state, state.opt_state, trained)
+            trainable = put_slots(state.trainable, groups, trainable, written)
+            opt_state = put_slots(state.opt_state, groups, opt_state, written)
         hooks = []
         for hook in state.hooks:
             trainable, hook = hook.update(trainable, grads, state.step)
