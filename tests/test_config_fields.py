@@ -10,6 +10,8 @@ without a case below fails the test, so no field can be accepted and then ignore
 import dataclasses
 import functools
 import json
+import pathlib
+import tempfile
 import warnings
 
 import equinox as eqx
@@ -232,6 +234,13 @@ def _trained(config):
     return [np.asarray(v) for v in leaves], trained.peft_config["default"].rank_pattern
 
 
+@functools.cache  # the unchanged start builds once for all the cases of its class
+def _built_start(config):
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return _built(config, pathlib.Path(tmp))
+
+
 def _built(config, tmp_path):
     """What `get_peft_model` made (arrays, static settings, trainable flags, copied
     modules) and the weights `save_pretrained` writes."""
@@ -286,9 +295,7 @@ def test_changing_a_field_changes_the_adapter_or_its_file(cls, field, tmp_path):
         )
         assert changed, f"{cls.__name__}.{field}={value!r} changed nothing in training"
         return
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        before, saved_before = _built(cls(**start), tmp_path / "before")
+    before, saved_before = _built_start(cls(**start))
     changed = cls(**{**start, field: value})
     if effect == "warns":
         with pytest.warns(UserWarning, match=field):

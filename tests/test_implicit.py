@@ -151,34 +151,41 @@ def test_dot_general_random_dimension_numbers(case, dtype, seed):
     def dot(a, b):
         return jax.lax.dot_general(a, b, dims)
 
-    with strict():
-        got = jax.jit(use_implicit_args(dot))(lhs, rhs)
+    def implicit(a, b):
         # gradients w.r.t. every field of the implicit operands, against the dense product
         loss = lambda a, b: jnp.sum(use_implicit_args(dot)(a, b) ** 2)  # noqa: E731
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
-    want = jax.jit(lambda a, b: dot(dense_like(a), dense_like(b)))(lhs, rhs)
+        return use_implicit_args(dot)(a, b), jax.grad(loss, argnums=(0, 1))(a, b)
+
+    def dense(a, b):
+        def dense_loss(a, b):
+            return jnp.sum(dot(dense_like(a), dense_like(b)) ** 2)
+
+        dense_grad = jax.grad(dense_loss, argnums=(0, 1))
+        magnitudes = _magnitude(a), _magnitude(b)
+        return (
+            dot(dense_like(a), dense_like(b)),
+            dense_grad(a, b),
+            dot(*map(dense_like, magnitudes)),
+            dense_grad(*magnitudes),
+        )
+
+    # one program each side (six separate jits compiled six programs per example)
+    with strict():
+        got, grads = jax.jit(implicit)(lhs, rhs)
+    want, want_grads, magnitude, magnitudes = jax.jit(dense)(lhs, rhs)
     assert got.dtype == want.dtype == dtype
     # Each side: a term of the product takes at most 4 roundings to `dtype` (the scaled
     # factors or the two scalings, the product, the output) and k float32 additions.
     k = math.prod(lhs_shape[i] for i in dims[0][0])
-    magnitude = jax.jit(lambda a, b: dot(dense_like(a), dense_like(b)))(
-        _magnitude(lhs), _magnitude(rhs)
-    )
     error = jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))
     assert jnp.all(error <= 2 * _relative_bound(dtype, 4, k) * magnitude)
 
-    def dense_loss(a, b):
-        return jnp.sum(dot(dense_like(a), dense_like(b)) ** 2)
-
-    dense_grad = jax.jit(jax.grad(dense_loss, argnums=(0, 1)))
-    want_grads = dense_grad(lhs, rhs)
     # The gradients are polynomials in the leaves: each term takes at most 9 roundings to
     # `dtype` (forward, square, backward products and scalings) and the float32 additions
     # of the reductions on the way (k, the output, an operand); the sum of the terms'
     # magnitudes is the gradient at the leaves' magnitudes. A scale's gradient sums a
     # whole array, which XLA on CPU does in the array's dtype when it has several axes
     # (a bfloat16 sum of 16x16x16 values stalls at 256): a rounding per term.
-    magnitudes = dense_grad(_magnitude(lhs), _magnitude(rhs))
     additions = k + want.size + math.prod(lhs_shape) + math.prod(rhs_shape)
     leaves = zip(*map(jax.tree.leaves, (grads, want_grads, magnitudes)), strict=True)
     for g, w, m in leaves:

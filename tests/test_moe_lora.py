@@ -106,8 +106,16 @@ def peft_files(checkpoints, tmp_path_factory):
     return out
 
 
-# each architecture in one layout (the other runs the same code on a stack split or not)
-@pytest.mark.parametrize("name, layout", [("mixtral", "stacked"), ("qwen3_moe", "unrolled")])
+# each architecture in one layout (the other runs the same code on a stack split or not);
+# Qwen3-MoE's is torch_round_trip: the fast tier reads its PEFT adapters unrolled in
+# test_mixed_batches_on_experts_equal_peft_row_by_row
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("mixtral", "stacked"),
+        pytest.param("qwen3_moe", "unrolled", marks=pytest.mark.torch_round_trip),
+    ],
+)
 def test_peft_to_peftx(checkpoints, peft_files, name, layout):
     path, base_logits = checkpoints[name]
     directory, theirs, trainable = peft_files[name]
@@ -133,7 +141,9 @@ def _randomized(model, seed):
     return eqx.combine(jax.tree.unflatten(tree, leaves), frozen)
 
 
-@pytest.mark.parametrize("layout", ["stacked"])  # unrolled: test_peft_to_peftx's Qwen3-MoE
+@pytest.mark.parametrize(
+    "layout", ["stacked"]
+)  # unrolled: test_peft_to_peftx's Qwen3-MoE (make test)
 def test_peftx_to_peft(checkpoints, peft_files, layout, tmp_path):
     path, _ = checkpoints["mixtral"]
     config = LoraConfig(**_peft_config("mixtral"))
