@@ -6,6 +6,9 @@ import pathlib
 import jax
 import pytest
 
+# whole example programs, end to end
+pytestmark = pytest.mark.command_run
+
 EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
 
 

@@ -35,6 +35,9 @@ import peftx
 import peftx.models as pm
 from peftx.models import Gemma2Config
 
+# a further architecture of the zoo: the whole suite runs it, the fast tier runs Llama
+pytestmark = pytest.mark.zoo_sweep
+
 LAYERS = 3
 CONFIG = dict(
     vocab_size=VOCAB,

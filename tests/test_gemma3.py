@@ -36,6 +36,9 @@ import peftx
 import peftx.models as pm
 from peftx.models import Gemma3TextConfig
 
+# a further architecture of the zoo: the whole suite runs it, the fast tier runs Llama
+pytestmark = pytest.mark.zoo_sweep
+
 LAYERS = 3
 ROPE = {
     "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=10000.0),

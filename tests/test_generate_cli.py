@@ -29,6 +29,9 @@ from peftx.adapters import Int8Array, NF4Array
 from peftx.cli import _generate
 from peftx.implicit import materialize
 
+# whole `peftx generate` commands
+pytestmark = pytest.mark.command_run
+
 LETTERS = string.ascii_lowercase
 POSITIONS = 64
 # 5, 13 and 30 tokens with BOS: prompts padded inside to 16 and to 32 columns

@@ -37,6 +37,9 @@ from peftx.models import LlamaConfig
 from peftx.models._moe import SparseMoeBlock, load_balancing_loss, sparse_moe
 from peftx.train import causal_lm_loss
 
+# a further architecture of the zoo: the whole suite runs it, the fast tier runs Llama
+pytestmark = pytest.mark.zoo_sweep
+
 EXPERTS = 4
 CASES = {
     "mixtral": (

@@ -45,6 +45,9 @@ from peftx.adapters import AdapterSet
 from peftx.models import Phi3Config
 from peftx.sharding._rules import logical_axes
 
+# a further architecture of the zoo: the whole suite runs it, the fast tier runs Llama
+pytestmark = pytest.mark.zoo_sweep
+
 LAYERS = 3
 ORIGINAL = 8  # original_max_position_embeddings: between the short batch and the long one
 CONFIG = dict(

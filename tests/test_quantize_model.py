@@ -261,7 +261,13 @@ _SIZES = dict(
 )
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if i == 0 else pytest.param(n, marks=pytest.mark.zoo_sweep)
+        for i, n in enumerate(sorted(ZOO))
+    ],
+)
 def test_qlora_on_each_new_architecture(name):
     """QLoRA on every linear layer (and expert stack) of each newer stacked model: none is made
     dense (`strict`), the logits equal the same adapters over the dequantized weights
