@@ -390,8 +390,8 @@ def check_bank_config(config: Any, max_rank: int) -> None:
     """Refuse, in one line, a config a bank cannot hold."""
     if not isinstance(config, LoraConfig):
         raise TypeError(
-            f"a bank holds LoRA adapters (LoraConfig, rsLoRA or not) on Linear weights; got "
-            f"a {type(config).__name__}."
+            "a bank holds LoRA adapters (LoraConfig, rsLoRA or not), on Linear weights and on "
+            f"experts; got a {type(config).__name__}."
         )
     unheld = [
         what
@@ -408,8 +408,8 @@ def check_bank_config(config: Any, max_rank: int) -> None:
     ]
     if unheld:
         raise ValueError(
-            f"a bank holds plain LoRA and rsLoRA on Linear weights and experts; this config has "
-            f"{', '.join(unheld)}."
+            "a bank holds plain LoRA and rsLoRA, on Linear weights and on experts; this config "
+            f"has {', '.join(unheld)}."
         )
     ranks = [config.r, *config.rank_pattern.values()]
     if max(ranks) > max_rank:

@@ -200,10 +200,10 @@ DORA = [ADAPTERS[0], (ADAPTERS[1][0], 2, ADAPTERS[1][2] + "\nuse_dora = true"), 
          "bank.max_adapters (2) is less than the 3 [[adapters]]: the bank needs a slot for each"),
         (dict(adapters=IA3),
          ("[[adapters]][1] ('default') cannot go in the [bank]: a bank holds LoRA adapters "
-         "(LoraConfig, rsLoRA or not) on Linear weights; got a IA3Config.")),
+         "(LoraConfig, rsLoRA or not), on Linear weights and on experts; got a IA3Config.")),
         (dict(adapters=DORA),
-         ("[[adapters]][2] ('skip') cannot go in the [bank]: a bank holds plain LoRA and rsLoRA "
-         "on Linear weights; this config has use_dora=True.")),
+         ("[[adapters]][2] ('skip') cannot go in the [bank]: a bank holds plain LoRA and rsLoRA, "
+         "on Linear weights and on experts; this config has use_dora=True.")),
         (dict(bank=BANK + "max_rank = 4\n"),
          ("[[adapters]][3] ('back') cannot go in the [bank]: adapter rank 8 exceeds the bank's "
          "max_rank=4")),
