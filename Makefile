@@ -23,7 +23,8 @@ test: $(VENV)/.installed
 
 # everything but the slow markers (pyproject.toml): the edit-test loop
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -n auto --durations=25 -m "not (command_run or simulated_devices or torch_round_trip or zoo_sweep)"
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=25 -o addopts="-ra --strict-markers" \
+		-m "not (command_run or simulated_devices or torch_round_trip or zoo_sweep or layout_sweep)"
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/suite.py --out benchmarks/RESULTS.md

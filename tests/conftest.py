@@ -204,6 +204,15 @@ _LONG_FIRST = (
     "test_finetune_trust.py",
     "test_finetune.py",
     "test_sharding_memory.py",
+    # the longest files of the fast tier, for `--dist loadfile`
+    "test_bank.py",
+    "test_peft_interop.py",
+    "test_lora.py",
+    "test_llama.py",
+    "test_config_fields.py",
+    "test_generate.py",
+    "test_multi_adapter.py",
+    "test_moe_lora.py",
 )
 
 
@@ -213,3 +222,23 @@ def pytest_collection_modifyitems(items):
         return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
 
     items.sort(key=rank)
+    _mark_second_layouts(items)
+
+
+def _mark_second_layouts(items):
+    """`layout_sweep` on the unrolled case of a test run on both zoo layouts: the fast
+    tier runs the stacked one (the zoo's default), the whole suite both."""
+    stacked = {
+        (item.function, _other_params(item))
+        for item in items
+        if getattr(item, "callspec", None) and item.callspec.params.get("layout") == "stacked"
+    }
+    for item in items:
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if params and params.get("layout") == "unrolled":
+            if (item.function, _other_params(item)) in stacked:
+                item.add_marker(pytest.mark.layout_sweep)
+
+
+def _other_params(item):
+    return tuple(sorted((k, repr(v)) for k, v in item.callspec.params.items() if k != "layout"))

@@ -144,6 +144,7 @@ def test_a_bank_job_writes_three_adapters_peft_loads(bank_run, llama):
     np.testing.assert_allclose(got[1], plain[1], rtol=0, atol=1e-4)
 
 
+@pytest.mark.command_run  # two `fit` runs end to end
 def test_a_bank_resumes_from_its_checkpoint_bit_for_bit(llama, tmp_path):
     """A bank's checkpoint (step 2 of 4; its adapters in PEFT's layout) restores: `fit`
     resumed from it reaches the weights of a run never stopped, bit for bit (dropout's

@@ -269,6 +269,7 @@ def test_stacked_ia3_matches_peft(checkpoint):
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(ids)).logits), want, atol=1e-4)
 
 
+@pytest.mark.layout_sweep  # test_stacked_equals_unrolled_training cross-checks the layouts
 def test_quantized_stack_equals_unrolled(checkpoint):
     """NF4 on a stack quantizes each layer on its own: the same codes and outputs as the
     unrolled model's per-layer quantization; QLoRA on top trains."""
@@ -296,6 +297,7 @@ def test_quantized_stack_equals_unrolled(checkpoint):
     assert b_grads and all(np.abs(np.asarray(g)).max() > 0 for g in b_grads)
 
 
+@pytest.mark.layout_sweep  # test_stacked_equals_unrolled_training cross-checks the layouts
 def test_unstacked_adapter_set_serves_the_same_mixed_batch(checkpoint):
     """`unstack` (and `split_stack`, by `layers_to_transform`) of blocks holding several
     adapters (an `AdapterSet`, whose adapters' base is a `Slot` of static shape): each
