@@ -23,7 +23,8 @@ test: $(VENV)/.installed
 
 # everything but the slow markers (pyproject.toml): the edit-test loop
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q -n auto --dist loadfile --durations=25 -o addopts="-ra --strict-markers" \
+	PEFTX_FAST_TESTS=1 $(PY) -m pytest -q -n auto --dist loadfile --durations=25 \
+		-o addopts="-ra --strict-markers" \
 		-m "not (command_run or simulated_devices or torch_round_trip or zoo_sweep or layout_sweep)"
 
 bench: $(VENV)/.installed

@@ -280,3 +280,9 @@ def section_code(page, heading):
     lines = page.read_text(encoding="utf-8").splitlines()
     start = lines.index(heading) + 1
     return next(b for b in code_blocks(page) if b.language == "python" and b.line > start)
+
+
+def example_count(n: int) -> int:
+    """Hypothesis's `max_examples` for a property test: `n` in the whole suite, a quarter
+    (at least 2) in the fast tier (`make test-fast` sets `PEFTX_FAST_TESTS=1`)."""
+    return max(2, n // 4) if os.environ.get("PEFTX_FAST_TESTS") else n

@@ -18,6 +18,7 @@ import safetensors.numpy
 import safetensors.torch
 import torch
 import transformers
+from helpers import example_count
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
@@ -287,7 +288,7 @@ LLAMA_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 @settings(
-    max_examples=6,
+    max_examples=example_count(6),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

@@ -648,3 +648,59 @@ def test_the_active_adapter_is_data_too(zoo):
     assert compiles.count == 0 and empty.active_adapter is None
     np.testing.assert_allclose(second[0], _peft_logits(zoo, zoo / "a1", ids)[0], atol=1e-4)
     np.testing.assert_allclose(base[0], _peft_logits(zoo, None, ids)[0], atol=1e-4)
+
+
+def test_a_users_own_optax_loop_matches_the_step(zoo):
+    """The recipe for your own optax loop (README, docs/selection.md): the whole bank's
+    gradient, each adapter's own mean, `keep_untrained_slots` on parameters and optimizer
+    state. It updates the slots as the step does (which cuts the bank down to the batch's
+    slots instead), and leaves the others bit for bit."""
+    bank = _bank(zoo, "unrolled", n=4, max_adapters=6)
+    rng = np.random.default_rng(11)
+    ids = jnp.asarray(rng.integers(1, VOCAB, (4, 6)))
+    batch = {
+        "input_ids": ids,
+        "attention_mask": jnp.ones_like(ids),
+        "labels": ids,
+        "adapter_ids": bank.adapter_ids(["a2", "a0", "a2", peftx.BASE]),
+    }
+    optimizer = optax.adamw(1e-2, weight_decay=0.1)
+    names = list(bank.adapter_names)
+    state, frozen = peftx.train.init_state(bank, optimizer, key=jax.random.key(0), adapters=names)
+    with _optax_promotion():
+        stepped, _ = peftx.train.make_train_step(peftx.train.causal_lm_loss, optimizer)(
+            state, frozen, batch
+        )
+
+        @eqx.filter_jit
+        def own_step(trainable, opt_state):
+            def loss(t):
+                return peftx.train.causal_lm_loss(eqx.combine(t, frozen), batch)[0]
+
+            grads = jax.grad(loss)(trainable)
+            counts = peftx.train.slot_counts(
+                batch["adapter_ids"], peftx.train.row_counts(batch), bank.max_adapters
+            )
+            grads = peftx.train.per_slot_mean(grads, counts)
+            updates, new_state = optimizer.update(grads, opt_state, trainable)
+            new = eqx.apply_updates(trainable, updates)
+            trained = frozen.trained_slots & (counts > 0)
+            return (
+                peftx.train.keep_untrained_slots(new, trainable, trained),
+                peftx.train.keep_untrained_slots(new_state, opt_state, trained),
+            )
+
+        trainable, opt_state = own_step(state.trainable, state.opt_state)
+    for mine, theirs, then in zip(
+        jax.tree.leaves(trainable),
+        jax.tree.leaves(stepped.trainable),
+        jax.tree.leaves(state.trainable),
+    ):
+        # AdamW's first step moves each entry by about lr·g/(|g| + eps): where |g| nears
+        # eps, the two gradients' last bits (summed in another order) show, within 1e-3 of
+        # a step of lr = 1e-2
+        np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-5)
+        for name in ("a1", "a3"):  # no rows: bit for bit as before, in both
+            slot = bank.table.slot(name)
+            np.testing.assert_array_equal(mine[slot], then[slot])
+            np.testing.assert_array_equal(theirs[slot], then[slot])

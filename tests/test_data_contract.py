@@ -18,7 +18,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import transformers
-from helpers import as_users_run, unpacked, word_tokenizer
+from helpers import as_users_run, example_count, unpacked, word_tokenizer
 
 from peftx import train
 
@@ -77,7 +77,7 @@ examples = st.lists(st.tuples(texts, texts), min_size=1, max_size=6)
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
-@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.settings(max_examples=example_count(40), deadline=None)
 @hypothesis.given(examples=examples, with_prompt=st.booleans(), max_length=st.integers(8, 40))
 def test_rows_start_with_the_tokenizers_prompt(name, examples, with_prompt, max_length):
     tok = TOKENIZERS[name]
@@ -106,7 +106,7 @@ def test_rows_start_with_the_tokenizers_prompt(name, examples, with_prompt, max_
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)
-@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.settings(max_examples=example_count(30), deadline=None)
 @hypothesis.given(examples=examples, with_prompt=st.booleans(), max_length=st.integers(2, 12))
 def test_packed_rows_start_each_example_the_same_way(name, examples, with_prompt, max_length):
     """Packed, every example is kept whole in one row (truncated to `max_length`, as an

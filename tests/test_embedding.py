@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import all_eqns, close
+from helpers import all_eqns, close, example_count
 from hypothesis import given, settings, strategies as st
 
 from peftx.adapters import LoraArray, LoraEmbeddingArray, lora_embedding, merge
@@ -137,7 +137,7 @@ def test_lookups_never_form_the_table(getkey):
     assert (num, dim) not in shapes and (dim, num) not in shapes
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=example_count(6), deadline=None)
 @given(
     num=st.integers(1, 9),
     dim=st.integers(1, 9),

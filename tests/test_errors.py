@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import as_users_run, run_cli, word_tokenizer
+from helpers import as_users_run, example_count, run_cli, word_tokenizer
 from hypothesis import given, settings, strategies as st
 
 from peftx import IA3Config, LoraConfig, QuantizationConfig, from_toml, load_config
@@ -86,7 +86,7 @@ def test_numeric_field_cases_differ():
     NUMERIC_FIELDS,
     ids=[f"{cls.__name__}.{field}" for cls, field, *_ in NUMERIC_FIELDS],
 )
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=example_count(150), deadline=None)
 @given(value=VALUES)
 def test_numeric_fields_are_valid_or_refused_by_name(cls, field, wrap, valid, value):
     """Property: any value of a numeric field (NaN, inf, huge, negative, a string, a list,
@@ -166,7 +166,7 @@ def test_quantization_config_types(kwargs, match):
         ),
     ],
 )
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=example_count(100), deadline=None)
 @given(value=VALUES)
 def test_quantization_fields_are_valid_or_refused_by_name(field, valid, value):
     """The same property for `QuantizationConfig`, which has no numeric field: any value
@@ -494,7 +494,7 @@ CONFIG_KEY_CASES = [
     CONFIG_KEY_CASES,
     ids=[f"{t}.{key}" for t, _, key, _ in CONFIG_KEY_CASES],
 )
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=example_count(60), deadline=None)
 @given(value=VALUES)
 def test_config_json_values_are_valid_or_refused_by_name(model_type, base, key, valid, value):
     """Property: any value of a numeric config.json key gives a `ValueError` naming the key,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from helpers import as_users_run, run_cli, write_jsonl
+from helpers import as_users_run, example_count, run_cli, write_jsonl
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import peftx.cli._finetune as finetune
@@ -527,7 +527,9 @@ def _toml(value) -> str:
 
 
 @settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=example_count(300),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(field=st.sampled_from(NUMBERS), value=VALUES)
 def test_the_job_validator_on_any_value(bert, field, value):

@@ -24,6 +24,7 @@ from helpers import as_users_run, run_cli, tiny_llama_config, transformers_greed
 from jax.experimental.compilation_cache import compilation_cache
 
 import peftx
+import peftx.cli._generate as generate_command
 from peftx import train
 from peftx.adapters import Int8Array, NF4Array
 from peftx.cli import _generate
@@ -119,7 +120,7 @@ def test_generate_feeds_exactly_tokenizer_prompt(llama, kind, capsys, monkeypatc
         assert (np.diff(mask, axis=-1) >= 0).all()  # left padding only
         return real(model, input_ids, *args, attention_mask=attention_mask, **kwargs)
 
-    monkeypatch.setattr(peftx.models, "generate", spy)
+    monkeypatch.setattr(generate_command, "generate", spy)  # the name it calls
     tok = _auto_tokenizer(llama / kind)
     for prompt in PROMPTS:
         code, _, _ = run_cli(capsys, "generate", llama / kind, prompt, "--max-new-tokens", 2)
@@ -315,7 +316,7 @@ def test_quantization_fields_reach_the_model(llama, capsys, monkeypatch, arm):
         seen.append(model)
         return real(model, *args, **kwargs)
 
-    monkeypatch.setattr(peftx.models, "generate", spy)
+    monkeypatch.setattr(generate_command, "generate", spy)  # the name it calls
     options, config = ARMS[arm]
     args = ("generate", llama / "bos", "a b", "--adapter", llama / "adapter", *options)
     code, _, _ = run_cli(capsys, *args, "--max-new-tokens", 2)

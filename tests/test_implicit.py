@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import close_in_scale
+from helpers import close_in_scale, example_count
 from hypothesis import given, settings, strategies as st
 from implicit_types import LoraMatrix, Scaled, dense_like, random_scaled
 from jax.test_util import check_grads
@@ -135,7 +135,7 @@ def _magnitude(x):
     return jax.tree.map(lambda leaf: jnp.abs(leaf).astype(jnp.float32), x)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=example_count(8), deadline=None)
 @given(
     case=dot_general_case(),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]),
@@ -499,7 +499,7 @@ def test_implicit_array_in_a_closure_gets_a_clear_error(getkey):
         use_implicit_args(lambda x: x @ w)(jnp.ones((2, 5)))
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=example_count(15), deadline=None)
 @given(case=dot_general_case(), data=st.data(), seed=st.integers(0, 2**16))
 def test_products_with_a_transposed_implicit_array(case, data, seed):
     """`transpose` of an implicit array without a handler of its own stays lazy

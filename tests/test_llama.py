@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from helpers import example_count
 from hypothesis import given, settings, strategies as st
 
 import peftx
@@ -297,7 +298,7 @@ def test_each_arm_changes_the_output(checkpoint, name):
     assert real_diff(with_feature.numpy(), without, MASK) > 1000 * TOL
 
 
-@settings(max_examples=4, deadline=None, derandomize=True)
+@settings(max_examples=example_count(4), deadline=None, derandomize=True)
 @given(
     rows=st.lists(
         st.tuples(st.integers(1, 6), st.sampled_from(["left", "right"])), min_size=2, max_size=3

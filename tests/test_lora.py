@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import all_eqns, close
+from helpers import all_eqns, close, example_count
 from hypothesis import given, settings, strategies as st
 
 from peftx.adapters import (
@@ -133,7 +133,7 @@ def weight_product(draw):
     return w_shape, x_shape, dims, w_first
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=example_count(10), deadline=None)
 @given(
     case=weight_product(), r=st.integers(2, 4), use_rslora=st.booleans(), seed=st.integers(0, 2**16)
 )

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 import torch
+from helpers import example_count
 from hypothesis import given, settings, strategies as st
 from test_lora import _random_lora, weight_product
 from test_select import CausalLM
@@ -424,7 +425,7 @@ def test_merging_several_adapters_matches_peft(kind):
     np.testing.assert_allclose(merged(jnp.asarray(x)), want.numpy(), rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=example_count(6), deadline=None)
 @given(case=weight_product(), seed=st.integers(0, 2**16))
 def test_gated_set_any_layout(case, seed):
     """Two LoRAs of different ranks on one base, weighted by a soft gate row, in any

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from helpers import close
+from helpers import close, example_count
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -166,7 +166,7 @@ def test_storage_is_half_a_byte_per_value_plus_absmaxes(shape, blocksize):
     assert a.to_bnb_dict()["weight"].shape == (math.ceil(n / 2), 1)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=example_count(10), deadline=None)
 @given(
     shape=st.lists(st.integers(1, 24), min_size=1, max_size=3).map(tuple),
     blocksize=st.sampled_from([2, 4, 6, 16, 64, 256]),
@@ -324,7 +324,7 @@ def _assert_equal_to_bitsandbytes(w, blocksize):
 
 
 @pytest.mark.parametrize("blocksize", [64, pytest.param(128, marks=pytest.mark.torch_round_trip)])
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=example_count(6), deadline=None)
 @given(data=st.data())
 def test_nf4_equals_real_bitsandbytes_bit_for_bit(blocksize, data):
     shape = data.draw(hnp.array_shapes(min_dims=1, max_dims=3, max_side=24), label="shape")

@@ -7,6 +7,7 @@ import peft
 import pytest
 import torch
 import transformers
+from helpers import example_count
 from hypothesis import given, settings, strategies as st
 from peft.tuners.tuners_utils import check_target_module_exists
 
@@ -92,7 +93,7 @@ def test_stacked_split_only_where_needed(checkpoint):
 names = st.lists(st.sampled_from(["a", "b", "q_proj", "mlp", "attn", "0", "1"]), min_size=1)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=example_count(200), deadline=None)
 @given(st.sets(names.map(".".join), min_size=2, max_size=30), st.data())
 def test_condensed_targets_select_the_same_modules(modules, data):
     """`_condensed` suffixes, read by PEFT's own matcher, choose exactly the targets."""

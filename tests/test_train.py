@@ -25,7 +25,7 @@ import pytest
 import safetensors.numpy
 import tokenizers
 import transformers
-from helpers import unpacked
+from helpers import example_count, unpacked
 
 import peftx
 from peftx import train
@@ -403,7 +403,7 @@ def _rows(rows):
     return {"x": np.arange(rows, dtype=np.int32), "labels": 2 * np.arange(rows, dtype=np.int32)}
 
 
-@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.settings(max_examples=example_count(40), deadline=None)
 @hypothesis.given(
     rows=st.integers(1, 23),
     batch_size=st.integers(1, 23),

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import example_count
 from hypothesis import given, settings, strategies as st
 from jax import lax
 
@@ -119,7 +120,7 @@ def test_integer_pow_zero_exponent_falls_back():
     np.testing.assert_array_equal(out, jnp.ones(2))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=example_count(12), deadline=None)
 @given(
     shape=st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple),
     dtype=st.sampled_from([jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32]),
