@@ -81,6 +81,7 @@ def test_toml_blocks_parse():
         tomllib.loads(block.code)
 
 
+@pytest.mark.command_run  # mkdocs, a whole program in a child process
 def test_site_builds_strict(tmp_path):
     """`make docs`: a warning (a broken link or anchor, a name mkdocstrings cannot find, a
     missing snippet) fails the build."""
