@@ -139,10 +139,13 @@ def main() -> None:
     out = [
         f"# The adapter bank (`bank.py`, {datetime.date.today()})",
         "",
-        f"{jax.devices()[0].device_kind}, {platform.machine()}; Llama hidden {c.hidden_size}, "
-        f"{c.num_hidden_layers} layers, {jnp.dtype(dtype).name}; {tokens} tokens a batch "
-        f"({wide} rows x {tokens // wide}, or {widest} x {tokens // widest}); LoRA r={RANK} on "
-        "the seven projections (float32 factors); AdamW; `peftx.train`'s step.",
+        (
+            f"{jax.devices()[0].device_kind}, {platform.machine()}; Llama hidden "
+            f"{c.hidden_size}, {c.num_hidden_layers} layers, {jnp.dtype(dtype).name}; {tokens} "
+            f"tokens a batch ({wide} rows x {tokens // wide}, or {widest} x "
+            f"{tokens // widest}); LoRA r={RANK} on the seven projections (float32 factors); "
+            "AdamW; `peftx.train`'s step."
+        ),
         "",
     ]
 
@@ -218,8 +221,10 @@ def main() -> None:
     best = min(t.median for t in steps if t.name.startswith(f"bank of {wide}, {wide} distinct"))
     ratio = best / ref
     out += [
-        f"{wide} distinct adapters in a bank of {wide}: {ratio:.2f}x one adapter's step "
-        f"(target <= 1.25x: {'PASS' if ratio <= 1.25 else 'MISS'}).",
+        (
+            f"{wide} distinct adapters in a bank of {wide}: {ratio:.2f}x one adapter's step "
+            f"(target <= 1.25x: {'PASS' if ratio <= 1.25 else 'MISS'})."
+        ),
         "",
     ]
 
