@@ -3,7 +3,6 @@ adapted weight. Which adapter sits in which slot is host-side bookkeeping; a jit
 function of the model sees only arrays, so adapters come and go without a recompile."""
 
 import dataclasses
-import difflib
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -16,10 +15,18 @@ import numpy as np
 from jaxtyping import Array, Bool, Int, PRNGKeyArray
 
 from ._config import AbstractAdapterConfig
-from ._errors import UnknownAdapterError
+from ._errors import UnknownAdapterError, unknown_adapter
 from ._select import Predicate, node_at, select
 from ._targets import BASE, layer_paths
-from .adapters import AdapterSet, ExpertLoraArray, ExpertLoraBank, LoraArray, LoraBank, LoraConfig
+from .adapters import (
+    AbstractLoraBank,
+    AdapterSet,
+    ExpertLoraArray,
+    ExpertLoraBank,
+    LoraArray,
+    LoraBank,
+    LoraConfig,
+)
 from .implicit import use_implicit_args
 
 
@@ -63,7 +70,7 @@ _ATTR = jax.tree_util.GetAttrKey
 
 
 def _is_bank(x: Any) -> bool:
-    return isinstance(x, LoraBank | ExpertLoraBank)
+    return isinstance(x, AbstractLoraBank)
 
 
 class PeftBankModel(eqx.Module):
@@ -334,11 +341,7 @@ class PeftBankModel(eqx.Module):
         return name
 
     def _unknown(self, name: Any, *extra: str) -> UnknownAdapterError:
-        valid = (*self.adapter_names, *extra)
-        close = difflib.get_close_matches(str(name), valid, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        listed = ", ".join(map(repr, valid)) or "none"
-        return UnknownAdapterError(f"no adapter named {name!r}; this bank has {listed}.{hint}")
+        return unknown_adapter(name, (*self.adapter_names, *extra), "bank")
 
     def _check_new(self, name: str, config: AbstractAdapterConfig | None) -> None:
         if name == BASE or not name:
@@ -362,9 +365,12 @@ class PeftBankModel(eqx.Module):
         this model's base) in a free slot."""
         config = one.peft_config[name]
         check_bank_config(config, self.max_rank)
+        return self._holding(name, config, _layer_factors(one, name))
+
+    def _holding(self, name: str, config: LoraConfig, factors: dict[str, Any]) -> "PeftBankModel":
+        """This model with adapter `name`'s per-layer `factors` in a free slot."""
         slot = self.table.free_slot()
         assert slot is not None
-        factors = _layer_factors(one, name)
         banks = _banks(self)
         missing = sorted(set(factors) - {p for _, paths, _ in banks for p in paths})
         if missing:
@@ -608,10 +614,4 @@ def bank_from(
         jnp.zeros((max_adapters,), bool),
         SlotTable(max_adapters, max_rank, place, load),
     )
-    banks = _banks(empty)
-    filled = empty
-    for keypath, paths, bank in banks:
-        value = _with_slot(bank, 0, [factors.get(p) for p in paths])
-        filled = eqx.tree_at(lambda m, kp=keypath: node_at(m, kp), filled, value)
-    table = dataclasses.replace(empty.table, entries=((name, 0, config),), active=name)
-    return empty._with_table(filled, table)
+    return empty._holding(name, config, factors)

@@ -1,5 +1,7 @@
 """Every error peftx raises on purpose, in one place."""
 
+import difflib
+
 
 class MaterializationError(RuntimeError):
     """An implicit array would be materialized while materialization is forbidden."""
@@ -41,6 +43,15 @@ class UnknownAdapterError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+def unknown_adapter(name: object, valid: tuple[str, ...], holder: str) -> UnknownAdapterError:
+    """The error for `name` among the `valid` names a `holder` ("model", "bank") has,
+    with the closest name as a hint."""
+    close = difflib.get_close_matches(str(name), valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    listed = ", ".join(map(repr, valid)) or "none"
+    return UnknownAdapterError(f"no adapter named {name!r}; this {holder} has {listed}.{hint}")
 
 
 class DenseWeightError(AssertionError):

@@ -1,7 +1,6 @@
 """`get_peft_model` and `PeftModel`: named adapters placed on an Equinox model by PEFT configs."""
 
 import dataclasses
-import difflib
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -15,7 +14,7 @@ from jaxtyping import Array, Int, PRNGKeyArray
 
 from ._bank import PeftBankModel, bank_from
 from ._config import AbstractAdapterConfig
-from ._errors import UnknownAdapterError
+from ._errors import UnknownAdapterError, unknown_adapter
 from ._kind import count_parameters, trained_fields
 from ._peft_io import adapted_layer_paths, load_adapter_into, save_adapters
 from ._select import Predicate, dotted, of_type, peft_targets, require_matches, select
@@ -556,12 +555,7 @@ class PeftModel(eqx.Module):
         return names
 
     def _unknown(self, name: Any, *extra: str) -> UnknownAdapterError:
-        valid = (*self.adapter_names, *extra)
-        close = difflib.get_close_matches(str(name), valid, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        return UnknownAdapterError(
-            f"no adapter named {name!r}; this model has {', '.join(map(repr, valid))}.{hint}"
-        )
+        return unknown_adapter(name, (*self.adapter_names, *extra), "model")
 
     def _check_new_name(self, name: str) -> None:
         if name in self.adapter_names:

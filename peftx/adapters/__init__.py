@@ -13,7 +13,11 @@ from ._adalora import (
     adalora as adalora,
     orthogonality_penalty as orthogonality_penalty,
 )
-from ._bank import ExpertLoraBank as ExpertLoraBank, LoraBank as LoraBank
+from ._bank import (
+    AbstractLoraBank as AbstractLoraBank,
+    ExpertLoraBank as ExpertLoraBank,
+    LoraBank as LoraBank,
+)
 from ._dropout import with_dropout as with_dropout, without_dropout as without_dropout
 from ._ia3 import IA3Array as IA3Array, IA3Config as IA3Config, ia3 as ia3
 from ._loha import LoHaArray as LoHaArray, LoHaConfig as LoHaConfig, loha as loha

@@ -18,7 +18,39 @@ from ._lora._experts import GROUPED as _GROUPED
 from ._products import LayerKeys, add_update, cast_base_on_astype, take_rows, taken_rows
 
 
-class LoraBank(AbstractWeight):
+class AbstractLoraBank(AbstractWeight):
+    """LoRA slots stacked on one base weight (`weight_ndim` axes, after any stack axes),
+    each row of a batch routed to a slot by `rows`: what `LoraBank` and `ExpertLoraBank`
+    share, and what training reads (`slot_axes`: each per-slot field's slot axis, counted
+    from its last axis)."""
+
+    weight: eqx.AbstractVar[Any]
+    lora_A: eqx.AbstractVar[Array]
+    rows: eqx.AbstractVar[Array | None]
+    weight_ndim: eqx.AbstractClassVar[int]
+    slot_axes: eqx.AbstractClassVar[Mapping[str, int]]
+
+    @property
+    def stack_ndim(self) -> int:
+        return len(self.weight.shape) - self.weight_ndim
+
+    @property
+    def slots(self) -> int:
+        return self.lora_A.shape[self.stack_ndim]
+
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
+
+    def with_rows(self, rows: Array | None) -> "AbstractLoraBank":
+        """This bank with `rows` (one slot per row, or one for all) repeated along the
+        stack axes, so that each layer's slice holds them whole."""
+        if rows is not None:
+            stack = tuple(self.weight.shape[: self.stack_ndim])
+            rows = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (*stack, *jnp.shape(rows)))
+        return eqx.tree_at(lambda b: b.rows, self, rows, is_leaf=lambda x: x is None)
+
+
+class LoraBank(AbstractLoraBank):
     """`W + scaling[s] · B[s] @ A[s]` for the slot `s` each row of the input uses.
 
     - `weight`: the base weight `(*stack, out, in)` (dense or implicit);
@@ -45,7 +77,7 @@ class LoraBank(AbstractWeight):
     rows: Array | None
     dropout_key: LayerKeys | None = None
     draws_dropout: ClassVar[bool] = True
-    # each per-slot field's slot axis, counted from its last axis
+    weight_ndim: ClassVar[int] = 2
     slot_axes: ClassVar[Mapping[str, int]] = {
         "lora_A": -3,
         "lora_B": -3,
@@ -65,19 +97,8 @@ class LoraBank(AbstractWeight):
     }
 
     @property
-    def stack_ndim(self) -> int:
-        return len(self.weight.shape) - 2
-
-    @property
-    def slots(self) -> int:
-        return self.lora_A.shape[self.stack_ndim]
-
-    @property
     def max_rank(self) -> int:
         return self.lora_A.shape[self.stack_ndim + 1]
-
-    def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
 
     def slot_delta(self, slot: int) -> Array:
         """`scaling · B @ A` of one slot, in the weight's shape (for merging one adapter)."""
@@ -100,14 +121,6 @@ class LoraBank(AbstractWeight):
         b = jnp.einsum("...s,...sor->...or", one, self.lora_B)
         scale = jnp.einsum("...s,...s->...", one, self.scaling)[..., None, None]
         return (w + (scale * jnp.matmul(b, a)).astype(w.dtype)).astype(w.dtype)
-
-    def with_rows(self, rows: Array | None) -> "LoraBank":
-        """This bank with `rows` (one slot per row, or one for all) repeated along the
-        stack axes, so that each layer's slice holds them whole."""
-        if rows is not None:
-            stack = tuple(self.weight.shape[: self.stack_ndim])
-            rows = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (*stack, *jnp.shape(rows)))
-        return eqx.tree_at(lambda b: b.rows, self, rows, is_leaf=lambda x: x is None)
 
 
 def _bank_dot(bank: LoraBank, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
@@ -203,7 +216,7 @@ weight_dot_handlers(LoraBank, _bank_dot)
 cast_base_on_astype(LoraBank)
 
 
-class ExpertLoraBank(AbstractWeight):
+class ExpertLoraBank(AbstractLoraBank):
     """A bank of LoRA slots on a stack of experts `W (*stack, experts, out, in)` (PEFT's
     `target_parameters`): `W[e] + scaling[s] · B[s, e] @ A[s, e]` for a row of expert `e`
     routed to slot `s`.
@@ -223,6 +236,7 @@ class ExpertLoraBank(AbstractWeight):
     scaling: Array
     rows: Array | None
 
+    weight_ndim: ClassVar[int] = 3
     slot_axes: ClassVar[Mapping[str, int]] = {"lora_A": -4, "lora_B": -4, "scaling": -1}
     weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {
         "weight": (0, 1, 2),
@@ -232,17 +246,6 @@ class ExpertLoraBank(AbstractWeight):
         "rows": (None,),
     }
 
-    @property
-    def stack_ndim(self) -> int:
-        return len(self.weight.shape) - 3
-
-    @property
-    def slots(self) -> int:
-        return self.lora_A.shape[self.stack_ndim]
-
-    def aval(self) -> jax.core.ShapedArray:
-        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
-
     def materialize(self) -> Array:
         w = materialize(self.weight)
         if self.rows is None:
@@ -251,12 +254,6 @@ class ExpertLoraBank(AbstractWeight):
             "an expert bank routing rows to slots has no single dense weight; multiply it "
             "with its rows instead."
         )
-
-    def with_rows(self, rows: Array | None) -> "ExpertLoraBank":
-        if rows is not None:
-            stack = tuple(self.weight.shape[: self.stack_ndim])
-            rows = jnp.broadcast_to(jnp.asarray(rows, jnp.int32), (*stack, *jnp.shape(rows)))
-        return eqx.tree_at(lambda b: b.rows, self, rows, is_leaf=lambda x: x is None)
 
     def row_factors(self, experts: Array) -> tuple[Array, Array, Array]:
         """Each row's `(A (…, rank, in), B (…, out, rank), scale (…))` for its slot and
@@ -271,7 +268,7 @@ class ExpertLoraBank(AbstractWeight):
 
 
 @primitive_handler("gate_rows")
-def _bank_rows(primitive: Any, bank: LoraBank | ExpertLoraBank, rows: Array) -> Any:
+def _bank_rows(primitive: Any, bank: AbstractLoraBank, rows: Array) -> Any:
     """Rows reordered before a product: each new row takes the slot of the row it was."""
     if bank.rows is None or bank.stack_ndim:
         return bank

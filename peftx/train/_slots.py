@@ -9,11 +9,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from ..adapters import ExpertLoraBank, LoraBank
+from ..adapters import AbstractLoraBank
 
 
 def _is_bank(x: Any) -> bool:
-    return isinstance(x, LoraBank | ExpertLoraBank)
+    return isinstance(x, AbstractLoraBank)
 
 
 def _factors(bank: Any, a: Any, b: Any) -> Any:

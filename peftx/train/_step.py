@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .._bank import PeftBankModel
 from .._peft_model import PeftModel, partition
-from ..adapters import AbstractTrainHook, ExpertLoraBank, LoraBank, with_dropout
+from ..adapters import AbstractLoraBank, AbstractTrainHook, with_dropout
 from ..sharding import batch_parts, batch_sharding, process_rows, shard
 from ._slots import per_slot_mean, put_slots, row_counts, slot_counts, take_slots
 
@@ -142,7 +142,7 @@ def _base(model: Any) -> Any:
 
 
 def _in_bank(x: Any) -> bool:
-    return isinstance(x, LoraBank | ExpertLoraBank)
+    return isinstance(x, AbstractLoraBank)
 
 
 def classification_loss(
