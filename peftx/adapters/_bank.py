@@ -157,8 +157,14 @@ def _bank_dot(bank: LoraBank, x: Array, w_is_lhs: bool, params: dict[str, Any]) 
     x = x.astype(dtype)
     if bank.dropout_key is not None:  # inverted dropout at each row's own slot's rate
         keep = 1.0 - (p.along(rate, row_labels, p.x) if row_labels else rate)
-        mask = jax.random.bernoulli(bank.dropout_key, jnp.broadcast_to(keep, x.shape))
-        x = jnp.where(mask, x / keep.astype(dtype), jnp.zeros((), dtype))
+        key = bank.dropout_key
+
+        def drop(x: Array) -> Array:
+            mask = jax.random.bernoulli(key, jnp.broadcast_to(keep, x.shape))
+            return jnp.where(mask, x / keep.astype(dtype), jnp.zeros((), dtype))
+
+        # rates are data, so a batch whose slots all have none skips the random bits
+        x = jax.lax.cond(jnp.any(rate > 0), drop, lambda x: x, x)
     if row_labels and _grouped(x, p.x.index(in_label)):
         return add_update(base, _grouped_update(bank, x, p, scale))
     t, t_labels = p.contract(x, p.x, a, (*row_labels, "rank", in_label))

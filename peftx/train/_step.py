@@ -17,7 +17,14 @@ from .._bank import PeftBankModel
 from .._peft_model import PeftModel, partition
 from ..adapters import AbstractLoraBank, AbstractTrainHook, with_dropout
 from ..sharding import batch_parts, batch_sharding, process_rows, shard
-from ._slots import per_slot_mean, put_slots, row_counts, slot_counts, take_slots
+from ._slots import (
+    keep_untrained_slots,
+    per_slot_mean,
+    put_slots,
+    row_counts,
+    slot_counts,
+    take_slots,
+)
 
 Batch = dict[str, Array]
 # `loss_fn(model, batch, key) -> (summed loss, sums)`: `sums["count"]` is what the loss is
@@ -248,15 +255,22 @@ def make_train_step(
         trainable, opt_state = state.trainable, state.opt_state
         bank = frozen if isinstance(frozen, PeftBankModel) else None
         if bank is not None:
-            # a bank is cut down to the slots of this batch's rows (at most one per row):
-            # the gradient, the optimizer and the write-back touch no other slot
             slots = bank.max_adapters
             rows = batch["input_ids"].shape[0]
             ids = jnp.broadcast_to(batch.get("adapter_ids", bank.active_slot), (rows,))
-            groups = jnp.unique(ids, size=rows, fill_value=slots)
-            batch = {**batch, "adapter_ids": jnp.searchsorted(groups, ids).astype(jnp.int32)}
-            trainable, opt_state = (take_slots(t, groups, slots) for t in (trainable, opt_state))
-            frozen = take_slots(frozen, groups, slots)
+            batch = {**batch, "adapter_ids": ids}
+            # a bank with more slots than the batch has rows is cut down to the slots of
+            # this batch's rows (at most one per row): the gradient, the optimizer and the
+            # write-back touch no other slot. A smaller bank is stepped whole and masked:
+            # cutting it would copy every slot out and back for nothing.
+            cut = slots > rows
+            if cut:
+                groups = jnp.unique(ids, size=rows, fill_value=slots)
+                batch["adapter_ids"] = jnp.searchsorted(groups, ids).astype(jnp.int32)
+                trainable, opt_state = (take_slots(t, groups, slots) for t in (trainable, opt_state))
+                frozen = take_slots(frozen, groups, slots)
+            else:
+                groups = jnp.arange(slots, dtype=jnp.int32)
         if grad_accumulation == 1:
             (total, sums), grads = grad_fn(trainable, frozen, batch, keys[0], state.hooks)
         else:
@@ -272,7 +286,7 @@ def make_train_step(
             (total, sums, grads), _ = jax.lax.scan(one, (t0, s0, g0), (micro, keys))
         count = jnp.maximum(sums["count"], 1.0)
         if bank is not None:  # each adapter's gradient: the mean over its own rows
-            counts = slot_counts(batch["adapter_ids"], row_counts(batch), rows)
+            counts = slot_counts(batch["adapter_ids"], row_counts(batch), len(groups))
             grads = per_slot_mean(grads, counts)
             written = (groups < slots) & bank.trained_slots[jnp.minimum(groups, slots - 1)]
             written = written & (counts > 0)
@@ -283,9 +297,12 @@ def make_train_step(
         )
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = eqx.apply_updates(trainable, updates)
-        if bank is not None:
+        if bank is not None and cut:
             trainable = put_slots(state.trainable, groups, trainable, written)
             opt_state = put_slots(state.opt_state, groups, opt_state, written)
+        elif bank is not None:
+            trainable = keep_untrained_slots(trainable, state.trainable, written)
+            opt_state = keep_untrained_slots(opt_state, state.opt_state, written)
         hooks = []
         for hook in state.hooks:
             trainable, hook = hook.update(trainable, grads, state.step)
