@@ -267,8 +267,9 @@ def make_train_step(
             if cut:
                 groups = jnp.unique(ids, size=rows, fill_value=slots)
                 batch["adapter_ids"] = jnp.searchsorted(groups, ids).astype(jnp.int32)
-                trainable, opt_state = (take_slots(t, groups, slots) for t in (trainable, opt_state))
-                frozen = take_slots(frozen, groups, slots)
+                trainable, opt_state, frozen = (
+                    take_slots(t, groups, slots) for t in (trainable, opt_state, frozen)
+                )
             else:
                 groups = jnp.arange(slots, dtype=jnp.int32)
         if grad_accumulation == 1:
