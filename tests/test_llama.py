@@ -347,6 +347,42 @@ def test_kv_cache_steps_match_full_forward(checkpoint, name, layout):
     assert real_diff(cached_decode(ours, ids, mask), np.asarray(full), mask) <= TOL
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen2-sliding"])
+def test_kv_cache_with_an_index_per_row_matches_each_row_alone(checkpoint, name):
+    """Rows prefilled right-padded, then decoded each from its own length (an index per
+    row, as a server's continuous batch holds them): every row's logits equal its own
+    tokens' full forward, alone and unpadded, also past the sliding window."""
+    _, path = checkpoint(name)
+    ours = pm.from_pretrained(path)
+    c = ours.config
+    lengths, steps = [SEQ - 4, 2, 5], 4
+    rng = np.random.default_rng(6)
+    rows = [rng.integers(1, VOCAB, n + steps) for n in lengths]
+    width = max(lengths)
+    ids = np.zeros((len(rows), width), np.int32)
+    mask = np.zeros_like(ids)
+    for r, (row, n) in enumerate(zip(rows, lengths)):
+        ids[r, :n], mask[r, :n] = row[:n], 1
+    cache = KVCache.empty(LAYERS, len(rows), SEQ, c.num_key_value_heads, c.head_dim, jnp.float32)
+    cache = eqx.tree_at(lambda k: k.index, cache, jnp.zeros(len(rows), jnp.int32))
+    out = ours(jnp.asarray(ids), jnp.asarray(mask), cache=cache)
+    ends = jnp.asarray(lengths, jnp.int32)
+    got = [[out.logits[r, n - 1]] for r, n in enumerate(lengths)]
+    cache = eqx.tree_at(lambda k: k.index, out.cache, ends)  # past each row's real tokens
+    step = eqx.filter_jit(lambda m, i, cache: m(i, jnp.ones_like(i), cache=cache))
+    for t in range(steps):
+        token = jnp.asarray([[row[n + t]] for row, n in zip(rows, lengths)], jnp.int32)
+        out = step(ours, token, cache)
+        cache = out.cache
+        for r in range(len(rows)):
+            got[r].append(out.logits[r, 0])
+    np.testing.assert_array_equal(np.asarray(cache.index), np.asarray(ends) + steps)
+    for r, (row, n) in enumerate(zip(rows, lengths)):
+        alone = ours(jnp.asarray(row[None, :]), jnp.ones((1, len(row)), jnp.int32)).logits[0]
+        want = alone[n - 1 :]
+        assert float(jnp.max(jnp.abs(jnp.stack(got[r]) - want))) <= TOL, r
+
+
 def cached_decode(ours, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
     """Logits of `ids[:, :PROMPT]` prefilled into an empty cache, then of each later token
     fed alone with the cache, concatenated along the sequence."""

@@ -38,7 +38,12 @@ from ._gemma import (
     Gemma3TextForSequenceClassification as Gemma3TextForSequenceClassification,
     Gemma3TextModel as Gemma3TextModel,
 )
-from ._generate import generate as generate
+from ._generate import (
+    CAUSAL_LM_CLASSES as CAUSAL_LM_CLASSES,
+    cache_dims as cache_dims,
+    generate as generate,
+    routed_forward as routed_forward,
+)
 from ._gpt2 import (
     GPT2MLP as GPT2MLP,
     GPT2Attention as GPT2Attention,

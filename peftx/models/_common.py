@@ -200,7 +200,7 @@ class DecoderPositions(NamedTuple):
 
     slots: Int[Array, "batch seq"]
     key_valid: Bool[Array, "batch keys"]
-    index: Int[Array, ""] | None
+    index: Int[Array, "*rows"] | None
     position_ids: Int[Array, "batch seq"]
     segments: Int[Array, "batch seq"] | None
 
@@ -220,12 +220,35 @@ def decoder_positions(
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask, b, s)
         return DecoderPositions(slots, valid, None, position_ids, segments)
-    slots = cache.index + jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    key_valid = lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, 1)
+    slots = cache_slots(cache.index, b, s)
+    key_valid = update_columns(cache.valid, valid, cache.index)
     if position_ids is None:
         every = positions_from_mask(key_valid.astype(jnp.int32), b, key_valid.shape[1])
-        position_ids = lax.dynamic_slice_in_dim(every, cache.index, s, axis=1)
+        position_ids = slice_columns(every, cache.index, s)
     return DecoderPositions(slots, key_valid, cache.index, position_ids, None)
+
+
+def cache_slots(index: Int[Array, "*rows"], batch: int, seq: int) -> Int[Array, "batch seq"]:
+    """The cache slots `seq` new tokens of each row take from `index` on (one index for
+    every row, or one per row)."""
+    index = jnp.asarray(index)
+    steps = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    return steps + (index if index.ndim == 0 else index[:, None])
+
+
+def update_columns(x: Array, update: Array, index: Int[Array, "*rows"]) -> Array:
+    """`x (batch, columns, ...)` with `update (batch, seq, ...)` written from column
+    `index` on: the same column for every row, or each row's own."""
+    if jnp.ndim(index) == 0:
+        return lax.dynamic_update_slice_in_dim(x, update, index, 1)
+    return jax.vmap(lambda r, u, i: lax.dynamic_update_slice_in_dim(r, u, i, 0))(x, update, index)
+
+
+def slice_columns(x: Array, index: Int[Array, "*rows"], size: int) -> Array:
+    """`size` columns of `x (batch, columns, ...)` from `index` on (one or one per row)."""
+    if jnp.ndim(index) == 0:
+        return lax.dynamic_slice_in_dim(x, index, size, 1)
+    return jax.vmap(lambda r, i: lax.dynamic_slice_in_dim(r, i, size, 0))(x, index)
 
 
 def attention_mask(
@@ -299,13 +322,15 @@ class KVCache(eqx.Module):
     """Keys and values of every layer for the tokens seen so far.
 
     `key`/`value` are `(layers, batch, max_len, kv_heads, head_dim)`; `valid[b, t]` says
-    whether slot `t` holds a real token; `index` is the next slot to write.
+    whether slot `t` holds a real token; `index` is the next slot to write: one for every
+    row `()`, or each row's own `(batch,)` (rows that started at different times, as a
+    server's continuous batch holds them).
     """
 
     key: Float[Array, "layers batch max_len kv_heads head_dim"]
     value: Float[Array, "layers batch max_len kv_heads head_dim"]
     valid: Bool[Array, "batch max_len"]
-    index: Int[Array, ""]
+    index: Int[Array, ""] | Int[Array, " batch"]
 
     @classmethod
     def empty(
@@ -323,9 +348,10 @@ class KVCache(eqx.Module):
 def write_cache(
     cache_k: Array, cache_v: Array, k: Array, v: Array, index: Array
 ) -> tuple[Array, Array]:
-    """One layer's cache with `k`, `v` written at slot `index` onward."""
-    k = lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, axis=1)
-    v = lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), index, axis=1)
+    """One layer's cache with `k`, `v` written at slot `index` onward (one slot for every
+    row, or each row's own)."""
+    k = update_columns(cache_k, k.astype(cache_k.dtype), index)
+    v = update_columns(cache_v, v.astype(cache_v.dtype), index)
     return k, v
 
 

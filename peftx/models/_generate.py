@@ -27,7 +27,7 @@ from ._gpt2 import GPT2LMHeadModel
 from ._llama import LlamaForCausalLM
 from ._phi3 import Phi3ForCausalLM
 
-_MODELS = (
+CAUSAL_LM_CLASSES = (  # the models `generate` (and `peftx serve`) runs
     LlamaForCausalLM,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
@@ -111,10 +111,11 @@ def generate(
     ```
     """
     base = model.base_model if _is_peft_model(model) else model
-    if not isinstance(base, _MODELS):
+    if not isinstance(base, CAUSAL_LM_CLASSES):
+        names = ", ".join(c.__name__ for c in CAUSAL_LM_CLASSES)
         raise TypeError(
-            f"generate runs a causal language model ({', '.join(c.__name__ for c in _MODELS)}"
-            f", or a PeftModel around one), got {type(base).__name__}."
+            f"generate runs a causal language model ({names}, or a PeftModel around one), "
+            f"got {type(base).__name__}."
         )
     config = base.config
     ids = jnp.asarray(input_ids)
@@ -129,7 +130,7 @@ def generate(
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}.")
     mask, longest = _checked_mask(attention_mask, ids.shape)
-    layers, kv_heads, head_dim, max_positions = _cache_dims(config)
+    layers, kv_heads, head_dim, max_positions = cache_dims(config)
     if max_positions is not None and longest + max_new_tokens > max_positions:
         raise ValueError(
             f"a prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the "
@@ -248,7 +249,7 @@ def _cache_sharding(model: Any, batch: int, kv_heads: int) -> NamedSharding | No
     return NamedSharding(mesh, PartitionSpec(None, rows_split or None, None, heads))
 
 
-def _cache_dims(config: Any) -> tuple[int, int, int, int | None]:
+def cache_dims(config: Any) -> tuple[int, int, int, int | None]:
     """`(layers, kv_heads, head_dim, max_positions)` of the KV cache a config's model fills
     (`max_positions` where position embeddings are a table, else None)."""
     if config.model_type == "gpt2":
@@ -289,7 +290,7 @@ def _is_peft_model(model: Any) -> bool:
     return hasattr(model, "base_model") and callable(getattr(model, "prepared", None))
 
 
-def _forward(model: Any, route: Array | None) -> Any:
+def routed_forward(model: Any, route: Array | None) -> Any:
     """`f(ids, mask, positions, cache) -> CausalLMOutput` for a plain, quantized or
     adapted model (a `PeftModel` routes each row by `route` when given)."""
     if _is_peft_model(model):
@@ -336,7 +337,7 @@ def _generate(
     spec: _Spec,
 ) -> Array:
     batch, prompt = input_ids.shape
-    forward = _forward(model, route)
+    forward = routed_forward(model, route)
     pad, eos = special[0], special[1:]
     real = jnp.sum(mask, axis=-1)  # each row's real tokens: the next position
     positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)

@@ -31,6 +31,7 @@ from ._common import (
     SequenceClassifierOutput,
     activation,
     attention_mask as visible_keys,
+    cache_slots,
     check_inputs,
     dot_product_attention,
     embed,
@@ -41,6 +42,7 @@ from ._common import (
     lm_logits,
     number,
     packed_segments,
+    update_columns,
     with_num_labels,
     write_cache,
 )
@@ -337,8 +339,8 @@ class GPT2Model(eqx.Module):
         if cache is None:
             slots, key_valid, index = steps, valid, None
         else:
-            slots = cache.index + steps
-            key_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, 1)
+            slots = cache_slots(cache.index, b, s)
+            key_valid = update_columns(cache.valid, valid, cache.index)
             index = cache.index
         segments = packed_segments(position_ids, attention_mask, cache)
         if position_ids is None:
