@@ -104,7 +104,7 @@ def compilation_cache() -> Iterator[None]:
         cc.reset_cache()
 
 
-def _quantization(args: argparse.Namespace) -> Any:
+def quantization_config(args: argparse.Namespace) -> Any:
     """The `QuantizationConfig` that `--quantize` and `--quantization` ask for, or None."""
     if not args.quantize and not args.quantization:
         return None
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     _check_sampling(args)
-    quantization = _quantization(args)
+    quantization = quantization_config(args)
     mesh, rules = run_mesh(mesh_from_arguments(args.mesh))
     name = model_class_for("causal-lm", path)
     if args.adapter is not None and not Path(args.adapter).is_dir():
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"the prompt's {e}") from None
     with compilation_cache():
         model = from_pretrained(path, model_class=name, **on_mesh(mesh, rules))
-        _check_finite(model, f"the model in {path}")
+        check_finite(model, f"the model in {path}")
         positions = model.config.max_position_embeddings
         room = positions - len(prompt)
         if room < 1:
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         if args.adapter is not None:
             model = PeftModel.from_pretrained(model, args.adapter)
             # the base is finite: what is not is the adapter's
-            _check_finite(model, f"the adapter in {args.adapter}")
+            check_finite(model, f"the adapter in {args.adapter}")
         if mesh is not None:
             print(placement_line(mesh, rules, model), file=sys.stderr)
         eos = tokenizer.eos_token_id
@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_finite(model: Any, what: str) -> None:
+def check_finite(model: Any, what: str) -> None:
     """`ValueError` naming an array of `model` (`what`) that holds NaN or infinity, as
     `peftx merge` refuses it: every token generated from it would be meaningless."""
     broken = first_non_finite(model)

@@ -8,7 +8,7 @@ from typing import NoReturn
 from .. import __version__
 from .._errors import TargetNotFoundError, UnknownAdapterError
 from ..sharding import exit_run, lost_process
-from . import _env, _finetune, _generate, _inspect, _merge
+from . import _env, _finetune, _generate, _inspect, _merge, _serve
 from ._common import RunFailed, UsageError
 
 COMMANDS = {
@@ -16,6 +16,7 @@ COMMANDS = {
     "inspect": (_inspect, "a checkpoint's architecture, and what an adapter config adapts"),
     "merge": (_merge, "merge an adapter into its base and save a transformers checkpoint"),
     "generate": (_generate, "continue a prompt with a causal LM (and an adapter)"),
+    "serve": (_serve, "an OpenAI-compatible server for a causal LM and its LoRA adapters"),
     "env": (_env, "versions and devices, for bug reports"),
 }
 

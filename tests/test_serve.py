@@ -1,0 +1,279 @@
+"""`peftx serve`: the engine in process against `peftx.generate`, and the server in a child
+process on 127.0.0.1 driven by the official `openai` client (equal to `peftx.generate`,
+under load, adapters loaded and unloaded while serving, bad requests, shutdown)."""
+
+import concurrent.futures
+import json
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+from helpers import WORDS, tiny_llama_config, word_tokenizer
+
+import peftx
+from peftx.serve import Engine, Request
+
+EOS = WORDS.index("</s>")
+ADAPTERS = 16
+MAX_LEN = 64
+# a chat template over the test vocabulary: each message's words, then "w0" cues the answer
+TEMPLATE = (
+    "{% for m in messages %}w1 {{ m.content }} w2 {% endfor %}"
+    "{% if add_generation_prompt %}w0 {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """A tiny random Llama with a word tokenizer (and a chat template), and 16 LoRA
+    adapters of ranks 2 and 4 saved as PEFT saves them."""
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("serve")
+    config = tiny_llama_config(
+        len(WORDS),
+        bos_token_id=None,
+        eos_token_id=EOS,
+        initializer_range=0.2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
+    tokenizer = word_tokenizer(WORDS)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(root / "base")
+    base = peftx.from_pretrained(root / "base")
+    for k in range(ADAPTERS):
+        lora = peftx.LoraConfig(
+            r=2 if k % 2 else 4,
+            lora_alpha=64,  # an update that changes what the model says
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            init_lora_weights=False,
+        )
+        model = peftx.get_peft_model(base, lora, key=jax.random.key(k + 1))
+        model.save_pretrained(root / f"a{k}")
+    return root
+
+
+def _prompt(rng, n):
+    return " ".join(rng.choice(WORDS[5:], n))
+
+
+def _reference(zoo, adapter, ids, max_tokens):
+    """`peftx.generate`'s greedy continuation, decoded as the server decodes it."""
+    base = peftx.from_pretrained(zoo / "base")
+    model = base if adapter is None else peftx.PeftModel.from_pretrained(base, zoo / adapter)
+    out = peftx.generate(model, np.asarray([ids]), max_tokens, eos_token_id=EOS, pad_token_id=0)
+    new = np.asarray(out)[0, len(ids) :].tolist()
+    new = new[: new.index(EOS)] if EOS in new else new
+    return new
+
+
+def _tokenizer(zoo):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(zoo / "base", local_files_only=True)
+
+
+# -- the engine, in process ----------------------------------------------------------------
+
+
+def test_engine_rows_equal_generate_each_with_its_own_adapter(zoo):
+    """Requests on the base and three adapters, more than the rows, decoded together
+    (joining as rows free up): each equals `peftx.generate` with its own adapter."""
+    tokenizer = _tokenizer(zoo)
+    base = peftx.from_pretrained(zoo / "base")
+    bank = peftx.PeftModel.from_pretrained(base, zoo / "a0", "a0", max_adapters=4, max_rank=4)
+    for name in ("a1", "a2"):
+        bank = bank.load_adapter(zoo / name, name)
+    engine = Engine(bank, tokenizer, max_batch=3, max_model_len=MAX_LEN, eos_token_ids=(EOS,))
+    engine.start()
+    try:
+        rng = np.random.default_rng(0)
+        jobs = []
+        for k, adapter in enumerate(["a0", peftx.BASE, "a1", "a2", "a0", "a2", peftx.BASE]):
+            ids = tokenizer(_prompt(rng, 3 + 2 * k))["input_ids"]
+            done = threading.Event()
+            request = Request(
+                ids, adapter, max_tokens=6 + k, emit=lambda d, f, e=done: f and e.set()
+            )
+            engine.submit(request)
+            jobs.append((request, done))
+        for request, done in jobs:
+            assert done.wait(120)
+        assert engine.compiles == 0
+    finally:
+        engine.stop()
+    for request, _ in jobs:
+        name = None if request.adapter == peftx.BASE else request.adapter
+        want = _reference(zoo, name, request.prompt, request.max_tokens)
+        assert request.tokens == want, request.adapter
+        assert request.text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_sampling_is_greedy_at_temperature_zero_and_keyed_by_seed():
+    logits = jax.random.normal(jax.random.key(0), (4, 50))
+    zero, warm = np.zeros(4, np.float32), np.full(4, 1.0, np.float32)
+    seeds, counts = np.arange(4, dtype=np.uint32), np.zeros(4, np.int32)
+    top = np.ones(4, np.float32)
+    greedy = peftx.serve.sample(logits, zero, top, seeds, counts)
+    np.testing.assert_array_equal(greedy, np.argmax(logits, -1))
+    a = peftx.serve.sample(logits, warm, top, seeds, counts)
+    b = peftx.serve.sample(logits, warm, top, seeds, counts)
+    np.testing.assert_array_equal(a, b)
+    # a nucleus this small keeps only the most likely token: greedy again
+    tiny = np.full(4, 1e-6, np.float32)
+    np.testing.assert_array_equal(peftx.serve.sample(logits, warm, tiny, seeds, counts), greedy)
+    # rows sample apart: 200 seeds at temperature 1 do not all draw the argmax
+    many = jax.random.normal(jax.random.key(1), (200, 8)) * 0.1
+    drawn = peftx.serve.sample(
+        many,
+        np.ones(200, np.float32),
+        np.ones(200, np.float32),
+        np.arange(200, dtype=np.uint32),
+        np.zeros(200, np.int32),
+    )
+    assert (np.asarray(drawn) != np.argmax(many, -1)).mean() > 0.5
+
+
+# -- the server, in a child process ------------------------------------------------------
+
+
+class Server:
+    """`peftx serve` in a child process on 127.0.0.1 (a free port), read until ready."""
+
+    def __init__(self, zoo, *args, adapters=range(ADAPTERS)):
+        argv = [sys.executable, "-m", "peftx", "serve", str(zoo / "base"), "--port", "0"]
+        for k in adapters:
+            argv += ["--adapter", f"a{k}={zoo / f'a{k}'}"]
+        argv += ["--max-model-len", str(MAX_LEN), "--max-rank", "4", *map(str, args)]
+        self.process = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.lines = []
+        deadline = time.monotonic() + 300
+        while True:
+            line = self.process.stdout.readline()
+            if not line:
+                raise AssertionError(f"the server exited: {self.process.stderr.read()}")
+            self.lines.append(line)
+            found = re.search(r"ready on (http://\S+) ", line)
+            if found:
+                self.url = found.group(1)
+                break
+            assert time.monotonic() < deadline, "the server did not get ready"
+        self.base_name = str(zoo / "base")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def health(self):
+        return httpx.get(self.url + "/health").json()
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(120)
+
+
+@pytest.fixture(scope="module")
+def server(zoo):
+    s = Server(zoo, "--max-adapters", 20, "--max-batch", 8)
+    yield s
+    s.stop()
+
+
+def _complete(client, model, prompt, max_tokens, *, chat=False, stream=False, **kw):
+    """`(text, finish_reason, usage)` of one greedy request through the openai client."""
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        call = client.chat.completions.create
+        args = dict(messages=messages)
+    else:
+        call = client.completions.create
+        args = dict(prompt=prompt)
+    options = dict(model=model, max_tokens=max_tokens, temperature=0, stream=stream, **kw)
+    if stream:
+        options["stream_options"] = {"include_usage": True}
+    out = call(**args, **options)
+    if not stream:
+        c = out.choices[0]
+        return (c.message.content if chat else c.text), c.finish_reason, out.usage
+    text, finish, usage = "", None, None
+    for chunk in out:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += (c.delta.content or "") if chat else c.text
+            finish = c.finish_reason or finish
+    return text, finish, usage
+
+
+@pytest.mark.command_run
+@pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat"])
+def test_greedy_completions_equal_generate(zoo, server, chat):
+    """Through the openai client, streamed and not: the base and three adapters continue
+    each prompt as `peftx.generate` does with that adapter, token for token."""
+    tokenizer = _tokenizer(zoo)
+    rng = np.random.default_rng(1)
+    for k, adapter in enumerate([None, "a0", "a1", "a5"]):
+        prompt = _prompt(rng, 4 + k)
+        if chat:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+        want = _reference(zoo, adapter, ids, 10)
+        for stream in (False, True):
+            model = server.base_name if adapter is None else adapter
+            text, finish, usage = _complete(
+                server.client, model, prompt, 10, chat=chat, stream=stream
+            )
+            assert text == tokenizer.decode(want, skip_special_tokens=True), (adapter, stream)
+            assert finish == ("length" if len(want) == 10 else "stop")
+            assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), len(want))
+            assert usage.total_tokens == len(ids) + len(want)
+
+
+@pytest.mark.command_run
+def test_models_lists_the_base_and_every_adapter(server):
+    names = [m.id for m in server.client.models.list()]
+    assert names == [server.base_name, *(f"a{k}" for k in range(ADAPTERS))]
+
+
+@pytest.mark.command_run
+def test_under_load_every_request_equals_its_answer_alone(zoo, server):
+    """200 requests from 32 concurrent clients over 16 adapters and the base, of mixed
+    lengths, streamed and not: each equals the same request sent alone (no row sees
+    another's adapter or cache), and nothing compiles."""
+    rng = random.Random(2)
+    models = [server.base_name, *(f"a{k}" for k in range(ADAPTERS))]
+    jobs = [
+        (
+            rng.choice(models),
+            _prompt(np.random.default_rng(k), rng.randint(1, 24)),
+            rng.randint(1, 24),
+            rng.random() < 0.5,
+        )
+        for k in range(200)
+    ]
+    alone = [_complete(server.client, m, p, n)[0] for m, p, n, _ in jobs]
+    assert len({a for (m, *_), a in zip(jobs, alone)}) > 50  # adapters change the answers
+    before = server.health()["compiles_since_ready"]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        together = list(
+            pool.map(lambda job: _complete(server.client, *job[:3], stream=job[3])[0], jobs)
+        )
+    assert together == alone
+    assert server.health()["compiles_since_ready"] == before == 0
