@@ -277,3 +277,144 @@ def test_under_load_every_request_equals_its_answer_alone(zoo, server):
         )
     assert together == alone
     assert server.health()["compiles_since_ready"] == before == 0
+
+
+@pytest.mark.command_run
+def test_adapters_load_and_unload_while_serving(zoo, server):
+    """Under a steady load on other adapters: an adapter loaded while serving answers as
+    the same files served from the start; unloaded, it is a 404, and a request already
+    decoding with it finishes with it; a full bank is a 409; no other request fails."""
+    client = server.client
+    prompt = _prompt(np.random.default_rng(3), 5)
+    want = _complete(client, "a7", prompt, 20)[0]  # a7's files, served from the start
+    stop, failures, served = threading.Event(), [], []
+
+    def load():
+        rng = random.Random(4)
+        while not stop.is_set():
+            model = rng.choice([server.base_name, "a0", "a1", "a2", "a3"])
+            try:
+                served.append(_complete(client, model, _prompt(np.random.default_rng(), 4), 8))
+            except Exception as e:  # noqa: BLE001 - every failure is reported below
+                failures.append(e)
+
+    threads = [threading.Thread(target=load) for _ in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        post = lambda route, **body: httpx.post(server.url + route, json=body, timeout=60)  # noqa: E731
+        assert (
+            post("/v1/load_lora_adapter", lora_name="x", lora_path=str(zoo / "a7")).status_code
+            == 200
+        )
+        assert _complete(client, "x", prompt, 20)[0] == want
+        assert "x" in [m.id for m in client.models.list()]
+        # a long stream on x, unloaded after its first chunk: it finishes with x
+        stream = client.completions.create(
+            model="x", prompt=prompt, max_tokens=20, temperature=0, stream=True
+        )
+        chunks = iter(stream)
+        text = next(chunks).choices[0].text
+        assert post("/v1/unload_lora_adapter", lora_name="x").status_code == 200
+        with pytest.raises(openai.NotFoundError):
+            _complete(client, "x", prompt, 4)
+        text += "".join(c.choices[0].text for c in chunks)
+        assert text == want
+        # 16 adapters in a bank of 20: four more fill it, a fifth is refused
+        for k in range(4):
+            r = post("/v1/load_lora_adapter", lora_name=f"y{k}", lora_path=str(zoo / f"a{k}"))
+            assert r.status_code == 200, r.text
+        full = post("/v1/load_lora_adapter", lora_name="y4", lora_path=str(zoo / "a4"))
+        assert full.status_code == 409
+        assert "max_adapters=20" in full.json()["error"]["message"]
+        for k in range(4):
+            assert post("/v1/unload_lora_adapter", lora_name=f"y{k}").status_code == 200
+        assert post("/v1/unload_lora_adapter", lora_name="y0").status_code == 404
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not failures, failures[:3]
+    assert len(served) > 10
+
+
+@pytest.mark.command_run
+def test_bad_requests_get_their_status_and_an_openai_error_body(zoo, server, tmp_path):
+    """Each bad request gets its status and OpenAI's error body, and the server keeps
+    serving."""
+    url = server.url
+
+    def status(route, body=None, raw=None):
+        r = httpx.post(url + route, json=body, content=raw, timeout=60)
+        error = r.json()["error"]
+        assert {"message", "type", "code"} <= set(error), r.text
+        assert error["message"], r.text
+        return r.status_code
+
+    model = server.base_name
+    ok = {"model": model, "prompt": "w5 w6", "max_tokens": 4}
+    headers_json = b'{"model": "x", "prompt": '  # malformed JSON
+    assert status("/v1/completions", raw=headers_json) == 400
+    assert status("/v1/completions", {"prompt": "w5"}) == 400  # no model
+    assert status("/v1/chat/completions", {"model": model}) == 400  # no messages
+    assert status("/v1/completions", {**ok, "max_tokens": -1}) == 400
+    assert status("/v1/completions", {**ok, "max_tokens": 10**9}) == 400
+    assert status("/v1/completions", {**ok, "temperature": "hot"}) == 400
+    assert status("/v1/completions", {**ok, "n": 2}) == 400
+    assert status("/v1/completions", {**ok, "model": "nope"}) == 404
+    assert status("/v1/completions", {**ok, "prompt": " ".join(["w5"] * MAX_LEN)}) == 400
+    assert status("/v1/completions", {**ok, "prompt": [10**6]}) == 400  # not a token id
+    # adapters that cannot load: not a PEFT directory, a corrupt one, a missing one
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(zoo / "a0", corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
+    broken = tmp_path / "broken"
+    shutil.copytree(zoo / "a0", broken)
+    (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": "x"}))
+    for path in (empty, corrupt, broken, tmp_path / "missing"):
+        body = {"lora_name": "bad", "lora_path": str(path)}
+        assert status("/v1/load_lora_adapter", body) == 400, path
+    assert status("/v1/load_lora_adapter", {"lora_name": "bad"}) == 400
+    assert status("/v1/unload_lora_adapter", {"lora_name": "nope"}) == 404
+    # and it keeps serving
+    text, finish, _ = _complete(server.client, model, "w5 w6", 4)
+    assert finish in ("stop", "length")
+    assert "bad" not in [m.id for m in server.client.models.list()]
+
+
+@pytest.mark.command_run
+def test_sigterm_drains_then_exits_0(zoo):
+    """SIGTERM while requests decode and wait for a row: they all finish whole, a new
+    request gets 503, and the process exits 0."""
+    s = Server(zoo, "--max-batch", 1, adapters=range(2))
+    client = s.client
+    n, tokens = 32, MAX_LEN - 8  # one row: the last finishes seconds after SIGTERM
+    prompts = [_prompt(np.random.default_rng(10 + k), 4) for k in range(n)]
+    options = dict(extra_body={"ignore_eos": True})
+    alone = [_complete(client, "a1", p, tokens, **options)[0] for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        running = [pool.submit(_complete, client, "a1", p, tokens, **options) for p in prompts]
+        assert _wait(lambda: s.health()["busy_rows"] == 1)
+        time.sleep(0.05)  # every request sent
+        s.process.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        late = httpx.post(
+            s.url + "/v1/completions", json={"model": "a1", "prompt": "w5", "max_tokens": 2}
+        )
+        assert late.status_code == 503
+        assert late.json()["error"]["message"]
+        results = [f.result(timeout=120) for f in running]
+    assert [r[0] for r in results] == alone
+    assert all(r[1] == "length" for r in results)
+    assert s.process.wait(120) == 0
+
+
+def _wait(predicate, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

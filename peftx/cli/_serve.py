@@ -86,6 +86,7 @@ class _Server(uvicorn.Server):
     in flight finish, then it exits. A second signal exits at once."""
 
     engine: Engine
+    app: Any
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.engine.draining:
@@ -94,7 +95,10 @@ class _Server(uvicorn.Server):
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
     def _exit_when_idle(self) -> None:
-        wait_for(lambda: self.engine.in_flight == 0, timeout=float("inf"))
+        wait_for(
+            lambda: self.engine.in_flight == 0 and self.app.state.open_completions == 0,
+            timeout=float("inf"),
+        )
         self.should_exit = True
 
 
@@ -164,11 +168,9 @@ def run(args: argparse.Namespace) -> int:
         engine.stop()
         raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(
-        make_app(engine, served), log_level="warning", timeout_graceful_shutdown=None
-    )
-    server = _Server(config)
-    server.engine = engine
+    app = make_app(engine, served)
+    server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=None))
+    server.engine, server.app = engine, app
     used, slots = engine.slots
     names = ", ".join(engine.adapters) or "none"
     print(

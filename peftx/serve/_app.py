@@ -47,6 +47,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
+    ignore_eos: bool = False  # vLLM's: decode past end-of-sequence tokens
 
     @field_validator("stop")
     @classmethod
@@ -98,6 +99,7 @@ class ChatRequest(_Sampling):
 def make_app(engine: Engine, model_name: str) -> FastAPI:
     """The FastAPI app serving `engine`, whose base answers to `model_name`."""
     app = FastAPI(title="peftx serve")
+    app.state.open_completions = 0  # responses not yet sent whole (a drain waits for them)
     tokenizer = engine.tokenizer
     created = int(time.time())
 
@@ -184,7 +186,7 @@ def make_app(engine: Engine, model_name: str) -> FastAPI:
             ids = list(prompt)
             check_vocab(ids)
         request = _request(body, ids, adapter_of(body.model), body.max_tokens or 16)
-        return await _respond(engine, request, body, http, "text_completion")
+        return await _respond(engine, request, body, http, "text_completion", app)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, http: HttpRequest) -> Any:
@@ -201,7 +203,7 @@ def make_app(engine: Engine, model_name: str) -> FastAPI:
         limit = body.max_completion_tokens or body.max_tokens
         room = engine.spec.max_model_len - len(ids)
         request = _request(body, ids, adapter_of(body.model), limit or max(room, 1))
-        return await _respond(engine, request, body, http, "chat.completion")
+        return await _respond(engine, request, body, http, "chat.completion", app)
 
     return app
 
@@ -215,6 +217,7 @@ def _request(body: _Sampling, ids: list[int], adapter: str, max_tokens: int) -> 
         top_p=body.top_p,
         seed=body.seed,
         stop=tuple(body.stop or ()),
+        ignore_eos=body.ignore_eos,
     )
 
 
@@ -262,7 +265,7 @@ def _usage(request: Request) -> dict[str, int]:
 
 
 async def _respond(
-    engine: Engine, request: Request, body: _Sampling, http: HttpRequest, kind: str
+    engine: Engine, request: Request, body: _Sampling, http: HttpRequest, kind: str, app: FastAPI
 ) -> Any:
     chat = kind == "chat.completion"
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -294,8 +297,12 @@ async def _respond(
 
     if not body.stream:
         finish = None
-        async for _, finish in events:
-            pass
+        app.state.open_completions += 1
+        try:
+            async for _, finish in events:
+                pass
+        finally:
+            app.state.open_completions -= 1
         if finish is None:  # the client left
             return error_response("the client disconnected", 499)
         if finish == "error":
@@ -304,16 +311,20 @@ async def _respond(
         return JSONResponse({**out, "usage": _usage(request)})
 
     async def stream() -> AsyncIterator[str]:
-        async for delta, finish in events:
-            if finish == "error":
-                yield _sse(error_body("the engine failed; see the server's log", 500))
-                return
-            if delta or finish is not None:
-                yield _sse(envelope([choice(delta, finish, streamed=True)], streamed=True))
-        if body.usage_in_stream():
-            yield _sse({**envelope([], streamed=True), "usage": _usage(request)})
-        yield "data: [DONE]\n\n"
+        try:
+            async for delta, finish in events:
+                if finish == "error":
+                    yield _sse(error_body("the engine failed; see the server's log", 500))
+                    return
+                if delta or finish is not None:
+                    yield _sse(envelope([choice(delta, finish, streamed=True)], streamed=True))
+            if body.usage_in_stream():
+                yield _sse({**envelope([], streamed=True), "usage": _usage(request)})
+            yield "data: [DONE]\n\n"
+        finally:
+            app.state.open_completions -= 1
 
+    app.state.open_completions += 1
     return StreamingResponse(stream(), media_type="text/event-stream")
 
 

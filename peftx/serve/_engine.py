@@ -56,6 +56,7 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
     emit: Callable[[str, str | None], None] = lambda delta, finish: None
     cancelled: bool = False  # set by the server when its client leaves
     tokens: list[int] = dataclasses.field(default_factory=list)
@@ -537,7 +538,7 @@ class Engine:
 
     def _take(self, row: int, request: Request, token: int) -> None:
         """A row's new token: the text it adds, and whether the request is done."""
-        if token in self.eos:
+        if token in self.eos and not request.ignore_eos:
             return self._end(row, request, "stop")
         request.tokens.append(token)
         text = self.tokenizer.decode(request.tokens, skip_special_tokens=True)
