@@ -70,14 +70,20 @@ def _prompt(rng, n):
     return " ".join(rng.choice(WORDS[5:], n))
 
 
-def _reference(zoo, adapter, ids, max_tokens):
-    """`peftx.generate`'s greedy continuation, decoded as the server decodes it."""
+def _base(zoo, quantized=False):
     base = peftx.from_pretrained(zoo / "base")
+    if quantized:  # QLoRA's NF4 base
+        base = peftx.quantize_model(base, peftx.QuantizationConfig(load_in_4bit=True))
+    return base
+
+
+def _reference(zoo, adapter, ids, max_tokens, quantized=False):
+    """`peftx.generate`'s greedy continuation's new tokens, up to the end of sequence."""
+    base = _base(zoo, quantized)
     model = base if adapter is None else peftx.PeftModel.from_pretrained(base, zoo / adapter)
     out = peftx.generate(model, np.asarray([ids]), max_tokens, eos_token_id=EOS, pad_token_id=0)
     new = np.asarray(out)[0, len(ids) :].tolist()
-    new = new[: new.index(EOS)] if EOS in new else new
-    return new
+    return new[: new.index(EOS)] if EOS in new else new
 
 
 def _tokenizer(zoo):
@@ -89,37 +95,95 @@ def _tokenizer(zoo):
 # -- the engine, in process ----------------------------------------------------------------
 
 
-def test_engine_rows_equal_generate_each_with_its_own_adapter(zoo):
-    """Requests on the base and three adapters, more than the rows, decoded together
-    (joining as rows free up): each equals `peftx.generate` with its own adapter."""
-    tokenizer = _tokenizer(zoo)
-    base = peftx.from_pretrained(zoo / "base")
-    bank = peftx.PeftModel.from_pretrained(base, zoo / "a0", "a0", max_adapters=4, max_rank=4)
+def _engine(zoo, quantized=False, rows=3):
+    bank = peftx.PeftModel.from_pretrained(
+        _base(zoo, quantized), zoo / "a0", "a0", max_adapters=4, max_rank=4
+    )
     for name in ("a1", "a2"):
         bank = bank.load_adapter(zoo / name, name)
-    engine = Engine(bank, tokenizer, max_batch=3, max_model_len=MAX_LEN, eos_token_ids=(EOS,))
+    engine = Engine(
+        bank, _tokenizer(zoo), max_batch=rows, max_model_len=MAX_LEN, eos_token_ids=(EOS,)
+    )
     engine.start()
+    return engine
+
+
+def _served(engine, requests, timeout=120):
+    """Submit `requests` together and wait until each has finished."""
+    done = [threading.Event() for _ in requests]
+    for request, event in zip(requests, done):
+        emit = request.emit
+        request.emit = lambda d, f, e=event, emit=emit: (emit(d, f), f and e.set())
+        engine.submit(request)
+    assert all(event.wait(timeout) for event in done)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "nf4"])
+def test_engine_rows_equal_generate_each_with_its_own_adapter(zoo, quantized):
+    """Requests on the base and three adapters, more than the rows, decoded together
+    (joining as rows free up): each equals `peftx.generate` with its own adapter, on a
+    dense base and on an NF4 one, and nothing compiles after start."""
+    engine = _engine(zoo, quantized)
+    tokenizer = engine.tokenizer
+    rng = np.random.default_rng(0)
+    requests = [
+        Request(tokenizer(_prompt(rng, 3 + 2 * k))["input_ids"], adapter, max_tokens=6 + k)
+        for k, adapter in enumerate(["a0", peftx.BASE, "a1", "a2", "a0", "a2", peftx.BASE])
+    ]
     try:
-        rng = np.random.default_rng(0)
-        jobs = []
-        for k, adapter in enumerate(["a0", peftx.BASE, "a1", "a2", "a0", "a2", peftx.BASE]):
-            ids = tokenizer(_prompt(rng, 3 + 2 * k))["input_ids"]
-            done = threading.Event()
-            request = Request(
-                ids, adapter, max_tokens=6 + k, emit=lambda d, f, e=done: f and e.set()
-            )
-            engine.submit(request)
-            jobs.append((request, done))
-        for request, done in jobs:
-            assert done.wait(120)
+        _served(engine, requests)
         assert engine.compiles == 0
     finally:
         engine.stop()
-    for request, _ in jobs:
+    for request in requests:
         name = None if request.adapter == peftx.BASE else request.adapter
-        want = _reference(zoo, name, request.prompt, request.max_tokens)
+        want = _reference(zoo, name, request.prompt, request.max_tokens, quantized)
         assert request.tokens == want, request.adapter
         assert request.text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_stop_strings_end_the_text_before_them_and_never_stream(zoo):
+    """A stop string ends the request before it (finish_reason "stop"), and no piece of
+    the stream holds it, as OpenAI's `stop` does."""
+    engine = _engine(zoo)
+    tokenizer = engine.tokenizer
+    ids = tokenizer(_prompt(np.random.default_rng(5), 4))["input_ids"]
+    try:
+        full = Request(list(ids), "a1", max_tokens=20, ignore_eos=True)
+        _served(engine, [full])
+        words = full.text.split()
+        stop = f"{words[4]} {words[5]}"  # two words: a piece may end inside it
+        pieces = []
+        cut = Request(
+            list(ids),
+            "a1",
+            max_tokens=20,
+            ignore_eos=True,
+            stop=("zzz", stop),
+            emit=lambda d, f: pieces.append(d),
+        )
+        _served(engine, [cut])
+    finally:
+        engine.stop()
+    want = full.text[: full.text.index(stop)]  # holds no stop string
+    assert cut.text == "".join(pieces) == want
+    assert cut.finish_reason == "stop"
+
+
+def test_a_request_whose_client_left_frees_its_row_at_the_next_step(zoo):
+    engine = _engine(zoo, rows=1)
+    tokenizer = engine.tokenizer
+    ids = tokenizer(_prompt(np.random.default_rng(6), 4))["input_ids"]
+    try:
+        gone = Request(list(ids), "a0", max_tokens=50, ignore_eos=True)
+        gone.emit = lambda d, f: setattr(gone, "cancelled", True)  # leaves at its first piece
+        engine.submit(gone)
+        after = Request(list(ids), "a2", max_tokens=3)
+        _served(engine, [after])
+        assert gone.finish_reason is None and len(gone.tokens) <= 2
+        assert after.finish_reason in ("stop", "length")
+    finally:
+        engine.stop()
 
 
 def test_sampling_is_greedy_at_temperature_zero_and_keyed_by_seed():
