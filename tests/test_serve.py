@@ -4,14 +4,17 @@ under load, adapters loaded and unloaded while serving, bad requests, shutdown).
 
 import concurrent.futures
 import json
+import os
 import random
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import jax
@@ -217,20 +220,25 @@ def test_sampling_is_greedy_at_temperature_zero_and_keyed_by_seed():
 class Server:
     """`peftx serve` in a child process on 127.0.0.1 (a free port), read until ready."""
 
-    def __init__(self, zoo, *args, adapters=range(ADAPTERS)):
+    def __init__(self, zoo, *args, adapters=range(ADAPTERS), env=None):
         argv = [sys.executable, "-m", "peftx", "serve", str(zoo / "base"), "--port", "0"]
         for k in adapters:
             argv += ["--adapter", f"a{k}={zoo / f'a{k}'}"]
         argv += ["--max-model-len", str(MAX_LEN), "--max-rank", "4", *map(str, args)]
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
         self.process = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=None if env is None else {**os.environ, **env},
         )
         self.lines = []
         deadline = time.monotonic() + 300
         while True:
             line = self.process.stdout.readline()
             if not line:
-                raise AssertionError(f"the server exited: {self.process.stderr.read()}")
+                raise AssertionError(f"the server exited: {self.stderr_lines()}")
             self.lines.append(line)
             found = re.search(r"ready on (http://\S+) ", line)
             if found:
@@ -239,6 +247,9 @@ class Server:
             assert time.monotonic() < deadline, "the server did not get ready"
         self.base_name = str(zoo / "base")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def stderr_lines(self):
+        return Path(self.log.name).read_text().splitlines()
 
     def health(self):
         return httpx.get(self.url + "/health").json()
@@ -482,3 +493,26 @@ def _wait(predicate, timeout=60):
             return False
         time.sleep(0.01)
     return True
+
+
+@pytest.mark.command_run
+@pytest.mark.simulated_devices
+def test_on_a_mesh_it_serves_what_one_device_generates(zoo):
+    """On 8 simulated devices with tensor-parallel weights: greedy completions equal one
+    device's `peftx.generate`, and nothing compiles after warm-up."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    s = Server(
+        zoo, "--mesh", "tensor=2", "--mesh", "rules=tp", adapters=(1, 2), env={"XLA_FLAGS": flags}
+    )
+    try:
+        assert any("mesh data=1, fsdp=4, tensor=2" in line for line in s.stderr_lines())
+        tokenizer = _tokenizer(zoo)
+        rng = np.random.default_rng(7)
+        for adapter in (None, "a1", "a2"):
+            prompt = _prompt(rng, 5)
+            want = _reference(zoo, adapter, tokenizer(prompt)["input_ids"], 12)
+            text = _complete(s.client, adapter or s.base_name, prompt, 12)[0]
+            assert text == tokenizer.decode(want, skip_special_tokens=True), adapter
+        assert s.health()["compiles_since_ready"] == 0
+    finally:
+        assert s.stop() == 0

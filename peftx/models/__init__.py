@@ -41,7 +41,9 @@ from ._gemma import (
 from ._generate import (
     CAUSAL_LM_CLASSES as CAUSAL_LM_CLASSES,
     cache_dims as cache_dims,
+    cache_sharding as cache_sharding,
     generate as generate,
+    placed_cache as placed_cache,
     routed_forward as routed_forward,
 )
 from ._gpt2 import (

@@ -182,7 +182,7 @@ def generate(
             )
         route = model.adapter_ids(list(adapter_names))  # integer ids: one compiled program
 
-    placed = _cache_sharding(model, batch, kv_heads)
+    placed = cache_sharding(model, batch, kv_heads)
     spec = _Spec(
         max_new_tokens,
         layers,
@@ -231,7 +231,7 @@ def _checked_mask(mask: Any, shape: tuple[int, int]) -> tuple[Array, int]:
     return mask.astype(jnp.int32), int(host.sum(axis=-1).max())
 
 
-def _cache_sharding(model: Any, batch: int, kv_heads: int) -> NamedSharding | None:
+def cache_sharding(model: Any, batch: int, kv_heads: int) -> NamedSharding | None:
     """For a model on a mesh (`peftx.sharding`), the KV cache's placement: its rows split
     as a batch is (`data`, `fsdp`) and its heads over `tensor`, as tensor-parallel key and
     value projections give them, each where the axis divides; else None (so too under a
@@ -351,7 +351,7 @@ def _generate(
         spec.head_dim,
         first.logits.dtype,
     )
-    out = forward(input_ids, mask, positions, cache=_placed(empty, spec.cache_sharding))
+    out = forward(input_ids, mask, positions, cache=placed_cache(empty, spec.cache_sharding))
 
     def pick(logits: Array, step: Array, done: Array) -> tuple[Array, Array]:
         token = _choose(logits[:, -1].astype(jnp.float32), step, key, sampling, spec)
@@ -376,7 +376,7 @@ def _generate(
         ids = jnp.concatenate([input_ids, tokens[:, : spec.restart_step]], axis=1)
         ids_mask = jnp.concatenate([mask, jnp.ones((batch, spec.restart_step), jnp.int32)], 1)
         every = jnp.maximum(jnp.cumsum(ids_mask, axis=-1) - 1, 0)
-        out = forward(ids, ids_mask, every, cache=_placed(empty, spec.cache_sharding))
+        out = forward(ids, ids_mask, every, cache=placed_cache(empty, spec.cache_sharding))
         return out.logits[:, -1:], out.cache
 
     def body(state: tuple) -> tuple:
@@ -388,14 +388,14 @@ def _generate(
             logits, cache = lax.cond(restarts, restart, advance, step, cache, tokens, token)
         token, done = pick(logits, step, done)
         tokens = lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
-        return step + 1, _placed(cache, spec.cache_sharding), tokens, token, done
+        return step + 1, placed_cache(cache, spec.cache_sharding), tokens, token, done
 
     state = (jnp.ones((), jnp.int32), out.cache, tokens, token, done)
     tokens = lax.while_loop(cond, body, state)[2]
     return jnp.concatenate([input_ids, tokens.astype(input_ids.dtype)], axis=1)
 
 
-def _placed(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
+def placed_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
     """`cache` with its keys and values constrained to `sharding` (if any)."""
     if sharding is None:
         return cache

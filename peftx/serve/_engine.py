@@ -22,12 +22,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from .._bank import PeftBankModel
 from .._peft_model import PeftModel
 from .._targets import BASE
-from ..models import CAUSAL_LM_CLASSES, KVCache, cache_dims, routed_forward
+from ..models import (
+    CAUSAL_LM_CLASSES,
+    KVCache,
+    cache_dims,
+    cache_sharding,
+    placed_cache,
+    routed_forward,
+)
 
 # Prompts are padded to the next of these lengths (and max_model_len), so that a handful
 # of prefill programs serve every prompt.
@@ -76,6 +84,18 @@ class EngineSpec:
     kv_heads: int
     head_dim: int
     cache_dtype: Any
+    cache_sharding: NamedSharding | None  # on a mesh: where the KV cache's arrays lie
+
+
+def _pinned(cache: KVCache, spec: EngineSpec) -> KVCache:
+    """`cache` where every program leaves it (so that no call meets a new placement and
+    compiles again): keys and values as `peftx.generate` places them, the rest whole."""
+    if spec.cache_sharding is None:
+        return cache
+    cache = placed_cache(cache, spec.cache_sharding)
+    whole = NamedSharding(spec.cache_sharding.mesh, PartitionSpec())
+    valid, index = (lax.with_sharding_constraint(x, whole) for x in (cache.valid, cache.index))
+    return KVCache(cache.key, cache.value, valid, index)
 
 
 Data = Array | np.ndarray  # host arrays going in, tracers inside the programs
@@ -138,8 +158,8 @@ def _route(model: Any, routes: Array) -> Array | None:
 
 
 @eqx.filter_jit(donate="all-except-first")
-def _decode(inputs: tuple[Any, Rows], cache: KVCache) -> tuple[KVCache, Array]:
-    model, rows = inputs
+def _decode(inputs: tuple[Any, Rows, EngineSpec], cache: KVCache) -> tuple[KVCache, Array]:
+    model, rows, spec = inputs
     # a free row decodes from an empty cache (its output is never read), so its index
     # never runs past the end however long it stays free
     cache = KVCache(
@@ -153,7 +173,7 @@ def _decode(inputs: tuple[Any, Rows], cache: KVCache) -> tuple[KVCache, Array]:
     out = forward(tokens, jnp.ones_like(tokens), cache=cache)
     logits = out.logits[:, -1].astype(jnp.float32)
     nxt = sample(logits, rows.temperature, rows.top_p, rows.seeds, rows.counts)
-    return out.cache, nxt
+    return _pinned(out.cache, spec), nxt
 
 
 class Prompts(eqx.Module):
@@ -186,7 +206,7 @@ def _prefill(inputs: tuple[Any, Prompts, EngineSpec], cache: KVCache) -> tuple[K
     valid = jnp.zeros((n, cache.valid.shape[1]), bool).at[:, :width].set(mask.astype(bool))
     valid = cache.valid.at[p.rows].set(valid, mode="drop")
     index = cache.index.at[p.rows].set(p.lengths, mode="drop")
-    return KVCache(key, value, valid, index), first
+    return _pinned(KVCache(key, value, valid, index), spec), first
 
 
 class Engine:
@@ -260,6 +280,7 @@ class Engine:
             kv_heads,
             head_dim,
             probe.logits.dtype,
+            cache_sharding(model, max_batch, kv_heads),
         )
         self.model = model
         self.tokenizer = tokenizer
@@ -321,7 +342,7 @@ class Engine:
         jax.monitoring.register_event_duration_secs_listener(self._count_compile)
         model = self.model
         rows = self._rows_inputs()
-        self.cache, _ = _decode((model, rows), self.cache)
+        self.cache, _ = _decode((model, rows, self.spec), self.cache)
         for width in self.spec.buckets:
             self.cache, _ = _prefill((model, self._prompts([], width), self.spec), self.cache)
         jax.block_until_ready(self.cache)
@@ -530,7 +551,7 @@ class Engine:
                 self._rows[i] = None
         if not self.busy_rows:
             return
-        self.cache, nxt = _decode((self.model, self._rows_inputs()), self.cache)
+        self.cache, nxt = _decode((self.model, self._rows_inputs(), self.spec), self.cache)
         nxt = np.asarray(nxt)
         for i, r in enumerate(self._rows):
             if r is not None:
@@ -586,7 +607,13 @@ class Engine:
         cache = KVCache.empty(
             s.layers, s.max_batch, s.max_model_len, s.kv_heads, s.head_dim, s.cache_dtype
         )
-        return eqx.tree_at(lambda c: c.index, cache, jnp.zeros(s.max_batch, jnp.int32))
+        cache = eqx.tree_at(lambda c: c.index, cache, jnp.zeros(s.max_batch, jnp.int32))
+        if s.cache_sharding is None:
+            return cache
+        whole = NamedSharding(s.cache_sharding.mesh, PartitionSpec())
+        key, value = (jax.device_put(x, s.cache_sharding) for x in (cache.key, cache.value))
+        valid, index = (jax.device_put(x, whole) for x in (cache.valid, cache.index))
+        return KVCache(key, value, valid, index)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, every: float = 0.05) -> bool:
