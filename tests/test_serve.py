@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import openai
 import pytest
-from helpers import WORDS, tiny_llama_config, word_tokenizer
+from helpers import WORDS, run_cli, tiny_llama_config, word_tokenizer
 
 import peftx
 from peftx.serve import Engine, Request
@@ -516,3 +516,34 @@ def test_on_a_mesh_it_serves_what_one_device_generates(zoo):
         assert s.health()["compiles_since_ready"] == 0
     finally:
         assert s.stop() == 0
+
+
+def test_help_names_every_option_and_bad_options_are_one_line(zoo, capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "serve", "--help")
+    out = capsys.readouterr().out
+    for option in (
+        "--adapter NAME=PATH",
+        "--max-adapters",
+        "--max-rank",
+        "--max-batch",
+        "--max-model-len",
+        "--host",
+        "--port",
+        "--served-model-name",
+        "--quantize",
+        "--mesh",
+    ):
+        assert option in out, option
+    base = zoo / "base"
+    for argv, message in (
+        (["--adapter", "a0"], "--adapter 'a0': expected NAME=PATH"),
+        (["--adapter", f"x={tmp_path / 'missing'}"], "does not exist"),
+        (["--adapter", f"x={zoo / 'a0'}", "--adapter", f"x={zoo / 'a1'}"], "given twice"),
+        (["--max-batch", "0"], "--max-batch must be at least 1"),
+        (["--port", "70000"], "--port must be in [0, 65536)"),
+        (["--max-model-len", "1000"], "--max-model-len must be in [2, 128]"),
+    ):
+        code, _, err = run_cli(capsys, "serve", base, *argv)
+        assert code in (1, 2) and message in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1, err

@@ -157,7 +157,6 @@ def _route(model: Any, routes: Array) -> Array | None:
     return routes if isinstance(model, PeftBankModel) else None
 
 
-@eqx.filter_jit(donate="all-except-first")
 def _decode(inputs: tuple[Any, Rows, EngineSpec], cache: KVCache) -> tuple[KVCache, Array]:
     model, rows, spec = inputs
     # a free row decodes from an empty cache (its output is never read), so its index
@@ -188,7 +187,6 @@ class Prompts(eqx.Module):
     seeds: UInt32[Data, " prompts"]
 
 
-@eqx.filter_jit(donate="all-except-first")
 def _prefill(inputs: tuple[Any, Prompts, EngineSpec], cache: KVCache) -> tuple[KVCache, Array]:
     model, p, spec = inputs
     n, width = p.ids.shape
@@ -207,6 +205,15 @@ def _prefill(inputs: tuple[Any, Prompts, EngineSpec], cache: KVCache) -> tuple[K
     valid = cache.valid.at[p.rows].set(valid, mode="drop")
     index = cache.index.at[p.rows].set(p.lengths, mode="drop")
     return _pinned(KVCache(key, value, valid, index), spec), first
+
+
+def _programs(backend: str) -> tuple[Callable, Callable]:
+    """The decode step and the prefill, compiled for `backend`. Off the CPU they update
+    the KV cache in place (donated); on XLA:CPU donating it made the decode step 1.8x
+    slower (25 against 14 ms, Llama hidden 512 with 32 rows), so there the step writes a
+    new cache and the old one is freed."""
+    donate = "none" if backend == "cpu" else "all-except-first"
+    return eqx.filter_jit(_decode, donate=donate), eqx.filter_jit(_prefill, donate=donate)
 
 
 class Engine:
@@ -282,6 +289,7 @@ class Engine:
             probe.logits.dtype,
             cache_sharding(model, max_batch, kv_heads),
         )
+        self._decode, self._prefill = _programs(jax.default_backend())
         self.model = model
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids)
@@ -342,9 +350,9 @@ class Engine:
         jax.monitoring.register_event_duration_secs_listener(self._count_compile)
         model = self.model
         rows = self._rows_inputs()
-        self.cache, _ = _decode((model, rows, self.spec), self.cache)
+        self.cache, _ = self._decode((model, rows, self.spec), self.cache)
         for width in self.spec.buckets:
-            self.cache, _ = _prefill((model, self._prompts([], width), self.spec), self.cache)
+            self.cache, _ = self._prefill((model, self._prompts([], width), self.spec), self.cache)
         jax.block_until_ready(self.cache)
         self._ready = True
         self._thread = threading.Thread(target=self._run, name="peftx-engine", daemon=True)
@@ -370,6 +378,8 @@ class Engine:
 
     def check(self, request: Request) -> None:
         """Raise `EngineError` for a request the engine cannot run."""
+        if self._error is not None:
+            raise EngineError(f"the engine failed ({self._error!r}); see the server's log", 500)
         if self._draining:
             raise EngineError("the server is shutting down", 503)
         if request.adapter != BASE and request.adapter not in self.adapters:
@@ -431,7 +441,7 @@ class Engine:
                 )
         except EngineError:
             raise
-        except (OSError, ValueError, TypeError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever a file does wrong is the client's
             message = " ".join(str(e).split()) or type(e).__name__
             raise EngineError(f"could not load adapter {name!r} from {path}: {message}", 400)
         with self._lock:
@@ -502,7 +512,7 @@ class Engine:
             longest = max(len(r.prompt) for r in batch)
             width = next(b for b in self.spec.buckets if b >= longest)
             prompts = self._prompts(list(zip(rows, batch)), width)
-            self.cache, first = _prefill((self.model, prompts, self.spec), self.cache)
+            self.cache, first = self._prefill((self.model, prompts, self.spec), self.cache)
             first = np.asarray(first)
             for k, (row, request) in enumerate(zip(rows, batch)):
                 self._rows[row] = request
@@ -551,7 +561,7 @@ class Engine:
                 self._rows[i] = None
         if not self.busy_rows:
             return
-        self.cache, nxt = _decode((self.model, self._rows_inputs(), self.spec), self.cache)
+        self.cache, nxt = self._decode((self.model, self._rows_inputs(), self.spec), self.cache)
         nxt = np.asarray(nxt)
         for i, r in enumerate(self._rows):
             if r is not None:
