@@ -25,7 +25,7 @@ test: $(VENV)/.installed
 test-fast: $(VENV)/.installed
 	PEFTX_FAST_TESTS=1 $(PY) -m pytest -q -n auto --dist loadfile --durations=25 \
 		-o addopts="-ra --strict-markers" \
-		-m "not (command_run or simulated_devices or torch_round_trip or zoo_sweep or layout_sweep)"
+		-m "not (command_run or simulated_devices or torch_round_trip or zoo_sweep or layout_sweep or variant_sweep)"
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/suite.py --out benchmarks/RESULTS.md

@@ -216,7 +216,7 @@ def _slots_come_and_go(zoo, bank, everything):
 
 # 6 rows: the step cuts the 8-slot bank down to the batch's slots; 10 rows: it steps the
 # whole bank and masks the slots without rows
-@pytest.mark.parametrize("rows", [6, 10])
+@pytest.mark.parametrize("rows", [6, pytest.param(10, marks=pytest.mark.variant_sweep)])
 def test_training_leaves_absent_adapters_bit_for_bit(zoo, rows):
     bank = _bank(zoo, "stacked", n=8, max_adapters=8)
     bank = jax.tree.map(lambda x: x, bank)
@@ -272,7 +272,9 @@ def _is_bank(x):
     return isinstance(x, peftx.adapters.LoraBank)
 
 
-@pytest.mark.parametrize("max_adapters", [4, 8])  # stepped whole; cut to the batch's slots
+@pytest.mark.parametrize(  # stepped whole; cut to the batch's slots
+    "max_adapters", [4, pytest.param(8, marks=pytest.mark.variant_sweep)]
+)
 def test_each_adapters_gradient_is_its_own_rows_alone(zoo, max_adapters):
     """The step's gradient for an adapter equals the gradient of the mean loss over its
     own rows, computed with that adapter alone as a plain PeftModel."""
@@ -595,6 +597,7 @@ def test_grouped_expert_product_gathers_each_rows_slot_and_expert():
     np.testing.assert_allclose(got, jnp.stack(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.zoo_sweep  # the Llama bank's isolation test covers the step's masking
 def test_a_step_on_expert_banks_leaves_absent_adapters_as_they_were(moe_zoo):
     base = peftx.from_pretrained(moe_zoo / "base", layout="stacked")
     bank = peftx.PeftModel.from_pretrained(

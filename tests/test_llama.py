@@ -347,7 +347,9 @@ def test_kv_cache_steps_match_full_forward(checkpoint, name, layout):
     assert real_diff(cached_decode(ours, ids, mask), np.asarray(full), mask) <= TOL
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen2-sliding"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("qwen3", marks=pytest.mark.variant_sweep), "qwen2-sliding"]
+)
 def test_kv_cache_with_an_index_per_row_matches_each_row_alone(checkpoint, name):
     """Rows prefilled right-padded, then decoded each from its own length (an index per
     row, as a server's continuous batch holds them): every row's logits equal its own

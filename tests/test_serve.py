@@ -38,8 +38,9 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    """A tiny random Llama with a word tokenizer (and a chat template), and 16 LoRA
-    adapters of ranks 2 and 4 saved as PEFT saves them."""
+    """A tiny random Llama with a word tokenizer (and a chat template), and LoRA adapters
+    of ranks 4 and 2 saved as PEFT saves them: a0-a2 here, a3-a15 when a server needs
+    them (`_all_adapters`)."""
     import torch
     import transformers
 
@@ -56,8 +57,15 @@ def zoo(tmp_path_factory):
     tokenizer = word_tokenizer(WORDS)
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(root / "base")
+    _write_adapters(root, range(3))
+    return root
+
+
+def _write_adapters(root, numbers):
     base = peftx.from_pretrained(root / "base")
-    for k in range(ADAPTERS):
+    for k in numbers:
+        if (root / f"a{k}").is_dir():
+            continue
         lora = peftx.LoraConfig(
             r=2 if k % 2 else 4,
             lora_alpha=64,  # an update that changes what the model says
@@ -66,7 +74,6 @@ def zoo(tmp_path_factory):
         )
         model = peftx.get_peft_model(base, lora, key=jax.random.key(k + 1))
         model.save_pretrained(root / f"a{k}")
-    return root
 
 
 def _prompt(rng, n):
@@ -82,11 +89,27 @@ def _base(zoo, quantized=False):
 
 def _reference(zoo, adapter, ids, max_tokens, quantized=False):
     """`peftx.generate`'s greedy continuation's new tokens, up to the end of sequence."""
+    return _references(zoo, adapter, [ids], [max_tokens], quantized)[0]
+
+
+def _references(zoo, adapter, prompts, max_tokens, quantized=False):
+    """`_reference` of several prompts with one adapter in one left-padded batch (one
+    compile): each row's first `max_tokens[i]` new tokens are its own greedy answer."""
     base = _base(zoo, quantized)
     model = base if adapter is None else peftx.PeftModel.from_pretrained(base, zoo / adapter)
-    out = peftx.generate(model, np.asarray([ids]), max_tokens, eos_token_id=EOS, pad_token_id=0)
-    new = np.asarray(out)[0, len(ids) :].tolist()
-    return new[: new.index(EOS)] if EOS in new else new
+    width = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), width), np.int32)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = p, 1
+    out = peftx.generate(
+        model, ids, max(max_tokens), attention_mask=mask, eos_token_id=EOS, pad_token_id=0
+    )
+    answers = []
+    for row, n in zip(np.asarray(out)[:, width:].tolist(), max_tokens):
+        row = row[:n]
+        answers.append(row[: row.index(EOS)] if EOS in row else row)
+    return answers
 
 
 def _tokenizer(zoo):
@@ -98,15 +121,13 @@ def _tokenizer(zoo):
 # -- the engine, in process ----------------------------------------------------------------
 
 
-def _engine(zoo, quantized=False, rows=3):
+def _engine(zoo, quantized=False):
     bank = peftx.PeftModel.from_pretrained(
         _base(zoo, quantized), zoo / "a0", "a0", max_adapters=4, max_rank=4
     )
     for name in ("a1", "a2"):
         bank = bank.load_adapter(zoo / name, name)
-    engine = Engine(
-        bank, _tokenizer(zoo), max_batch=rows, max_model_len=MAX_LEN, eos_token_ids=(EOS,)
-    )
+    engine = Engine(bank, _tokenizer(zoo), max_batch=3, max_model_len=MAX_LEN, eos_token_ids=(EOS,))
     engine.start()
     return engine
 
@@ -121,12 +142,23 @@ def _served(engine, requests, timeout=120):
     assert all(event.wait(timeout) for event in done)
 
 
-@pytest.mark.parametrize("quantized", [False, True], ids=["dense", "nf4"])
-def test_engine_rows_equal_generate_each_with_its_own_adapter(zoo, quantized):
+@pytest.fixture(scope="module")
+def engine(zoo):
+    """One engine for the in-process tests: three rows over a bank of three adapters."""
+    e = _engine(zoo)
+    yield e
+    e.stop()
+
+
+@pytest.mark.parametrize(
+    "quantized", [False, pytest.param(True, marks=pytest.mark.variant_sweep)], ids=["dense", "nf4"]
+)
+def test_engine_rows_equal_generate_each_with_its_own_adapter(zoo, engine, quantized):
     """Requests on the base and three adapters, more than the rows, decoded together
     (joining as rows free up): each equals `peftx.generate` with its own adapter, on a
     dense base and on an NF4 one, and nothing compiles after start."""
-    engine = _engine(zoo, quantized)
+    if quantized:
+        engine = _engine(zoo, quantized)
     tokenizer = engine.tokenizer
     rng = np.random.default_rng(0)
     requests = [
@@ -137,56 +169,52 @@ def test_engine_rows_equal_generate_each_with_its_own_adapter(zoo, quantized):
         _served(engine, requests)
         assert engine.compiles == 0
     finally:
-        engine.stop()
-    for request in requests:
-        name = None if request.adapter == peftx.BASE else request.adapter
-        want = _reference(zoo, name, request.prompt, request.max_tokens, quantized)
-        assert request.tokens == want, request.adapter
-        assert request.text == tokenizer.decode(want, skip_special_tokens=True)
+        if quantized:
+            engine.stop()
+    for adapter in {r.adapter for r in requests}:
+        mine = [r for r in requests if r.adapter == adapter]
+        name = None if adapter == peftx.BASE else adapter
+        wants = _references(
+            zoo, name, [r.prompt for r in mine], [r.max_tokens for r in mine], quantized
+        )
+        for request, want in zip(mine, wants):
+            assert request.tokens == want, adapter
+            assert request.text == tokenizer.decode(want, skip_special_tokens=True)
 
 
-def test_stop_strings_end_the_text_before_them_and_never_stream(zoo):
+def test_stop_strings_end_the_text_before_them_and_never_stream(engine):
     """A stop string ends the request before it (finish_reason "stop"), and no piece of
     the stream holds it, as OpenAI's `stop` does."""
-    engine = _engine(zoo)
-    tokenizer = engine.tokenizer
-    ids = tokenizer(_prompt(np.random.default_rng(5), 4))["input_ids"]
-    try:
-        full = Request(list(ids), "a1", max_tokens=20, ignore_eos=True)
-        _served(engine, [full])
-        words = full.text.split()
-        stop = f"{words[4]} {words[5]}"  # two words: a piece may end inside it
-        pieces = []
-        cut = Request(
-            list(ids),
-            "a1",
-            max_tokens=20,
-            ignore_eos=True,
-            stop=("zzz", stop),
-            emit=lambda d, f: pieces.append(d),
-        )
-        _served(engine, [cut])
-    finally:
-        engine.stop()
+    ids = engine.tokenizer(_prompt(np.random.default_rng(5), 4))["input_ids"]
+    full = Request(list(ids), "a1", max_tokens=20, ignore_eos=True)
+    _served(engine, [full])
+    words = full.text.split()
+    stop = f"{words[4]} {words[5]}"  # two words: a piece may end inside it
+    pieces = []
+    cut = Request(
+        list(ids),
+        "a1",
+        max_tokens=20,
+        ignore_eos=True,
+        stop=("zzz", stop),
+        emit=lambda d, f: pieces.append(d),
+    )
+    _served(engine, [cut])
     want = full.text[: full.text.index(stop)]  # holds no stop string
     assert cut.text == "".join(pieces) == want
     assert cut.finish_reason == "stop"
 
 
-def test_a_request_whose_client_left_frees_its_row_at_the_next_step(zoo):
-    engine = _engine(zoo, rows=1)
-    tokenizer = engine.tokenizer
-    ids = tokenizer(_prompt(np.random.default_rng(6), 4))["input_ids"]
-    try:
-        gone = Request(list(ids), "a0", max_tokens=50, ignore_eos=True)
-        gone.emit = lambda d, f: setattr(gone, "cancelled", True)  # leaves at its first piece
-        engine.submit(gone)
-        after = Request(list(ids), "a2", max_tokens=3)
-        _served(engine, [after])
-        assert gone.finish_reason is None and len(gone.tokens) <= 2
-        assert after.finish_reason in ("stop", "length")
-    finally:
-        engine.stop()
+def test_a_request_whose_client_left_frees_its_row_at_the_next_step(engine):
+    ids = engine.tokenizer(_prompt(np.random.default_rng(6), 4))["input_ids"]
+    gone = Request(list(ids), "a0", max_tokens=50, ignore_eos=True)
+    gone.emit = lambda d, f: setattr(gone, "cancelled", True)  # leaves at its first piece
+    engine.submit(gone)
+    after = Request(list(ids), "a2", max_tokens=3)
+    _served(engine, [after])
+    assert gone.finish_reason is None and len(gone.tokens) <= 2
+    assert after.finish_reason in ("stop", "length")
+    assert _wait(lambda: engine.busy_rows == 0)
 
 
 def test_sampling_is_greedy_at_temperature_zero_and_keyed_by_seed():
@@ -221,6 +249,7 @@ class Server:
     """`peftx serve` in a child process on 127.0.0.1 (a free port), read until ready."""
 
     def __init__(self, zoo, *args, adapters=range(ADAPTERS), env=None):
+        _write_adapters(zoo, adapters)
         argv = [sys.executable, "-m", "peftx", "serve", str(zoo / "base"), "--port", "0"]
         for k in adapters:
             argv += ["--adapter", f"a{k}={zoo / f'a{k}'}"]
