@@ -138,6 +138,7 @@ def test_classification_job(bert, finished):
     assert accuracy == pytest.approx(summary["after"]["accuracy"])
 
 
+@pytest.mark.command_run  # trains the job's 80 steps again, from Python
 def test_fit_from_python_trains_the_commands_adapter(bert, finished, tmp_path):
     """`peftx.train.fit`, called from Python with the BERT job's model, data and `[train]`
     settings, trains the adapter the command wrote, byte for byte, with its metrics."""

@@ -267,6 +267,7 @@ def test_a_second_run_into_a_locked_directory_is_refused(bert, tmp_path, capsys)
     assert sorted(p.name for p in out.iterdir()) == [LOCK]
 
 
+@pytest.mark.command_run
 def test_the_lock_of_a_dead_run_is_taken_over(bert, tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
