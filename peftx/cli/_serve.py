@@ -89,8 +89,10 @@ class _Server(uvicorn.Server):
     app: Any
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self.engine.draining:
-            return super().handle_exit(sig, frame)
+        if self.engine.draining:  # the second signal: uvicorn's exit, without waiting
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+            return
         self.engine.drain()
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
