@@ -213,6 +213,7 @@ _LONG_FIRST = (
     "test_generate.py",
     "test_multi_adapter.py",
     "test_moe_lora.py",
+    "test_serve.py",
 )
 
 

@@ -113,6 +113,7 @@ def test_targets_lists_segments(checkpoint):
         )
 
 
+@pytest.mark.torch_round_trip  # test_peft_interop's layer-pattern case covers it in part
 def test_stacked_lora_matches_peft(checkpoint):
     """Outputs and factor gradients of a LoRA on some layers of a stack, against PEFT."""
     config = dict(
