@@ -9,6 +9,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -629,3 +630,9 @@ def test_help_names_every_option_and_bad_options_are_one_line(zoo, capsys, tmp_p
         code, _, err = run_cli(capsys, "serve", base, *argv)
         assert code in (1, 2) and message in err, (argv, err)
         assert len(err.strip().splitlines()) == 1, err
+    with socket.socket() as taken:  # a port in use is refused before anything loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = run_cli(capsys, "serve", base, "--port", port)
+        assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err

@@ -12,7 +12,7 @@ import uvicorn
 
 from .. import quantize_model
 from .._peft_model import PeftModel
-from ..models import from_pretrained
+from ..models import cache_dims, from_pretrained
 from ..serve import Engine, make_app, wait_for
 from ..sharding import placement_line, shard
 from ._common import UsageError, load_tokenizer, model_class_for, model_dir
@@ -121,54 +121,12 @@ def run(args: argparse.Namespace) -> int:
     served = args.served_model_name or args.model
     if served in {n for n, _ in adapters}:
         raise UsageError(f"--adapter {served}: that is the base model's name")
-    with compilation_cache():
-        model = from_pretrained(path, model_class=name, **on_mesh(mesh, rules))
-        check_finite(model, f"the model in {path}")
-        if quantization is not None:
-            model = quantize_model(model, quantization)
-            if mesh is not None:
-                model = shard(model, mesh, rules)
-        for k, (adapter, folder) in enumerate(adapters):
-            if k == 0:
-                model = PeftModel.from_pretrained(
-                    model,
-                    folder,
-                    adapter,
-                    max_adapters=args.max_adapters,
-                    max_rank=args.max_rank,
-                )
-            else:
-                model = model.load_adapter(folder, adapter)
-            check_finite(model, f"the adapter in {folder}")
-        if mesh is not None:
-            print(placement_line(mesh, rules, model), file=sys.stderr)
-        positions = model_config(model).max_position_embeddings
-        length = args.max_model_len or min(positions, DEFAULT_MAX_MODEL_LEN)
-        if length > positions or length < 2:
-            raise UsageError(
-                f"--max-model-len must be in [2, {positions}] (the model's positions), got {length}"
-            )
-        eos = tokenizer.eos_token_id
-        config_eos = model_config(model).hf_dict().get("eos_token_id")
-        ids = {eos} if eos is not None else set()
-        ids |= set(config_eos if isinstance(config_eos, list) else [config_eos]) - {None}
-        engine = Engine(
-            model,
-            tokenizer,
-            max_batch=args.max_batch,
-            max_model_len=length,
-            max_adapters=args.max_adapters,
-            max_rank=args.max_rank,
-            eos_token_ids=tuple(sorted(ids)),
-        )
-        engine.start()
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock = _listening(args.host, args.port)  # before the minutes of loading and compiling
     try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        engine.stop()
-        raise UsageError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+        engine = _engine(args, path, name, tokenizer, adapters, quantization, mesh, rules)
+    except BaseException:
+        sock.close()
+        raise
     host, port = sock.getsockname()[:2]
     app = make_app(engine, served)
     server = _Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=None))
@@ -177,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     names = ", ".join(engine.adapters) or "none"
     print(
         f"peftx serve: ready on http://{host}:{port} (model {served!r}; adapters: {names}; "
-        f"{used} of {slots} slots; {args.max_batch} rows of {length} tokens)",
+        f"{used} of {slots} slots; {args.max_batch} rows of {engine.spec.max_model_len} "
+        "tokens)",
         flush=True,
     )
     try:
@@ -188,5 +147,64 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_config(model: Any) -> Any:
-    return getattr(model, "base_model", model).config
+def _listening(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+def _engine(
+    args: argparse.Namespace,
+    path: Path,
+    name: str,
+    tokenizer: Any,
+    adapters: list[tuple[str, Path]],
+    quantization: Any,
+    mesh: Any,
+    rules: Any,
+) -> Engine:
+    """The base (NF4 and on a mesh as asked), its adapters in one bank, and the engine
+    over them, compiled."""
+    with compilation_cache():
+        model = from_pretrained(path, model_class=name, **on_mesh(mesh, rules))
+        check_finite(model, f"the model in {path}")
+        config = model.config
+        positions = cache_dims(config)[3] or config.max_position_embeddings
+        length = args.max_model_len or min(positions, DEFAULT_MAX_MODEL_LEN)
+        if length > positions or length < 2:
+            raise UsageError(
+                f"--max-model-len must be in [2, {positions}] (the model's positions), got {length}"
+            )
+        if quantization is not None:
+            model = quantize_model(model, quantization)
+            if mesh is not None:
+                model = shard(model, mesh, rules)
+        for k, (adapter, folder) in enumerate(adapters):
+            if k == 0:
+                model = PeftModel.from_pretrained(
+                    model, folder, adapter, max_adapters=args.max_adapters, max_rank=args.max_rank
+                )
+            else:
+                model = model.load_adapter(folder, adapter)
+            check_finite(model, f"the adapter in {folder}")
+        if mesh is not None:
+            print(placement_line(mesh, rules, model), file=sys.stderr)
+        config_eos = config.hf_dict().get("eos_token_id")
+        eos = {tokenizer.eos_token_id} - {None}
+        eos |= set(config_eos if isinstance(config_eos, list) else [config_eos]) - {None}
+        engine = Engine(
+            model,
+            tokenizer,
+            max_batch=args.max_batch,
+            max_model_len=length,
+            max_adapters=args.max_adapters,
+            max_rank=args.max_rank,
+            eos_token_ids=tuple(sorted(eos)),
+        )
+        engine.start()
+    return engine
