@@ -8,7 +8,7 @@ round-robin across the three workloads, so that drifts of the machine hit them a
 The server runs in a child process, as users run it, on the suite's Llama (`suite.py`'s
 sizes: hidden 512, 4 layers on CPU) with LoRA r=8 on the seven projections.
 
-Run: `python benchmarks/serve.py [--quick | --tiny] [--out FILE]`.
+Run: `python benchmarks/serve.py [--quick | --tiny | --gpu] [--out FILE]`.
 """
 
 import argparse
@@ -22,9 +22,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import openai
 from suite import LLAMA_TARGETS, SIZES, llama_config, md_table
@@ -37,14 +39,14 @@ ADAPTERS = 32
 TARGET = 0.8  # 32 distinct adapters' tokens/s against the base's, at the same concurrency
 
 
-def write_checkpoint(root: Path, size: tuple) -> Path:
+def write_checkpoint(root: Path, size: tuple, dtype: Any = jnp.float32) -> Path:
     """The suite's Llama with a word-level tokenizer over its vocabulary, and 32 LoRA
     adapters beside it."""
     import tokenizers
     import transformers
 
     config = llama_config(size)
-    model = pm.LlamaForCausalLM(config, key=jax.random.key(0))
+    model = pm.LlamaForCausalLM(config, key=jax.random.key(0), dtype=dtype)
     pm.save_pretrained(model, root / "base")
     words = ["[PAD]", "[UNK]", "</s>", *(f"w{i}" for i in range(config.vocab_size - 3))]
     tok = tokenizers.Tokenizer(
@@ -107,17 +109,19 @@ def main() -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true")
     size.add_argument("--tiny", action="store_true")
+    size.add_argument("--gpu", action="store_true", help="the suite's GPU Llama, in bfloat16")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    name = "quick" if args.quick else "tiny" if args.tiny else "full"
+    name = "gpu" if args.gpu else "quick" if args.quick else "tiny" if args.tiny else "full"
     llama = SIZES[name]["llama"]
+    dtype = jnp.bfloat16 if args.gpu else jnp.float32
     concurrency = [1, 8, 32] if not args.tiny else [1, 4]
-    rounds = {"full": 3, "quick": 2, "tiny": 1}[name]
+    rounds = {"full": 3, "quick": 2, "tiny": 1, "gpu": 3}[name]
     prompt_tokens, new = (32, 64) if not args.tiny else (8, 8)
     rows = max(concurrency)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        base = write_checkpoint(root, llama)
+        base = write_checkpoint(root, llama, dtype)
         length = prompt_tokens + new + 8
         process, url = start(base, root, rows, length, ADAPTERS)
         plain, plain_url = start(base, root, rows, length, 0)  # the base alone: no bank
@@ -176,7 +180,8 @@ def main() -> None:
         "",
         (
             f"{jax.devices()[0].device_kind}, {platform.machine()}; Llama hidden "
-            f"{c.hidden_size}, {c.num_hidden_layers} layers, float32; LoRA r={RANK} on the "
+            f"{c.hidden_size}, {c.num_hidden_layers} layers, {jnp.dtype(dtype).name}; LoRA "
+            f"r={RANK} on the "
             f"seven projections; {rows} decode rows; prompts of {prompt_tokens} tokens, "
             f"{new} new tokens each; the `openai` client, {rounds} round(s) per figure."
         ),
