@@ -530,8 +530,7 @@ def test_sigterm_drains_then_exits_0(slow_zoo):
     alone = [answers[p] for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         running = [pool.submit(_complete, client, "a1", p, tokens, **options) for p in prompts]
-        assert _wait(lambda: s.health()["busy_rows"] == 1)
-        time.sleep(0.05)  # every request sent
+        assert _wait(lambda: s.health()["in_flight"] == n)  # every request in
         s.process.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         late = httpx.post(
@@ -555,7 +554,7 @@ def test_a_second_sigterm_ends_it_at_once(slow_zoo):
             pool.submit(_complete, s.client, "a1", prompt, MAX_LEN - 8, **options)
             for _ in range(16)
         ]
-        assert _wait(lambda: s.health()["busy_rows"] == 1)
+        assert _wait(lambda: s.health()["in_flight"] == len(running))
         s.process.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         s.process.send_signal(signal.SIGTERM)

@@ -129,6 +129,7 @@ def make_app(engine: Engine, model_name: str) -> FastAPI:
             "adapters": list(engine.adapters),
             "slots": {"used": used, "max_adapters": slots},
             "busy_rows": engine.busy_rows,
+            "in_flight": engine.in_flight,
             "compiles_since_ready": engine.compiles,
         }
 
