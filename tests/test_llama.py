@@ -343,7 +343,7 @@ def test_kv_cache_steps_match_full_forward(checkpoint, name, layout):
     _, path = checkpoint(name)
     ours = pm.from_pretrained(path, layout=layout)
     ids, mask = DECODE_IDS, DECODE_MASK
-    full = ours(jnp.asarray(ids), jnp.asarray(mask)).logits
+    full = _logits(ours, jnp.asarray(ids), jnp.asarray(mask))
     assert real_diff(cached_decode(ours, ids, mask), np.asarray(full), mask) <= TOL
 
 
@@ -367,7 +367,9 @@ def test_kv_cache_with_an_index_per_row_matches_each_row_alone(checkpoint, name)
         ids[r, :n], mask[r, :n] = row[:n], 1
     cache = KVCache.empty(LAYERS, len(rows), SEQ, c.num_key_value_heads, c.head_dim, jnp.float32)
     cache = eqx.tree_at(lambda k: k.index, cache, jnp.zeros(len(rows), jnp.int32))
-    out = ours(jnp.asarray(ids), jnp.asarray(mask), cache=cache)
+    out = eqx.filter_jit(lambda m, i, k, c: m(i, k, cache=c))(
+        ours, jnp.asarray(ids), jnp.asarray(mask), cache
+    )
     ends = jnp.asarray(lengths, jnp.int32)
     got = [[out.logits[r, n - 1]] for r, n in enumerate(lengths)]
     cache = eqx.tree_at(lambda k: k.index, out.cache, ends)  # past each row's real tokens
@@ -380,7 +382,7 @@ def test_kv_cache_with_an_index_per_row_matches_each_row_alone(checkpoint, name)
             got[r].append(out.logits[r, 0])
     np.testing.assert_array_equal(np.asarray(cache.index), np.asarray(ends) + steps)
     for r, (row, n) in enumerate(zip(rows, lengths)):
-        alone = ours(jnp.asarray(row[None, :]), jnp.ones((1, len(row)), jnp.int32)).logits[0]
+        alone = _logits(ours, jnp.asarray(row[None, :]), jnp.ones((1, len(row)), jnp.int32))[0]
         want = alone[n - 1 :]
         assert float(jnp.max(jnp.abs(jnp.stack(got[r]) - want))) <= TOL, r
 
@@ -390,9 +392,9 @@ def cached_decode(ours, ids: np.ndarray, mask: np.ndarray) -> jax.Array:
     fed alone with the cache, concatenated along the sequence."""
     c = ours.config
     cache = KVCache.empty(LAYERS, len(ids), SEQ, c.num_key_value_heads, c.head_dim, jnp.float32)
-    out = ours(jnp.asarray(ids[:, :PROMPT]), jnp.asarray(mask[:, :PROMPT]), cache=cache)
-    steps = [out.logits]
     step = eqx.filter_jit(lambda m, i, k, cache: m(i, k, cache=cache))
+    out = step(ours, jnp.asarray(ids[:, :PROMPT]), jnp.asarray(mask[:, :PROMPT]), cache)
+    steps = [out.logits]
     for t in range(PROMPT, SEQ):
         out = step(ours, jnp.asarray(ids[:, t : t + 1]), jnp.asarray(mask[:, t : t + 1]), out.cache)
         steps.append(out.logits)
