@@ -210,6 +210,37 @@ def test_engine_rows_equal_generate_each_with_its_own_adapter(zoo, engine, quant
             assert request.text == tokenizer.decode(want, skip_special_tokens=True)
 
 
+def test_an_engine_without_adapters_makes_its_bank_at_the_first_load(zoo):
+    """Serving the base alone, then loading adapters: the first load makes the bank (its
+    programs compile again), and rows on the new adapters and on the base equal
+    `peftx.generate`."""
+    engine = Engine(
+        _base(zoo),
+        _tokenizer(zoo),
+        max_batch=2,
+        max_model_len=16,  # one prompt bucket: fewer programs to compile twice
+        max_adapters=3,
+        max_rank=4,
+        eos_token_ids=(EOS,),
+    )
+    engine.start()
+    try:
+        ids = engine.tokenizer(_prompt(np.random.default_rng(8), 5))["input_ids"]
+        before = Request(list(ids), peftx.BASE, max_tokens=6)
+        _served(engine, [before])
+        assert engine.adapters == () and engine.slots == (0, 3)
+        for name in ("a1", "a0"):  # rank 2 first: the bank's rank is max_rank's 4
+            engine.call(lambda n=name: engine.load_adapter(n, zoo / n)).result(120)
+        assert engine.adapters == ("a1", "a0") and engine.slots == (2, 3)
+        requests = [Request(list(ids), name, max_tokens=6) for name in ("a0", peftx.BASE, "a1")]
+        _served(engine, requests)
+    finally:
+        engine.stop()
+    assert before.tokens == requests[1].tokens == _reference(zoo, None, ids, 6)
+    for request in (requests[0], requests[2]):
+        assert request.tokens == _reference(zoo, request.adapter, ids, 6), request.adapter
+
+
 def test_stop_strings_end_the_text_before_them_and_never_stream(engine):
     """A stop string ends the request before it (finish_reason "stop"), and no piece of
     the stream holds it, as OpenAI's `stop` does."""
