@@ -43,7 +43,7 @@ from ._generate import (
     cache_dims as cache_dims,
     cache_sharding as cache_sharding,
     generate as generate,
-    placed_cache as placed_cache,
+    nucleus as nucleus,
     routed_forward as routed_forward,
 )
 from ._gpt2 import (

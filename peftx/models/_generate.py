@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
-from jaxtyping import Array, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..implicit import is_implicit, use_implicit_args
 from ..sharding import BATCH_AXES, batch_parts
@@ -301,6 +301,20 @@ def routed_forward(model: Any, route: Array | None) -> Any:
     return model
 
 
+def nucleus(
+    scores: Float[Array, "batch vocab"], top_p: Float[Array, ""] | Float[Array, "batch 1"]
+) -> Float[Array, "batch vocab"]:
+    """transformers' `TopPLogitsWarper`: the scores with the least likely tokens whose
+    cumulative probability stays within `1 - top_p` set to -inf, keeping at least the most
+    likely one (`top_p`: one for every row, or each row's own)."""
+    order = jnp.argsort(scores, axis=-1)
+    ascending = jnp.take_along_axis(scores, order, axis=-1)
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
+    drop = (cumulative <= 1 - top_p).at[:, -1].set(False)
+    drop = jnp.take_along_axis(drop, jnp.argsort(order, axis=-1), axis=-1)
+    return jnp.where(drop, -jnp.inf, scores)
+
+
 def _choose(
     logits: Array, step: Array, key: Any, sampling: Array, spec: _Spec
 ) -> Int[Array, " batch"]:
@@ -313,14 +327,7 @@ def _choose(
         kth = lax.top_k(scores, spec.top_k)[0][:, -1:]
         scores = jnp.where(scores < kth, -jnp.inf, scores)
     if spec.use_top_p:
-        # transformers' TopPLogitsWarper: drop the least likely tokens whose cumulative
-        # probability stays within 1 - top_p, keeping at least the most likely one
-        order = jnp.argsort(scores, axis=-1)
-        ascending = jnp.take_along_axis(scores, order, axis=-1)
-        cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-        drop = (cumulative <= 1 - sampling[1]).at[:, -1].set(False)
-        drop = jnp.take_along_axis(drop, jnp.argsort(order, axis=-1), axis=-1)
-        scores = jnp.where(drop, -jnp.inf, scores)
+        scores = nucleus(scores, sampling[1])
     draw = jax.random.categorical(jax.random.fold_in(key, step), scores, axis=-1)
     return draw.astype(jnp.int32)
 
@@ -351,7 +358,7 @@ def _generate(
         spec.head_dim,
         first.logits.dtype,
     )
-    out = forward(input_ids, mask, positions, cache=placed_cache(empty, spec.cache_sharding))
+    out = forward(input_ids, mask, positions, cache=_placed(empty, spec.cache_sharding))
 
     def pick(logits: Array, step: Array, done: Array) -> tuple[Array, Array]:
         token = _choose(logits[:, -1].astype(jnp.float32), step, key, sampling, spec)
@@ -376,7 +383,7 @@ def _generate(
         ids = jnp.concatenate([input_ids, tokens[:, : spec.restart_step]], axis=1)
         ids_mask = jnp.concatenate([mask, jnp.ones((batch, spec.restart_step), jnp.int32)], 1)
         every = jnp.maximum(jnp.cumsum(ids_mask, axis=-1) - 1, 0)
-        out = forward(ids, ids_mask, every, cache=placed_cache(empty, spec.cache_sharding))
+        out = forward(ids, ids_mask, every, cache=_placed(empty, spec.cache_sharding))
         return out.logits[:, -1:], out.cache
 
     def body(state: tuple) -> tuple:
@@ -388,14 +395,14 @@ def _generate(
             logits, cache = lax.cond(restarts, restart, advance, step, cache, tokens, token)
         token, done = pick(logits, step, done)
         tokens = lax.dynamic_update_slice_in_dim(tokens, token[:, None], step, axis=1)
-        return step + 1, placed_cache(cache, spec.cache_sharding), tokens, token, done
+        return step + 1, _placed(cache, spec.cache_sharding), tokens, token, done
 
     state = (jnp.ones((), jnp.int32), out.cache, tokens, token, done)
     tokens = lax.while_loop(cond, body, state)[2]
     return jnp.concatenate([input_ids, tokens.astype(input_ids.dtype)], axis=1)
 
 
-def placed_cache(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
+def _placed(cache: KVCache, sharding: NamedSharding | None) -> KVCache:
     """`cache` with its keys and values constrained to `sharding` (if any)."""
     if sharding is None:
         return cache

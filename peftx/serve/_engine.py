@@ -33,7 +33,7 @@ from ..models import (
     KVCache,
     cache_dims,
     cache_sharding,
-    placed_cache,
+    nucleus,
     routed_forward,
 )
 
@@ -54,8 +54,8 @@ class EngineError(Exception):
 class Request:
     """One completion: the prompt's token ids and how to continue it. `emit(delta,
     finish_reason)` is called from the engine's thread with each new piece of text, and
-    once with a `finish_reason` ("stop" or "length") at the end; `usage` is filled as
-    tokens come."""
+    once with a `finish_reason` ("stop" or "length") at the end; `tokens` and `text` grow
+    as it decodes."""
 
     prompt: list[int]
     adapter: str  # an adapter's name, or BASE
@@ -87,15 +87,22 @@ class EngineSpec:
     cache_sharding: NamedSharding | None  # on a mesh: where the KV cache's arrays lie
 
 
-def _pinned(cache: KVCache, spec: EngineSpec) -> KVCache:
-    """`cache` where every program leaves it (so that no call meets a new placement and
-    compiles again): keys and values as `peftx.generate` places them, the rest whole."""
+def _placements(spec: EngineSpec) -> KVCache | None:
+    """On a mesh, where each array of the KV cache lies (keys and values as
+    `peftx.generate` places them, the rest whole); else None."""
     if spec.cache_sharding is None:
-        return cache
-    cache = placed_cache(cache, spec.cache_sharding)
+        return None
     whole = NamedSharding(spec.cache_sharding.mesh, PartitionSpec())
-    valid, index = (lax.with_sharding_constraint(x, whole) for x in (cache.valid, cache.index))
-    return KVCache(cache.key, cache.value, valid, index)
+    return KVCache(spec.cache_sharding, spec.cache_sharding, whole, whole)
+
+
+def _pinned(cache: KVCache, spec: EngineSpec) -> KVCache:
+    """`cache` where every program leaves it, so that no call meets a new placement and
+    compiles again."""
+    placements = _placements(spec)
+    if placements is None:
+        return cache
+    return jax.tree.map(lax.with_sharding_constraint, cache, placements)
 
 
 Data = Array | np.ndarray  # host arrays going in, tracers inside the programs
@@ -124,15 +131,10 @@ def sample(
     warm = temperature > 0
     scores = logits / jnp.where(warm, temperature, 1.0)[:, None]
 
-    def nucleus(scores: Array) -> Array:  # transformers' TopPLogitsWarper, row by row
-        order = jnp.argsort(scores, axis=-1)
-        ascending = jnp.take_along_axis(scores, order, axis=-1)
-        cumulative = jnp.cumsum(jax.nn.softmax(ascending, axis=-1), axis=-1)
-        drop = (cumulative <= 1 - top_p[:, None]).at[:, -1].set(False)
-        drop = jnp.take_along_axis(drop, jnp.argsort(order, axis=-1), axis=-1)
-        return jnp.where(drop, -jnp.inf, scores)
-
-    scores = lax.cond(jnp.any(warm & (top_p < 1)), nucleus, lambda s: s, scores)
+    top_p = jnp.asarray(top_p)[:, None]
+    scores = lax.cond(
+        jnp.any(warm[:, None] & (top_p < 1)), lambda s: nucleus(s, top_p), lambda s: s, scores
+    )
 
     def draw(seed: Array, count: Array, row: Array) -> Array:
         return jax.random.categorical(jax.random.fold_in(jax.random.key(seed), count), row)
@@ -145,7 +147,7 @@ class Rows(eqx.Module):
     """The per-row inputs of a decode step (host arrays, one entry per row)."""
 
     tokens: Int[Data, " rows"]  # the last token of each row, fed to the model
-    active: Bool[Data, " rows"]  #: rows holding a request
+    active: Bool[Data, " rows"]  # rows holding a request
     routes: Int[Data, " rows"]  # each row's adapter slot (the bank's size: the base)
     temperature: Float[Data, " rows"]
     top_p: Float[Data, " rows"]
@@ -519,41 +521,46 @@ class Engine:
                 self._take(row, request, int(first[k]))
 
     def _prompts(self, placed: list[tuple[int, Request]], width: int) -> Prompts:
+        """A prefill's inputs: each `(row, request)` placed, padding after them."""
         n = self.spec.prefill_batch
         ids = np.zeros((n, width), np.int32)
         lengths = np.ones(n, np.int32)
         rows = np.full(n, self.spec.max_batch, np.int32)  # padding writes nowhere
+        for k, (row, r) in enumerate(placed):
+            ids[k, : len(r.prompt)], lengths[k], rows[k] = r.prompt, len(r.prompt), row
+        sampling = self._per_request([(k, r) for k, (_, r) in enumerate(placed)], n)
+        return Prompts(ids, lengths, rows, *sampling)
+
+    def _rows_inputs(self) -> Rows:
+        b = self.spec.max_batch
+        tokens = np.zeros(b, np.int32)
+        active = np.zeros(b, bool)
+        counts = np.zeros(b, np.int32)
+        busy = [(i, r) for i, r in enumerate(self._rows) if r is not None]
+        for i, r in busy:
+            tokens[i], active[i], counts[i] = r.tokens[-1], True, len(r.tokens)
+        routes, temperature, top_p, seeds = self._per_request(busy, b)
+        return Rows(tokens, active, routes, temperature, top_p, seeds, counts)
+
+    def _per_request(
+        self, placed: list[tuple[int, Request]], n: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """`(routes, temperature, top_p, seeds)` of `n` entries: each `(index, request)`'s
+        own at its index, the base's greedy defaults elsewhere."""
         routes = np.full(n, self._slot(BASE), np.int32)
         temperature = np.zeros(n, np.float32)
         top_p = np.ones(n, np.float32)
         seeds = np.zeros(n, np.uint32)
-        for k, (row, r) in enumerate(placed):
-            ids[k, : len(r.prompt)] = r.prompt
-            lengths[k], rows[k], routes[k] = len(r.prompt), row, self._slot(r.adapter)
-            temperature[k], top_p[k], seeds[k] = r.temperature, r.top_p, self._seed(r)
-        return Prompts(ids, lengths, rows, routes, temperature, top_p, seeds)
+        for k, r in placed:
+            routes[k], temperature[k], top_p[k] = self._slot(r.adapter), r.temperature, r.top_p
+            seeds[k] = self._seed(r)
+        return routes, temperature, top_p, seeds
 
     @staticmethod
     def _seed(request: Request) -> int:
         if request.seed is None:
             request.seed = int(np.random.default_rng().integers(2**32))
         return request.seed % 2**32
-
-    def _rows_inputs(self) -> Rows:
-        b = self.spec.max_batch
-        tokens = np.zeros(b, np.int32)
-        active = np.zeros(b, bool)
-        routes = np.full(b, self._slot(BASE), np.int32)
-        temperature = np.zeros(b, np.float32)
-        top_p = np.ones(b, np.float32)
-        seeds = np.zeros(b, np.uint32)
-        counts = np.zeros(b, np.int32)
-        for i, r in enumerate(self._rows):
-            if r is not None:
-                tokens[i], active[i], routes[i] = r.tokens[-1], True, self._slot(r.adapter)
-                temperature[i], top_p[i], seeds[i] = r.temperature, r.top_p, self._seed(r)
-                counts[i] = len(r.tokens)
-        return Rows(tokens, active, routes, temperature, top_p, seeds, counts)
 
     def _step(self) -> None:
         for i, r in enumerate(self._rows):
@@ -618,12 +625,8 @@ class Engine:
             s.layers, s.max_batch, s.max_model_len, s.kv_heads, s.head_dim, s.cache_dtype
         )
         cache = eqx.tree_at(lambda c: c.index, cache, jnp.zeros(s.max_batch, jnp.int32))
-        if s.cache_sharding is None:
-            return cache
-        whole = NamedSharding(s.cache_sharding.mesh, PartitionSpec())
-        key, value = (jax.device_put(x, s.cache_sharding) for x in (cache.key, cache.value))
-        valid, index = (jax.device_put(x, whole) for x in (cache.valid, cache.index))
-        return KVCache(key, value, valid, index)
+        placements = _placements(s)
+        return cache if placements is None else jax.device_put(cache, placements)
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, every: float = 0.05) -> bool:
