@@ -41,25 +41,27 @@ TEMPLATE = (
 def zoo(tmp_path_factory):
     """A tiny random Llama with a word tokenizer (and a chat template), and LoRA adapters
     of ranks 4 and 2 saved as PEFT saves them: a0-a2 here, a3-a15 when a server needs
-    them (`_all_adapters`)."""
+    them (`_write_adapters`)."""
+    root = tmp_path_factory.mktemp("serve")
+    _write_base(root, seed=0, chat_template=TEMPLATE, initializer_range=0.2)
+    _write_adapters(root, range(3))
+    return root
+
+
+def _write_base(root, seed, chat_template=None, **config):
+    """A random transformers Llama over the test vocabulary (`config`: its sizes) and a
+    word tokenizer, saved in `root / "base"`."""
     import torch
     import transformers
 
-    root = tmp_path_factory.mktemp("serve")
     config = tiny_llama_config(
-        len(WORDS),
-        bos_token_id=None,
-        eos_token_id=EOS,
-        initializer_range=0.2,
-        max_position_embeddings=128,
+        len(WORDS), bos_token_id=None, eos_token_id=EOS, max_position_embeddings=128, **config
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
     tokenizer = word_tokenizer(WORDS)
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(root / "base")
-    _write_adapters(root, range(3))
-    return root
 
 
 def _write_adapters(root, numbers):
@@ -82,24 +84,16 @@ def slow_zoo(tmp_path_factory):
     """The zoo's vocabulary on a Llama wide and deep enough that one row's 56 tokens take a
     while on any machine: the shutdown tests' requests are still decoding when the signal
     comes."""
-    import torch
-    import transformers
-
     root = tmp_path_factory.mktemp("serve_slow")
-    config = tiny_llama_config(
-        len(WORDS),
-        bos_token_id=None,
-        eos_token_id=EOS,
+    _write_base(
+        root,
+        seed=1,
         hidden_size=512,
         intermediate_size=2048,
         num_hidden_layers=6,
         num_attention_heads=8,
         num_key_value_heads=4,
-        max_position_embeddings=128,
     )
-    torch.manual_seed(1)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "base")
-    word_tokenizer(WORDS).save_pretrained(root / "base")
     _write_adapters(root, range(2))
     return root
 
