@@ -25,7 +25,7 @@ import pytest
 from helpers import WORDS, run_cli, tiny_llama_config, word_tokenizer
 
 import peftx
-from peftx.serve import Engine, Request
+from peftx.serve import Engine, Request, wait_for
 
 EOS = WORDS.index("</s>")
 ADAPTERS = 16
@@ -267,7 +267,7 @@ def test_a_request_whose_client_left_frees_its_row_at_the_next_step(engine):
     _served(engine, [after])
     assert gone.finish_reason is None and len(gone.tokens) <= 2
     assert after.finish_reason in ("stop", "length")
-    assert _wait(lambda: engine.busy_rows == 0)
+    assert wait_for(lambda: engine.busy_rows == 0, 60, every=0.01)
 
 
 def test_sampling_is_greedy_at_temperature_zero_and_keyed_by_seed():
@@ -555,7 +555,7 @@ def test_sigterm_drains_then_exits_0(slow_zoo):
     alone = [answers[p] for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
         running = [pool.submit(_complete, client, "a1", p, tokens, **options) for p in prompts]
-        assert _wait(lambda: s.health()["in_flight"] == n)  # every request in
+        assert wait_for(lambda: s.health()["in_flight"] == n, 60, every=0.01)  # every request in
         s.process.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         late = httpx.post(
@@ -579,7 +579,7 @@ def test_a_second_sigterm_ends_it_at_once(slow_zoo):
             pool.submit(_complete, s.client, "a1", prompt, MAX_LEN - 8, **options)
             for _ in range(16)
         ]
-        assert _wait(lambda: s.health()["in_flight"] == len(running))
+        assert wait_for(lambda: s.health()["in_flight"] == len(running), 60, every=0.01)
         s.process.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         s.process.send_signal(signal.SIGTERM)
@@ -591,15 +591,6 @@ def test_a_second_sigterm_ends_it_at_once(slow_zoo):
             except openai.APIError:  # the connection closed under it
                 unfinished += 1
     assert unfinished > 0
-
-
-def _wait(predicate, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @pytest.mark.command_run

@@ -629,7 +629,9 @@ class Engine:
         return cache if placements is None else jax.device_put(cache, placements)
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float, every: float = 0.05) -> bool:
+def wait_for(
+    predicate: Callable[[], bool], timeout: float | int, every: float | int = 0.05
+) -> bool:
     """Poll `predicate` until it holds or `timeout` seconds pass; whether it held."""
     deadline = time.monotonic() + timeout
     while not predicate():
