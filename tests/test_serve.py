@@ -102,22 +102,23 @@ def _prompt(rng, n):
     return " ".join(rng.choice(WORDS[5:], n))
 
 
-def _base(zoo, quantized=False):
-    base = peftx.from_pretrained(zoo / "base")
-    if quantized:  # QLoRA's NF4 base
+def _base(zoo, kind="float32"):
+    """The zoo's base in float32 or bfloat16, or NF4-quantized (QLoRA's base)."""
+    base = peftx.from_pretrained(zoo / "base", dtype="bfloat16" if kind == "bfloat16" else None)
+    if kind == "nf4":
         base = peftx.quantize_model(base, peftx.QuantizationConfig(load_in_4bit=True))
     return base
 
 
-def _reference(zoo, adapter, ids, max_tokens, quantized=False):
+def _reference(zoo, adapter, ids, max_tokens, kind="float32"):
     """`peftx.generate`'s greedy continuation's new tokens, up to the end of sequence."""
-    return _references(zoo, adapter, [ids], [max_tokens], quantized)[0]
+    return _references(zoo, adapter, [ids], [max_tokens], kind)[0]
 
 
-def _references(zoo, adapter, prompts, max_tokens, quantized=False):
+def _references(zoo, adapter, prompts, max_tokens, kind="float32"):
     """`_reference` of several prompts with one adapter in one left-padded batch (one
     compile): each row's first `max_tokens[i]` new tokens are its own greedy answer."""
-    base = _base(zoo, quantized)
+    base = _base(zoo, kind)
     model = base if adapter is None else peftx.PeftModel.from_pretrained(base, zoo / adapter)
     width = max(len(p) for p in prompts)
     ids = np.zeros((len(prompts), width), np.int32)
@@ -143,9 +144,9 @@ def _tokenizer(zoo):
 # -- the engine, in process ----------------------------------------------------------------
 
 
-def _engine(zoo, quantized=False):
+def _engine(zoo, kind="float32"):
     bank = peftx.PeftModel.from_pretrained(
-        _base(zoo, quantized), zoo / "a0", "a0", max_adapters=4, max_rank=4
+        _base(zoo, kind), zoo / "a0", "a0", max_adapters=4, max_rank=4
     )
     for name in ("a1", "a2"):
         bank = bank.load_adapter(zoo / name, name)
@@ -173,14 +174,19 @@ def engine(zoo):
 
 
 @pytest.mark.parametrize(
-    "quantized", [False, pytest.param(True, marks=pytest.mark.variant_sweep)], ids=["dense", "nf4"]
+    "kind",
+    [
+        "float32",
+        pytest.param("bfloat16", marks=pytest.mark.variant_sweep),
+        pytest.param("nf4", marks=pytest.mark.variant_sweep),
+    ],
 )
-def test_engine_rows_equal_generate_each_with_its_own_adapter(zoo, engine, quantized):
+def test_engine_rows_equal_generate_each_with_its_own_adapter(zoo, engine, kind):
     """Requests on the base and three adapters, more than the rows, decoded together
     (joining as rows free up): each equals `peftx.generate` with its own adapter, on a
-    dense base and on an NF4 one, and nothing compiles after start."""
-    if quantized:
-        engine = _engine(zoo, quantized)
+    float32, a bfloat16 and an NF4 base, and nothing compiles after start."""
+    if kind != "float32":
+        engine = _engine(zoo, kind)
     tokenizer = engine.tokenizer
     rng = np.random.default_rng(0)
     requests = [
@@ -191,14 +197,12 @@ def test_engine_rows_equal_generate_each_with_its_own_adapter(zoo, engine, quant
         _served(engine, requests)
         assert engine.compiles == 0
     finally:
-        if quantized:
+        if kind != "float32":
             engine.stop()
     for adapter in {r.adapter for r in requests}:
         mine = [r for r in requests if r.adapter == adapter]
         name = None if adapter == peftx.BASE else adapter
-        wants = _references(
-            zoo, name, [r.prompt for r in mine], [r.max_tokens for r in mine], quantized
-        )
+        wants = _references(zoo, name, [r.prompt for r in mine], [r.max_tokens for r in mine], kind)
         for request, want in zip(mine, wants):
             assert request.tokens == want, adapter
             assert request.text == tokenizer.decode(want, skip_special_tokens=True)
