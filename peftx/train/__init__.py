@@ -1,5 +1,6 @@
 """Training: `fit`, the loop `peftx finetune` runs, and what it is made of: the jitted
-train and eval steps, data to fixed-shape batches, and checkpoints a run resumes from."""
+train and eval steps, their losses (supervised, and preference tuning: DPO, ORPO), data
+to fixed-shape batches, and checkpoints a run resumes from."""
 
 from ._checkpoints import (
     checkpoints as checkpoints,
@@ -14,6 +15,7 @@ from ._data import (
     encode_causal_lm as encode_causal_lm,
     encode_chat as encode_chat,
     encode_classification as encode_classification,
+    encode_preference as encode_preference,
     eval_batches as eval_batches,
     mixed_batches as mixed_batches,
     pad_to as pad_to,
@@ -27,6 +29,14 @@ from ._fit import (
     FitResult as FitResult,
     fit as fit,
     make_optimizer as make_optimizer,
+)
+from ._preference import (
+    DPO_LOSS_TYPES as DPO_LOSS_TYPES,
+    dpo_loss as dpo_loss,
+    orpo_loss as orpo_loss,
+    precompute_ref_log_probs as precompute_ref_log_probs,
+    reference_model as reference_model,
+    sequence_log_probs as sequence_log_probs,
 )
 from ._slots import (
     keep_untrained_slots as keep_untrained_slots,

@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from numbers import Integral
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -563,3 +563,158 @@ def eval_batches(data: dict[str, np.ndarray], batch_size: int) -> Iterator[dict[
             }
             batch["labels"][-short:] = IGNORE
         yield batch
+
+
+# -- preference pairs (TRL's DPOTrainer format) -----------------------------------------
+FIELDS = ("prompt", "chosen", "rejected")
+TRUNCATION_MODES = ("keep_start", "keep_end")
+
+
+def _check_field(row: dict, n: int, field: str, chat: bool) -> Any:
+    if field not in row:
+        raise ValueError(f"rows: row {n} has no {field!r}; a preference row has {list(FIELDS)}")
+    value = row[field]
+    if not chat:
+        if not isinstance(value, str):
+            raise TypeError(
+                f"rows: row {n}, {field!r} holds {_describe(value)}; with a text prompt it "
+                "must be text (a str)"
+            )
+        return value
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
+    if not ok:
+        raise TypeError(
+            f"rows: row {n}, {field!r} holds {_describe(value)}; with a chat prompt it must "
+            'be a list of messages {"role": str, "content": str}'
+        )
+    return value
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _pair_ids(tokenizer: Any, row: dict, n: int) -> tuple[list[int], list[int], int]:
+    """prompt+chosen and prompt+rejected ids, and where the completions start: where the
+    prompt's own ids and each whole's diverge (TRL's rule)."""
+    chat = isinstance(row.get("prompt"), list)
+    prompt, chosen, rejected = (_check_field(row, n, f, chat) for f in FIELDS)
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "rows hold chats, and the tokenizer has no chat template to render them "
+                "with; set one (tokenizer.chat_template)"
+            )
+
+        def ids(messages: list, generation_prompt: bool = False) -> list[int]:
+            out = tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, add_generation_prompt=generation_prompt
+            )
+            return list(out["input_ids"])
+
+        prompt_ids = ids(prompt, True)
+        with_chosen, with_rejected = ids(prompt + chosen), ids(prompt + rejected)
+    else:
+        eos = tokenizer.eos_token or ""
+        chosen, rejected = (t if t.endswith(eos) else t + eos for t in (chosen, rejected))
+        prompt_ids = list(tokenizer(prompt)["input_ids"])
+        with_chosen = list(tokenizer(prompt + chosen)["input_ids"])
+        with_rejected = list(tokenizer(prompt + rejected)["input_ids"])
+    start = min(_common_prefix(prompt_ids, with_chosen), _common_prefix(prompt_ids, with_rejected))
+    return with_chosen, with_rejected, start
+
+
+def encode_preference(
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    *,
+    max_length: int,
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start",
+    vocab_size: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Preference pairs for `dpo_loss` and `orpo_loss`, as TRL's `DPOTrainer` tokenizes
+    them: `input_ids`, `attention_mask` and `labels`, each of shape `(rows, 2, length)`,
+    prompt+chosen at `[:, 0]` and prompt+rejected at `[:, 1]`, right-padded to one length
+    (at most `max_length`); the labels are the completion's tokens, the prompt's and the
+    padding's -100.
+
+    Each row is TRL's preference format, `{"prompt", "chosen", "rejected"}`:
+
+    - as text: each completion gets the tokenizer's EOS text unless it ends with it, and
+      `tokenizer(prompt + completion)` (its special tokens included) is the sequence;
+    - as chats (lists of `{"role", "content"}` messages): the prompt rendered with the
+      tokenizer's chat template and its generation prompt, each sequence the whole
+      conversation `prompt + completion` rendered.
+
+    The completion starts where the prompt's own ids and the sequence's diverge (both
+    sequences: the earlier). Each sequence is then cut to `max_length` tokens, keeping its
+    start (`truncation_mode="keep_start"`, TRL's default) or its end (`"keep_end"`); with
+    `keep_start`, a row whose prompt alone fills `max_length` is dropped, with a warning
+    naming it, as TRL drops it.
+
+    **Raises** `ValueError` or `TypeError` naming the row (counted from 1) and the field
+    for a missing field or one of the wrong kind, and `ValueError` when no row is left.
+    """
+    _positive_int(max_length, "max_length", least=2)
+    if vocab_size is not None:
+        _positive_int(vocab_size, "vocab_size")
+    if truncation_mode not in TRUNCATION_MODES:
+        raise ValueError(
+            f"truncation_mode {truncation_mode!r}: choose one of {', '.join(TRUNCATION_MODES)}"
+        )
+    if isinstance(rows, str | bytes | dict) or not isinstance(rows, Sequence):
+        raise TypeError(f"rows must be a sequence of preference rows, got {_describe(rows)}")
+    if not rows:
+        raise ValueError("no rows to encode")
+    keep = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+    pairs, dropped = [], []
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise TypeError(f"rows: row {n} holds {_describe(row)}, not a preference row (a dict)")
+        with_chosen, with_rejected, start = _pair_ids(tokenizer, row, n)
+        if truncation_mode == "keep_start" and start >= max_length:
+            dropped.append(n)
+            continue
+        pair = []
+        for ids in (with_chosen, with_rejected):
+            labels = [IGNORE] * start + ids[start:]
+            pair.append((ids[keep], labels[keep]))
+        pairs.append(pair)
+    if dropped:
+        listed = ", ".join(map(str, dropped[:10])) + (", ..." if len(dropped) > 10 else "")
+        message = (
+            f"{len(dropped)} of {len(rows)} preference rows have prompts that fill "
+            f"max_length={max_length} and are dropped (rows {listed}); raise max_length or "
+            'use truncation_mode="keep_end"'
+        )
+        if not pairs:
+            raise ValueError(f"no rows to train on: {message}")
+        warnings.warn(message, stacklevel=2)
+    length = _padded_length([len(ids) for pair in pairs for ids, _ in pair], max_length)
+    shape = (len(pairs), 2, length)
+    data = {
+        "input_ids": np.full(shape, _pad_id(tokenizer), np.int32),
+        "attention_mask": np.zeros(shape, np.int32),
+        "labels": np.full(shape, IGNORE, np.int32),
+    }
+    for r, pair in enumerate(pairs):
+        for side, (ids, labels) in enumerate(pair):
+            data["input_ids"][r, side, : len(ids)] = ids
+            data["attention_mask"][r, side, : len(ids)] = 1
+            data["labels"][r, side, : len(labels)] = labels
+    check_vocab(tokenizer, data["input_ids"], vocab_size)
+    return data

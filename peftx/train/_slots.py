@@ -82,8 +82,11 @@ def put_slots(
 
 def row_counts(batch: dict[str, Array]) -> Float[Array, " batch"]:
     """The supervised targets of each row, as `causal_lm_loss` (labels `(batch, seq)`,
-    shifted by one) and `classification_loss` (labels `(batch,)`) count them."""
+    shifted by one), `classification_loss` (labels `(batch,)`) and the preference losses
+    (labels `(batch, 2, seq)`: one per pair with a labelled chosen token) count them."""
     labels = batch["labels"]
+    if labels.ndim == 3:
+        return jnp.any(labels[:, 0, 1:] >= 0, axis=-1).astype(jnp.float32)
     valid = labels[:, 1:] >= 0 if labels.ndim == 2 else labels >= 0
     return valid.reshape(valid.shape[0], -1).sum(axis=1).astype(jnp.float32)
 

@@ -383,12 +383,14 @@ def make_eval_step(
 
 
 def summarize(sums: dict[str, float]) -> dict[str, float]:
-    """Means from summed eval metrics: `loss`, and `accuracy` for classification or
-    `perplexity` for causal LM."""
+    """Means from summed eval metrics: `loss`, `accuracy` for classification,
+    `perplexity` for causal LM, and every other sum a loss gives (the preference losses'
+    rewards) as its mean over `count`."""
     count = max(sums["count"], 1.0)
     out = {"loss": sums["loss"] / count}
+    means = {k: v / count for k, v in sums.items() if k not in ("loss", "count", "correct")}
     if "correct" in sums:
         out["accuracy"] = sums["correct"] / count
-    else:
+    elif not means:
         out["perplexity"] = float(jnp.exp(out["loss"]))
-    return out
+    return {**out, **means}

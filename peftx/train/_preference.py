@@ -1,0 +1,252 @@
+"""Preference tuning: the DPO and ORPO losses over pairs (`encode_preference`), the
+reference being the same model with its adapters disabled."""
+
+import math
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from .._bank import PeftBankModel
+from .._peft_model import PeftModel
+from ..implicit import use_implicit_args
+from ._data import IGNORE
+from ._step import Batch, model_output
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def _flat(batch: Batch) -> Batch:
+    """A batch of pairs as one of sequences, chosen and rejected of row i at 2i and 2i + 1;
+    each row's adapter routes both of its sequences."""
+    out = {k: batch[k].reshape(-1, batch[k].shape[-1]) for k in ("input_ids", "attention_mask")}
+    if "adapter_ids" in batch:
+        rows = batch["input_ids"].shape[:1]
+        out["adapter_ids"] = jnp.repeat(jnp.broadcast_to(batch["adapter_ids"], rows), 2)
+    return out
+
+
+def sequence_log_probs(
+    logits: Float[Array, "rows seq vocab"], labels: Array
+) -> tuple[Float[Array, " rows"], Float[Array, " rows"]]:
+    """Each row's summed log-probability of its labelled tokens (position t predicts
+    `labels[t + 1]`; -100 is left out), in float32, and how many tokens that sums."""
+    targets = labels[:, 1:]
+    valid = targets >= 0
+    per_token = -optax.softmax_cross_entropy_with_integer_labels(
+        logits[:, :-1].astype(jnp.float32), jnp.where(valid, targets, 0)
+    )
+    counts = jnp.sum(valid, axis=1).astype(jnp.float32)
+    return jnp.sum(jnp.where(valid, per_token, 0.0), axis=1), counts
+
+
+def _pairs_of(x: Array) -> tuple[Array, Array]:
+    x = x.reshape(-1, 2)
+    return x[:, 0], x[:, 1]
+
+
+def reference_model(model: Any) -> Any:
+    """The callable reference of preference tuning: `model` with its adapters disabled
+    (`disable_adapters()`), run under `use_implicit_args` so that an NF4 base stays NF4."""
+    if not isinstance(model, PeftModel | PeftBankModel):
+        raise TypeError(
+            "the reference of DPO is the model with its adapters disabled, so the model must "
+            f"be a PeftModel or PeftBankModel (got {type(model).__name__}); or precompute the "
+            "reference log-probabilities (precompute_ref_log_probs) with the reference model"
+        )
+    return use_implicit_args(model.disable_adapters())
+
+
+def _reference_log_probs(model: Any, batch: Batch) -> tuple[Array, Array]:
+    if all(k in batch for k in REFERENCE_KEYS):
+        return tuple(batch[k].astype(jnp.float32) for k in REFERENCE_KEYS)
+    flat = _flat(batch)
+    out = reference_model(model)(flat["input_ids"], flat["attention_mask"])
+    logps, _ = sequence_log_probs(out.logits, batch["labels"].reshape(flat["input_ids"].shape))
+    return _pairs_of(jax.lax.stop_gradient(logps))
+
+
+def _policy(model: Any, batch: Batch, key: PRNGKeyArray | None) -> tuple[Any, Array, Array]:
+    flat = _flat(batch)
+    out = model_output(model, flat, key)
+    logps, counts = sequence_log_probs(out.logits, batch["labels"].reshape(flat["input_ids"].shape))
+    return out, logps, counts
+
+
+def _valid_pairs(batch: Batch) -> Array:
+    """Pairs whose chosen sequence has a labelled token (the padding rows of an eval
+    batch have none)."""
+    return jnp.any(batch["labels"][:, 0, 1:] >= 0, axis=-1)
+
+
+def _check_choice(value: Any, choices: tuple, name: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} {value!r}: choose one of {', '.join(choices)}")
+
+
+def _check_beta(beta: Any) -> None:
+    if (
+        isinstance(beta, bool)
+        or not isinstance(beta, int | float)
+        or not (math.isfinite(beta) and beta > 0)
+    ):
+        raise ValueError(f"beta must be a finite number > 0, got {beta!r}")
+
+
+def dpo_loss(
+    model: Any,
+    batch: Batch,
+    key: PRNGKeyArray | None = None,
+    *,
+    beta: float = 0.1,
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid",
+    label_smoothing: float = 0.0,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """TRL's DPO loss over a batch of pairs (`encode_preference`), summed over pairs: pass
+    it to `make_train_step` or `fit` as `functools.partial(dpo_loss, beta=...)`.
+
+    The log-ratios are the policy's summed completion log-probabilities less the
+    reference's. The reference is the same model with its adapters disabled
+    (`reference_model`), run without gradient, so no second copy of the weights exists:
+    an NF4 base for QLoRA, sharded as the policy on a mesh, the base for every row of a
+    bank. With `ref_chosen_logps` and `ref_rejected_logps` in the batch
+    (`precompute_ref_log_probs`) no reference forward runs.
+
+    `loss_type`, with `d` = beta times the difference of the two log-ratios:
+    `"sigmoid"` (DPO) `-log σ(d)`; `"hinge"` `relu(1 - d)`; `"ipo"` `(δ - 1/(2β))²` with δ
+    the difference of the log-ratios each divided by its completion's length;
+    `"robust"` `(-(1-ε) log σ(d) + ε log σ(-d)) / (1 - 2ε)`, ε = `label_smoothing`.
+
+    The sums, under TRL's metric names (divide by `count`, the pairs): `rewards/chosen`,
+    `rewards/rejected` (beta times each log-ratio), `rewards/accuracies`,
+    `rewards/margins`, `logps/chosen`, `logps/rejected`.
+    """
+    _check_beta(beta)
+    _check_choice(loss_type, DPO_LOSS_TYPES, "loss_type")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
+    _, logps, _ = _policy(model, batch, key)
+    chosen, rejected = _pairs_of(logps)
+    ref_chosen, ref_rejected = _reference_log_probs(model, batch)
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -jax.nn.log_sigmoid(beta * delta)
+    elif loss_type == "hinge":
+        losses = jax.nn.relu(1.0 - beta * delta)
+    elif loss_type == "ipo":
+        lengths = jnp.maximum(jnp.sum(batch["labels"] >= 0, axis=-1), 1).astype(jnp.float32)
+        ipo = chosen_ratio / lengths[:, 0] - rejected_ratio / lengths[:, 1]
+        losses = (ipo - 1.0 / (2.0 * beta)) ** 2
+    else:
+        eps = label_smoothing
+        clean = -(1.0 - eps) * jax.nn.log_sigmoid(beta * delta)
+        flipped = -eps * jax.nn.log_sigmoid(-beta * delta)
+        losses = (clean - flipped) / (1.0 - 2.0 * eps)
+    valid = _valid_pairs(batch)
+    chosen_reward = jax.lax.stop_gradient(beta * chosen_ratio)
+    rejected_reward = jax.lax.stop_gradient(beta * rejected_ratio)
+    metrics = {
+        "rewards/chosen": chosen_reward,
+        "rewards/rejected": rejected_reward,
+        "rewards/accuracies": (chosen_reward > rejected_reward).astype(jnp.float32),
+        "rewards/margins": chosen_reward - rejected_reward,
+        "logps/chosen": jax.lax.stop_gradient(chosen),
+        "logps/rejected": jax.lax.stop_gradient(rejected),
+    }
+    return _summed(losses, metrics, valid)
+
+
+def _summed(
+    losses: Array, metrics: dict[str, Array], valid: Array
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    sums = {k: jnp.sum(jnp.where(valid, v, 0.0)) for k, v in metrics.items()}
+    return jnp.sum(jnp.where(valid, losses, 0.0)), {
+        "count": jnp.sum(valid).astype(jnp.float32),
+        **sums,
+    }
+
+
+def _log1mexp(x: Array) -> Array:
+    """log(1 - exp(x)) for x < 0, without cancellation on either side of -ln 2."""
+    return jnp.where(x < -math.log(2.0), jnp.log1p(-jnp.exp(x)), jnp.log(-jnp.expm1(x)))
+
+
+def orpo_loss(
+    model: Any, batch: Batch, key: PRNGKeyArray | None = None, *, beta: float = 0.1
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """TRL's ORPO loss over a batch of pairs (`encode_preference`), summed over pairs: the
+    chosen sequences' negative log-likelihood less `beta` times `log σ` of the log
+    odds ratio of the chosen over the rejected completion, its log-probabilities
+    averaged over the completion's tokens. No reference model.
+
+    As TRL's `ORPOTrainer`, the likelihood term is the mean over every attended token of
+    the chosen sequences (the prompt's included), here scaled to the batch's pairs so
+    that the sum over pairs divided by `count` is TRL's loss of the batch.
+
+    The sums (divide by `count`, the pairs): `rewards/chosen`, `rewards/rejected` (beta
+    times the average log-probabilities), `rewards/accuracies`, `rewards/margins`,
+    `logps/chosen`, `logps/rejected`, `nll_loss`, `log_odds_ratio`, `log_odds_chosen`.
+    """
+    _check_beta(beta)
+    out, logps, counts = _policy(model, batch, key)
+    average = logps / jnp.maximum(counts, 1.0)
+    chosen, rejected = _pairs_of(average)
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    ratio = jax.nn.log_sigmoid(log_odds)
+    valid = _valid_pairs(batch)
+    # the likelihood of the chosen sequences over every attended token, the prompt's too
+    attended = jnp.where(batch["attention_mask"][:, 0] > 0, batch["input_ids"][:, 0], IGNORE)
+    attended = jnp.where(valid[:, None], attended, IGNORE)
+    chosen_logits = out.logits.reshape(*batch["input_ids"].shape, -1)[:, 0]
+    token_logps, tokens = sequence_log_probs(chosen_logits, attended)
+    pairs = jnp.sum(valid).astype(jnp.float32)
+    nll = -jnp.sum(token_logps) / jnp.maximum(jnp.sum(tokens), 1.0)
+    total = nll * pairs - beta * jnp.sum(jnp.where(valid, ratio, 0.0))
+    chosen_reward, rejected_reward = (jax.lax.stop_gradient(beta * x) for x in (chosen, rejected))
+    metrics = {
+        "rewards/chosen": chosen_reward,
+        "rewards/rejected": rejected_reward,
+        "rewards/accuracies": (chosen_reward > rejected_reward).astype(jnp.float32),
+        "rewards/margins": chosen_reward - rejected_reward,
+        "logps/chosen": jax.lax.stop_gradient(chosen),
+        "logps/rejected": jax.lax.stop_gradient(rejected),
+        "nll_loss": jnp.broadcast_to(jax.lax.stop_gradient(nll), valid.shape),
+        "log_odds_ratio": jax.lax.stop_gradient(ratio),
+        "log_odds_chosen": jax.lax.stop_gradient(log_odds),
+    }
+    _, sums = _summed(ratio, metrics, valid)
+    return total, sums
+
+
+@eqx.filter_jit
+def _reference_batch(model: Any, batch: Batch) -> tuple[Array, Array]:
+    return _reference_log_probs(model, {k: v for k, v in batch.items() if k not in REFERENCE_KEYS})
+
+
+def precompute_ref_log_probs(
+    model: PeftModel | PeftBankModel, data: dict[str, np.ndarray], *, batch_size: int = 8
+) -> dict[str, np.ndarray]:
+    """`data` (from `encode_preference`) with `ref_chosen_logps` and `ref_rejected_logps`:
+    the reference's summed completion log-probabilities of each pair, computed once
+    (TRL's `precompute_ref_log_probs`), so that `dpo_loss` runs no reference forward in
+    a step. The reference is `model` with its adapters disabled."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    rows = len(data["input_ids"])
+    parts: list[tuple[np.ndarray, np.ndarray]] = []
+    for start in range(0, rows, batch_size):
+        batch = {k: v[start : start + batch_size] for k, v in data.items()}
+        short = batch_size - len(batch["input_ids"])
+        if short:  # one compiled shape: the last batch padded with copies of its last row
+            batch = {k: np.concatenate([v, np.repeat(v[-1:], short, 0)]) for k, v in batch.items()}
+        chosen, rejected = _reference_batch(model, batch)
+        keep = batch_size - short
+        parts.append((np.asarray(chosen)[:keep], np.asarray(rejected)[:keep]))
+    chosen, rejected = (np.concatenate(p).astype(np.float32) for p in zip(*parts, strict=True))
+    return {**data, "ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
