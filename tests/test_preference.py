@@ -4,6 +4,7 @@ PEFT LoRA adapter: the tokenization, the losses and their metrics; and the refer
 which is the model with its adapters disabled, against the base model's own output."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import tiny_llama_config, word_tokenizer
+from helpers import (
+    CLASSES,
+    FILLER,
+    run_cli,
+    tiny_llama_config,
+    word_tokenizer,
+    write_jsonl,
+)
 
 import peftx
 from peftx.train import (
@@ -238,3 +246,98 @@ def test_the_reference_is_the_base_and_precomputed_equals_in_step(pair_model, ge
     for k in in_step[1]:
         np.testing.assert_allclose(in_step[1][k], from_data[1][k], atol=atol, err_msg=k)
     np.testing.assert_allclose(in_step[0], from_data[0], atol=atol)
+
+
+# -- it learns: a job whose chosen answers follow a rule that the rejected ones break -----
+
+
+def _toy_pairs(rng, n):
+    """A prompt of filler words; the chosen answer is two words of one class (the rule),
+    the rejected one two words of another."""
+    out = []
+    for _ in range(n):
+        good, bad = (rng.choice(CLASSES[c], 2) for c in ("red", "blue"))
+        out.append(
+            {
+                "question": " ".join(rng.choice(FILLER, 3)),
+                "good": " " + " ".join(good),
+                "bad": " " + " ".join(bad),
+            }
+        )
+    return out
+
+
+def _torch_log_probs(base_dir, adapter_dir, tok, rows):
+    """Each held-out pair's summed completion log-probabilities under PyTorch PEFT with the
+    written adapter: `(chosen, rejected)` arrays, computed here by hand."""
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+    model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    sums = {"good": [], "bad": []}
+    for row in rows:
+        prompt = tok(row["question"])["input_ids"]
+        for side in sums:
+            ids = tok(row["question"] + row[side] + tok.eos_token)["input_ids"]
+            with torch.no_grad():
+                logits = model(torch.tensor([ids])).logits[0].double()
+            logp = torch.log_softmax(logits, -1)
+            sums[side].append(sum(float(logp[t - 1, ids[t]]) for t in range(len(prompt), len(ids))))
+    return np.array(sums["good"]), np.array(sums["bad"])
+
+
+@pytest.mark.command_run
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_a_preference_job_learns_the_chosen_answers(llama, objective, tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    write_jsonl(tmp_path / "train.jsonl", _toy_pairs(rng, 96))
+    held_out = _toy_pairs(rng, 24)
+    write_jsonl(tmp_path / "eval.jsonl", held_out)
+    table = (
+        "[dpo]\nbeta = 0.5\nprecompute_ref_log_probs = true\n"
+        if objective == "dpo"
+        else "[orpo]\nbeta = 0.5\n"
+    )
+    (tmp_path / "job.toml").write_text(
+        f"""
+[model]
+path = "{llama / "base"}"
+task = "causal-lm"
+
+[data]
+train = "train.jsonl"
+eval = "eval.jsonl"
+prompt_column = "question"
+chosen_column = "good"
+rejected_column = "bad"
+max_length = 16
+
+[lora]
+r = 4
+lora_alpha = 8
+target_modules = ["q_proj", "v_proj", "down_proj"]
+
+[train]
+objective = "{objective}"
+batch_size = 8
+steps = 60
+learning_rate = 2e-2
+eval_every = 30
+log_every = 10
+
+{table}
+[output]
+dir = "run"
+"""
+    )
+    code, out, err = run_cli(capsys, "finetune", tmp_path / "job.toml")
+    assert code == 0, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["after"]["rewards/accuracies"] >= 0.9, summary
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+    train_rows = [r for r in records if r["split"] == "train"]
+    assert all("rewards/margins" in r for r in train_rows)
+    # the written adapter, in PyTorch PEFT: held-out chosen answers are the likelier
+    tok = transformers.AutoTokenizer.from_pretrained(llama / "base")
+    good, bad = _torch_log_probs(llama / "base", tmp_path / "run" / "adapter", tok, held_out)
+    assert np.mean(good > bad) >= 0.9, (good, bad)

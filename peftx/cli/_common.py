@@ -143,6 +143,8 @@ def job_tables() -> tuple[str, ...]:
         "bank",
         "quantization",
         "train",
+        "dpo",
+        "orpo",
         "output",
         "mesh",
     )

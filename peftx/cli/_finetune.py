@@ -4,6 +4,7 @@
 import argparse
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import re
@@ -102,6 +103,9 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
             )
 
         return encode(adapter.train, rows), encode(adapter.eval, held), labels
+    if job.train["objective"] != "sft":
+        data = _preference_data(job, tokenizer, adapter, vocab_size)
+        return *data, None
     columns = [d["text_column"]] + ([d["prompt_column"]] if d["prompt_column"] else [])
     names = {"texts": d["text_column"], "prompts": d["prompt_column"]}
     if d["messages_column"]:
@@ -132,6 +136,44 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
     return *data, None
 
 
+def _preference_data(job: Job, tokenizer: Any, adapter: Adapter, vocab_size: Any) -> tuple:
+    """An adapter's train and eval preference pairs (`encode_preference`), from the
+    `[data]` columns of the prompt and the chosen and rejected completions."""
+    d = job.data
+    columns = {
+        "prompt": d["prompt_column"] or "prompt",
+        "chosen": d["chosen_column"],
+        "rejected": d["rejected_column"],
+    }
+
+    def encode(file: Path) -> dict:
+        records = train.read_records(file, list(columns.values()))
+        rows = [{field: r[column] for field, column in columns.items()} for r in records]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                data = train.encode_preference(
+                    tokenizer,
+                    rows,
+                    max_length=d["max_length"],
+                    truncation_mode=d["truncation_mode"],
+                    vocab_size=vocab_size,
+                )
+            except (TypeError, ValueError) as e:
+                message = str(e).removeprefix("rows: ")
+                for field, column in columns.items():  # the file's own column names
+                    message = message.replace(f"{field!r}", f"column {column!r}")
+                raise UsageError(f"{file}: {message}") from None
+        for w in caught:
+            print(f"peftx: warning: {file}: {w.message}", file=sys.stderr)
+        return data
+
+    data = encode(adapter.train), encode(adapter.eval)
+    counts = [len(x["input_ids"]) for x in data]
+    print(f"preference pairs: {counts[0]} in {adapter.train}, {counts[1]} in {adapter.eval}")
+    return data
+
+
 def _datasets(job: Job, tokenizer: Any) -> tuple[list[tuple[dict, dict]], Any]:
     """Each adapter's (train, eval) data, and the labels (classification: a list, or each
     adapter's by name). Several adapters' rows are padded to one length, so that they mix
@@ -140,7 +182,7 @@ def _datasets(job: Job, tokenizer: Any) -> tuple[list[tuple[dict, dict]], Any]:
     pairs = [(tr, ev) for tr, ev, _ in loaded]
     if not job.multi:
         return pairs, loaded[0][2]
-    length = max(d["input_ids"].shape[1] for pair in pairs for d in pair)
+    length = max(d["input_ids"].shape[-1] for pair in pairs for d in pair)
     pairs = [(train.pad_to(tr, length), train.pad_to(ev, length)) for tr, ev in pairs]
     if loaded[0][2] is None:
         return pairs, None
@@ -206,6 +248,27 @@ def _model(job: Job, labels: Any, key: Any, mesh: Any, rules: str | None) -> Any
     return model
 
 
+def _loss(job: Job, labels: Any) -> Any:
+    """The job's loss function: its objective's, with its table's settings."""
+    objective = job.train["objective"]
+    if objective == "dpo":
+        return functools.partial(train.dpo_loss, **job.loss_settings())
+    if objective == "orpo":
+        return functools.partial(train.orpo_loss, **job.loss_settings())
+    return train.classification_loss if labels else train.causal_lm_loss
+
+
+def _with_reference(job: Job, model: Any, pairs: list[tuple[dict, dict]]) -> list:
+    """Each dataset with the reference's log-probabilities (`[dpo]
+    precompute_ref_log_probs`): one pass of the base model before training."""
+    size = job.train["eval_batch_size"]
+    print(f"precomputing the reference log-probabilities (batches of {size})")
+    return [
+        tuple(train.precompute_ref_log_probs(model, d, batch_size=size) for d in pair)
+        for pair in pairs
+    ]
+
+
 def _protected(job: Job) -> list[tuple[str, Path]]:
     """What a run's output may not be or hold: the model and the data."""
     files = [("data file", p) for a in job.adapters for p in (a.train, a.eval)]
@@ -245,10 +308,13 @@ def _run(
     job.adapters = [a.for_steps(total, f"{job.path}: adapter {a.name!r}") for a in job.adapters]
     model_key, train_key = jax.random.split(jax.random.key(t["seed"]))
     peft_model = _model(job, labels, model_key, mesh, rules)
+    if job.train["objective"] == "dpo" and job.dpo["precompute_ref_log_probs"]:
+        pairs = _with_reference(job, peft_model, pairs)
     if job.multi:
         train_data, eval_data = [tr for tr, _ in pairs], [ev for _, ev in pairs]
     else:
         train_data, eval_data = pairs[0]
+    sft_lm = not labels and job.train["objective"] == "sft"
     with open_run(job.out, job.resolved(), overwrite=overwrite, protected=protected) as run:
         for name in names:
             if job.multi:
@@ -260,7 +326,7 @@ def _run(
             eval_data,
             steps=total,
             batch_size=t["batch_size"],
-            loss_fn=train.classification_loss if labels else train.causal_lm_loss,
+            loss_fn=_loss(job, labels),
             adapters=names if job.multi else None,
             seed=t["seed"],
             grad_accumulation=t["grad_accumulation"],
@@ -272,7 +338,8 @@ def _run(
             keep_checkpoints=job.output["keep_checkpoints"],
             out=run.work,
             resume=run.resume,
-            vocab_size=None if labels else hf_config(job.model.path)["vocab_size"],
+            # the collapse check compares a cross-entropy with the uniform prediction's
+            vocab_size=hf_config(job.model.path)["vocab_size"] if sft_lm else None,
             mesh=mesh,
             rules=rules,
             key=train_key,

@@ -12,7 +12,7 @@ from .. import BASE
 from .._bank import check_bank_config
 from .._config import TOML_TABLES, table_names
 from .._files import followed
-from ..train import OPTIMIZERS, SCHEDULES
+from ..train import DPO_LOSS_TYPES, OPTIMIZERS, SCHEDULES
 from ._common import (
     BUNDLED_MODEL,
     ModelSettings,
@@ -32,10 +32,14 @@ DATA_KEYS = {
     "label_column": "label",
     "prompt_column": None,
     "messages_column": None,
+    "chosen_column": "chosen",
+    "rejected_column": "rejected",
     "max_length": 128,
+    "truncation_mode": "keep_start",
     "pack": False,
 }
 TRAIN_KEYS = {
+    "objective": "sft",
     "seed": 0,
     "epochs": 1,
     "steps": None,
@@ -54,6 +58,17 @@ TRAIN_KEYS = {
     "quantize": False,
 }
 OUTPUT_KEYS = {"dir": None, "merged": False, "keep_checkpoints": 2}
+# `[train] objective`: supervised fine-tuning, or preference tuning on `[data]`'s
+# prompt/chosen/rejected columns with the settings of `[dpo]` or `[orpo]` (TRL's names)
+OBJECTIVES = ("sft", "dpo", "orpo")
+DPO_KEYS = {
+    "beta": 0.1,
+    "loss_type": "sigmoid",
+    "label_smoothing": 0.0,
+    "precompute_ref_log_probs": False,
+}
+ORPO_KEYS = {"beta": 0.1}
+TRUNCATION_MODES = ("keep_start", "keep_end")
 # `[bank]`: the slots of the adapter bank the `[[adapters]]` train in (max_rank: their
 # largest r when left out)
 BANK_KEYS = {"max_adapters": None, "max_rank": None}
@@ -166,6 +181,74 @@ def _check_numbers(job: "Job", path: Path) -> None:
             )
 
 
+def _check_objective(job: "Job", path: Path) -> None:
+    """`[train] objective` and the tables and columns it reads: `[dpo]` and `[orpo]` only
+    with their objective, preference tuning only on a causal LM's prompt/chosen/rejected
+    columns (not text or messages columns)."""
+    objective, raw, d = job.train["objective"], job.raw, job.data
+    if objective not in OBJECTIVES:
+        raise UsageError(
+            f"{path}: train.objective = {objective!r} is not one of {', '.join(OBJECTIVES)}"
+        )
+    for table in ("dpo", "orpo"):
+        if table in raw and objective != table:
+            raise UsageError(
+                f'{path}: [{table}] sets up train.objective = "{table}", but the objective is '
+                f'{objective!r}; set train.objective = "{table}" or remove [{table}]'
+            )
+    if d["truncation_mode"] not in TRUNCATION_MODES:
+        raise UsageError(
+            f"{path}: data.truncation_mode = {d['truncation_mode']!r} is not one of "
+            f"{', '.join(TRUNCATION_MODES)}"
+        )
+    for key in ("chosen_column", "rejected_column"):
+        if not isinstance(d[key], str):
+            raise UsageError(f"{path}: data.{key} must be a string, got {d[key]!r}")
+    if objective == "sft":
+        return
+    if job.model.task != "causal-lm":
+        raise UsageError(f'{path}: train.objective = "{objective}" needs model.task = "causal-lm"')
+    if d["messages_column"] is not None or "text_column" in raw.get("data", {}):
+        raise UsageError(
+            f"{path}: preference tuning reads data.prompt_column, data.chosen_column and "
+            "data.rejected_column (chats or text, TRL's preference format), not "
+            "data.text_column or data.messages_column"
+        )
+    if d["pack"]:
+        raise UsageError(f"{path}: data.pack packs single sequences; not with preference pairs")
+    settings = job.dpo if objective == "dpo" else job.orpo
+    beta = settings["beta"]
+    if (
+        isinstance(beta, bool)
+        or not isinstance(beta, int | float)
+        or not (math.isfinite(beta) and 0 < beta <= FLOAT32_MAX)
+    ):
+        raise UsageError(f"{path}: {objective}.beta must be a finite number > 0, got {beta!r}")
+    settings["beta"] = float(beta)
+    if objective == "orpo":
+        return
+    if job.dpo["loss_type"] not in DPO_LOSS_TYPES:
+        raise UsageError(
+            f"{path}: dpo.loss_type = {job.dpo['loss_type']!r} is not one of "
+            f"{', '.join(DPO_LOSS_TYPES)}"
+        )
+    smoothing = job.dpo["label_smoothing"]
+    if (
+        isinstance(smoothing, bool)
+        or not isinstance(smoothing, int | float)
+        or not (0 <= smoothing < 0.5)
+    ):
+        raise UsageError(
+            f"{path}: dpo.label_smoothing must be a number in [0, 0.5), got {smoothing!r}"
+        )
+    job.dpo["label_smoothing"] = float(smoothing)
+    if not isinstance(job.dpo["precompute_ref_log_probs"], bool):
+        raise UsageError(
+            f"{path}: dpo.precompute_ref_log_probs must be true or false, got "
+            f"{job.dpo['precompute_ref_log_probs']!r}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Bank:
     """A job's `[bank]`: its `[[adapters]]` train as one `PeftBankModel` of
@@ -214,11 +297,14 @@ class Job:
         self.data = _settings(raw, "data", DATA_KEYS, path)
         self.train = _settings(raw, "train", TRAIN_KEYS, path)
         self.output = _settings(raw, "output", OUTPUT_KEYS, path)
+        self.dpo = _settings(raw, "dpo", DPO_KEYS, path)
+        self.orpo = _settings(raw, "orpo", ORPO_KEYS, path)
         if self.train["optimizer"] not in OPTIMIZERS:
             raise UsageError(f"{path}: train.optimizer must be one of {', '.join(OPTIMIZERS)}")
         if self.train["schedule"] not in SCHEDULES:
             raise UsageError(f"{path}: train.schedule must be one of {', '.join(SCHEDULES)}")
         _check_numbers(self, path)
+        _check_objective(self, path)
         self.mesh = mesh_settings(raw.get("mesh"), str(path))
         self.multi = "adapters" in raw
         self.adapters = self._several(raw, path) if self.multi else [self._single(raw, path)]
@@ -395,6 +481,13 @@ class Job:
                 ) from None
         ranks = (r for a in self.adapters for r in (a.config.r, *a.config.rank_pattern.values()))
         return Bank(table["max_adapters"], table.get("max_rank", max(ranks)))
+
+    def loss_settings(self) -> dict[str, Any]:
+        """The keywords of the objective's loss (`dpo_loss`, `orpo_loss`): its table."""
+        objective = self.train["objective"]
+        if objective == "dpo":
+            return {k: v for k, v in self.dpo.items() if k != "precompute_ref_log_probs"}
+        return dict(self.orpo) if objective == "orpo" else {}
 
     def optimizer_settings(self) -> dict[str, Any]:
         """The `[train]` settings of `peftx.train.make_optimizer` (and `fit`)."""

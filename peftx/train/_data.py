@@ -537,17 +537,21 @@ def mixed_batches(
 
 
 def pad_to(data: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
-    """`data` (from `encode_causal_lm` or `encode_classification`) with its rows
-    right-padded to `length` tokens, the padding masked and labelled -100 (left out of
-    the loss); in packed rows each padding token is at position 0, an example of its own."""
-    short = length - data["input_ids"].shape[1]
+    """`data` (from `encode_causal_lm`, `encode_chat`, `encode_preference` or
+    `encode_classification`) with its sequences right-padded to `length` tokens, the
+    padding masked and labelled -100 (left out of the loss); in packed rows each padding
+    token is at position 0, an example of its own."""
+    short = length - data["input_ids"].shape[-1]
     if short < 0:
-        raise ValueError(f"rows of {data['input_ids'].shape[1]} tokens exceed length {length}")
+        raise ValueError(f"rows of {data['input_ids'].shape[-1]} tokens exceed length {length}")
     fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE, "position_ids": 0}
-    return {
-        k: np.pad(v, ((0, 0), (0, short)), constant_values=fill[k]) if v.ndim == 2 else v
-        for k, v in data.items()
-    }
+
+    def padded(k: str, v: np.ndarray) -> np.ndarray:
+        if k not in fill or v.ndim < 2:  # classification labels, reference log-probs
+            return v
+        return np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, short)], constant_values=fill[k])
+
+    return {k: padded(k, v) for k, v in data.items()}
 
 
 def eval_batches(data: dict[str, np.ndarray], batch_size: int) -> Iterator[dict[str, np.ndarray]]:

@@ -130,7 +130,10 @@ def fit(
     - `train_data`, `eval_data`: encoded rows (`encode_causal_lm`, `encode_chat`,
       `encode_classification`); with `adapters`, one dataset each, in their order, each
       adapter trained on its own and evaluated on its own and by the base model.
-    - `loss_fn`: `causal_lm_loss` or `classification_loss`.
+    - `loss_fn`: `causal_lm_loss`, `classification_loss`, or for preference pairs
+      (`encode_preference`) `dpo_loss` or `orpo_loss` with their settings
+      (`functools.partial(dpo_loss, beta=0.1)`); the train records of `metrics.jsonl`
+      carry the means of what a loss sums besides the loss (DPO's rewards).
     - `steps`, `batch_size`, `grad_accumulation`, `seed`: `train_batches`' order.
     - `optimizer` ... `max_grad_norm`: `make_optimizer`'s.
     - `out`: the directory (made if missing) of `metrics.jsonl` (a line per `log_every`
@@ -312,6 +315,7 @@ class _Loop:
                             "learning_rate": lr,
                             "examples_per_s": rate,
                             "grad_norm": float(metrics["grad_norm"]),
+                            **_loss_means(metrics),
                         }
                     )
                     tick, seen = time.perf_counter(), 0
@@ -456,6 +460,14 @@ def _describe(metrics: dict[str, float]) -> str:
     )
 
 
+def _loss_means(metrics: dict) -> dict[str, float]:
+    """A step's means of what its loss function sums besides the loss (the preference
+    losses' rewards: `rewards/margins`, ...), over the step's `count`."""
+    count = max(float(metrics["count"]), 1.0)
+    skip = ("loss", "grad_norm", "finite", "count", "correct")
+    return {k: float(v) / count for k, v in metrics.items() if k not in skip}
+
+
 def _check_finite(n: int, metrics: dict, last_checkpoint: Path | None, lr: float) -> None:
     """`RunFailed` if step `n`'s loss or gradient norm is not finite."""
     if bool(metrics["finite"]):
@@ -519,8 +531,10 @@ def _serving_check(
     serve = [*names, BASE]
     # adapter i gets a row of its eval data; the base the row of the first adapter's
     rows = [eval_sets[i] for i in range(len(names))] + [eval_sets[0]]
-    ids = jnp.asarray(np.stack([r["input_ids"][0] for r in rows]))
-    mask = jnp.asarray(np.stack([r["attention_mask"][0] for r in rows]))
+    # a row's first sequence (of a preference pair, the chosen one)
+    first = lambda x: x[0].reshape(-1, x.shape[-1])[0]  # noqa: E731
+    ids = jnp.asarray(np.stack([first(r["input_ids"]) for r in rows]))
+    mask = jnp.asarray(np.stack([first(r["attention_mask"]) for r in rows]))
     mixed = run(
         model, {"input_ids": ids, "attention_mask": mask, "adapter_ids": model.adapter_ids(serve)}
     )
@@ -601,7 +615,8 @@ class MetricsLog:
 
 def plot(metrics: str | os.PathLike, png: str | os.PathLike) -> None:
     """The train loss and the eval metrics of a `metrics.jsonl` against the step, as a
-    PNG."""
+    PNG: accuracy for classification, the reward margins and accuracies of preference
+    tuning, perplexity for causal LM."""
     # matplotlib only here: importing it adds ~0.5 s to every command's start-up (`--help` too)
     import matplotlib
 
@@ -612,23 +627,34 @@ def plot(metrics: str | os.PathLike, png: str | os.PathLike) -> None:
     records = [json.loads(line) for line in text.splitlines()]
     train_rows = [r for r in records if r["split"] == "train"]
     eval_rows = [r for r in records if r["split"] == "eval"]
-    extra = "accuracy" if eval_rows and "accuracy" in eval_rows[0] else "perplexity"
+    first = eval_rows[0] if eval_rows else {}
+    extras = ["perplexity"]
+    if "accuracy" in first:
+        extras = ["accuracy"]
+    elif "rewards/margins" in first:
+        extras = ["rewards/margins", "rewards/accuracies"]
     series: dict[str, list[dict]] = {}  # one eval line, or one per adapter and dataset
     for r in eval_rows:
         who, data = r.get("adapter"), r.get("data")
         label = "eval" if who is None else who if who == data else f"{who} on {data}"
         series.setdefault(label, []).append(r)
-    fig, (ax_loss, ax_extra) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="train")
+    fig, (ax_loss, *axes) = plt.subplots(1, 1 + len(extras), figsize=(5 + 5 * len(extras), 4))
+    train_steps = [r["step"] for r in train_rows]
+    ax_loss.plot(train_steps, [r["loss"] for r in train_rows], label="train")
     for label, rows in series.items():
         steps = [r["step"] for r in rows]
         ax_loss.plot(steps, [r["loss"] for r in rows], "o-", label=label)
-        ax_extra.plot(steps, [r[extra] for r in rows], "o-", label=label)
+        for ax, extra in zip(axes, extras, strict=True):
+            ax.plot(steps, [r[extra] for r in rows], "o-", label=label)
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_loss.legend()
-    if len(series) > 1:
-        ax_extra.legend()
-    ax_extra.set(xlabel="step", ylabel=extra, title=f"eval {extra}")
+    for ax, extra in zip(axes, extras, strict=True):
+        trained = bool(train_rows) and extra in train_rows[0]  # preference tuning's rewards
+        if trained:
+            ax.plot(train_steps, [r[extra] for r in train_rows], label="train")
+        if len(series) > 1 or trained:
+            ax.legend()
+        ax.set(xlabel="step", ylabel=extra, title=extra if trained else f"eval {extra}")
     fig.tight_layout()
     tmp = temporary_file(Path(png))
     try:
