@@ -5,23 +5,32 @@ which is the model with its adapters disabled, against the base model's own outp
 
 import functools
 import json
+import re
+import textwrap
 
+import datasets
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 import transformers
+import trl
 from helpers import (
     CLASSES,
     FILLER,
+    as_users_run,
     run_cli,
+    run_script,
     tiny_llama_config,
     word_tokenizer,
     write_jsonl,
 )
 
 import peftx
+from peftx.implicit import use_implicit_args
 from peftx.train import (
     DPO_LOSS_TYPES,
     IGNORE,
@@ -30,9 +39,6 @@ from peftx.train import (
     orpo_loss,
     precompute_ref_log_probs,
 )
-
-trl = pytest.importorskip("trl", reason="trl is a test reference (pip install -e .[test])")
-datasets = pytest.importorskip("datasets")
 
 WORDS = ["[PAD]", "[UNK]", "</s>", "<s>", "user", "assistant", "eot"]
 WORDS += [f"w{i}" for i in range(40)]
@@ -214,38 +220,156 @@ def test_orpo_loss_and_metrics_are_trls(pair_model, tmp_path):
         np.testing.assert_allclose(float(sums[name]) / count, want[name], rtol=1e-5, atol=1e-6)
 
 
-def test_the_reference_is_the_base_and_precomputed_equals_in_step(pair_model, getkey):
-    root, tok, base = pair_model
-    config = peftx.LoraConfig(**LORA, init_lora_weights=False)
-    ours = peftx.get_peft_model(base, config, key=getkey())
-    data = encode_preference(tok, TEXT_ROWS, max_length=16)
-    base = peftx.models.from_pretrained(root / "base")
-    ids, mask = (
-        jnp.asarray(data[k].reshape(-1, data[k].shape[-1])) for k in ("input_ids", "attention_mask")
-    )
-    logits = np.asarray(base(ids, mask).logits, np.float64)
-    # the base's own summed completion log-probabilities, written out here
-    labels = data["labels"].reshape(ids.shape)
-    logp = (
-        logits
-        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
-        - logits.max(-1, keepdims=True)
-    )
-    want = np.zeros(ids.shape[0])
-    for r in range(ids.shape[0]):
-        for t in range(1, ids.shape[1]):
-            if labels[r, t] != IGNORE:
-                want[r] += logp[r, t - 1, labels[r, t]]
-    pre = precompute_ref_log_probs(ours, data, batch_size=2)
+def _base_log_probs(logits, labels):
+    """Each sequence's summed log-probability of its labelled tokens, written out: row r's
+    position t - 1 predicts `labels[r, t]`."""
+    logits = np.asarray(logits, np.float64)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    out = np.zeros(labels.shape[0])
+    for r, t in zip(*np.nonzero(labels[:, 1:] != IGNORE), strict=True):
+        out[r] += logp[r, t, labels[r, t + 1]]
+    return out
+
+
+def _check_reference(model, base, data, batch_size=2):
+    """The reference log-probabilities, precomputed, equal `base`'s own written out, and
+    DPO's loss and metrics with them equal those of the reference computed in the step."""
+    flat = {k: v.reshape(-1, v.shape[-1]) for k, v in data.items() if k != "adapter_ids"}
+    logits = use_implicit_args(base)(
+        jnp.asarray(flat["input_ids"]), jnp.asarray(flat["attention_mask"])
+    ).logits
+    want = _base_log_probs(logits, flat["labels"])
+    pre = precompute_ref_log_probs(model, data, batch_size=batch_size)
     np.testing.assert_allclose(pre["ref_chosen_logps"], want[0::2], rtol=1e-5)
     np.testing.assert_allclose(pre["ref_rejected_logps"], want[1::2], rtol=1e-5)
-    in_step = jax.jit(lambda b: dpo_loss(ours, b))(data)
-    from_data = jax.jit(lambda b: dpo_loss(ours, b))(pre)
+    in_step = jax.jit(lambda b: dpo_loss(model, b))(data)
+    from_data = jax.jit(lambda b: dpo_loss(model, b))(pre)
     # rewards are differences of log-probabilities: a bound in their scale, not relative
     atol = 16 * np.finfo(np.float32).eps * np.abs(want).max()
     for k in in_step[1]:
         np.testing.assert_allclose(in_step[1][k], from_data[1][k], atol=atol, err_msg=k)
     np.testing.assert_allclose(in_step[0], from_data[0], atol=atol)
+    return in_step
+
+
+def test_the_reference_is_the_base_and_precomputed_equals_in_step(pair_model, getkey):
+    _, tok, base = pair_model
+    config = peftx.LoraConfig(**LORA, init_lora_weights=False)
+    model = peftx.get_peft_model(base, config, key=getkey())
+    _check_reference(model, base, encode_preference(tok, TEXT_ROWS, max_length=16))
+
+
+def test_under_qlora_the_reference_is_the_nf4_base(pair_model, getkey):
+    _, tok, base = pair_model
+    nf4 = peftx.quantize_model(base, peftx.QuantizationConfig(load_in_4bit=True))
+    config = peftx.LoraConfig(**LORA, init_lora_weights=False)
+    model = peftx.get_peft_model(nf4, config, key=getkey())
+    _check_reference(model, nf4, encode_preference(tok, TEXT_ROWS, max_length=16))
+
+
+def test_a_bank_of_four_adapters_tunes_each_rows_own_against_the_base(pair_model, getkey):
+    """Multi-tenant DPO: each row's policy is its own adapter, the reference the base for
+    every row; a step changes the adapters whose rows are in the batch and no other."""
+    _, tok, base = pair_model
+    config = peftx.LoraConfig(**LORA, init_lora_weights=False)
+    names = ["a", "b", "c", "d"]
+    bank = peftx.get_peft_model(base, config, key=getkey(), adapter_name="a", max_adapters=4)
+    for name in names[1:]:
+        bank = bank.add_adapter(name, config, key=getkey())
+    rows = TEXT_ROWS + [{**TEXT_ROWS[0], "chosen": " w20"}]
+    data = encode_preference(tok, rows, max_length=16)
+    data["adapter_ids"] = np.asarray(bank.adapter_ids(["a", "b", "a", "c"]))
+    _, mixed = _check_reference(bank, base, data, batch_size=4)
+    # each row's policy log-probabilities are its adapter's alone
+    alone = 0.0
+    for n, name in enumerate(["a", "b", "a", "c"]):
+        one = {k: v[n : n + 1] for k, v in data.items() if k != "adapter_ids"}
+        alone += float(
+            jax.jit(lambda b, m: dpo_loss(m, b))(one, bank.set_adapter(name))[1]["logps/chosen"]
+        )
+    np.testing.assert_allclose(float(mixed["logps/chosen"]), alone, rtol=1e-5)
+    optimizer = optax.adamw(1e-2, weight_decay=0.1)  # decay would move an absent adapter
+    state, frozen = peftx.train.init_state(bank, optimizer, key=getkey(), adapters=names)
+    step = peftx.train.make_train_step(dpo_loss, optimizer)
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
+        new, metrics = step(state, frozen, {k: jnp.asarray(v) for k, v in data.items()})
+    assert bool(metrics["finite"])
+    before, after = (peftx.train.trained_model(s, frozen) for s in (state, new))
+    for name in names:
+        a, b = (m.to_peft_model([name]) for m in (before, after))
+        changed = any(
+            not np.array_equal(x, y)
+            for x, y in zip(
+                jax.tree.leaves(eqx.filter(a, eqx.is_array)),
+                jax.tree.leaves(eqx.filter(b, eqx.is_array)),
+            )
+        )
+        assert changed == (name != "d"), name
+
+
+MESH_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import peftx
+    from peftx.models import LlamaConfig, LlamaForCausalLM
+    from peftx.sharding import make_mesh, shard
+
+    llama = LlamaForCausalLM(
+        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, model_type="llama"),
+        key=jax.random.key(0),
+    )
+    config = peftx.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                              init_lora_weights=False)
+    model = peftx.get_peft_model(llama, config, key=jax.random.key(1))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 64, (8, 2, 10)).astype(np.int32)
+    ids[:, 1, :4] = ids[:, 0, :4]  # one prompt of 4 tokens per pair
+    labels = np.where(np.arange(10) < 4, -100, ids).astype(np.int32)
+    data = {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": labels}
+
+    # the reference on the mesh: the base's own log-probabilities, sharded as the policy
+    mesh = make_mesh(fsdp=4, tensor=2)
+    one = peftx.train.precompute_ref_log_probs(model, data, batch_size=8)
+    with jax.set_mesh(mesh):
+        eight = peftx.train.precompute_ref_log_probs(shard(model, mesh, "fsdp_tp"), data,
+                                                     batch_size=8)
+    for k in ("ref_chosen_logps", "ref_rejected_logps"):
+        np.testing.assert_allclose(eight[k], one[k], rtol=2e-5, err_msg=k)
+
+    # a DPO step on the mesh (reference in the step) equals the step on one device
+    loss = functools.partial(peftx.train.dpo_loss, beta=0.2)
+    optimizer = optax.adamw(1e-2)
+    results = []
+    for on_mesh in (None, mesh):
+        state, frozen = peftx.train.init_state(model, optimizer, key=jax.random.key(4),
+                                               mesh=on_mesh, rules="fsdp_tp")
+        step = peftx.train.make_train_step(loss, optimizer, mesh=on_mesh)
+        with jax.numpy_dtype_promotion("standard"):
+            state, metrics = step(state, frozen, data)
+        leaves = [np.asarray(x) for x in jax.tree.leaves(state.trainable)]
+        results.append((float(metrics["loss"]), float(metrics["rewards/margins"]), leaves))
+    (loss1, margin1, a), (loss8, margin8, b) = results
+    assert abs(loss1 - loss8) < 1e-5 and abs(margin1 - margin8) < 1e-5, results[0][:2]
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, atol=2e-6, rtol=1e-5)
+    print("OK")
+    """
+)
+
+
+@pytest.mark.simulated_devices
+def test_on_eight_devices_the_reference_and_the_step_equal_one_devices(tmp_path):
+    run_script(tmp_path / "dpo_mesh.py", MESH_SCRIPT)
 
 
 # -- it learns: a job whose chosen answers follow a rule that the rejected ones break -----
@@ -341,3 +465,114 @@ dir = "run"
     tok = transformers.AutoTokenizer.from_pretrained(llama / "base")
     good, bad = _torch_log_probs(llama / "base", tmp_path / "run" / "adapter", tok, held_out)
     assert np.mean(good > bad) >= 0.9, (good, bad)
+
+
+# -- bad input: one clear error, naming what is at fault ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "rows, error, match",
+    [
+        ([TEXT_ROWS[0], {"prompt": "w1", "chosen": " w2"}], ValueError, "row 2 has no 'rejected'"),
+        ([{**TEXT_ROWS[0], "chosen": 3}], TypeError, r"row 1, 'chosen' holds an int: 3"),
+        (
+            [{**CHAT_ROWS[0], "rejected": "w5"}],
+            TypeError,
+            r"row 1, 'rejected' holds a str.*list of messages",
+        ),
+        ([TEXT_ROWS[0], ["w1"]], TypeError, "row 2 holds a list"),
+        ([], ValueError, "no rows"),
+        ([{"prompt": "w1 " * 20, "chosen": " w2", "rejected": " w3"}], ValueError, "fill"),
+    ],
+)
+def test_bad_rows_are_named(rows, error, match):
+    with as_users_run(), pytest.raises(error, match=match):
+        encode_preference(_tokenizer(), rows, max_length=8)
+
+
+def test_a_prompt_that_fills_max_length_drops_its_row_with_a_warning():
+    rows = [TEXT_ROWS[0], {"prompt": "w1 " * 20, "chosen": " w2", "rejected": " w3"}]
+    with pytest.warns(UserWarning, match=r"1 of 2 .* dropped \(rows 2\)"):
+        data = encode_preference(_tokenizer(), rows, max_length=8)
+    assert data["input_ids"].shape[0] == 1
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"loss_type": "kto"}, "loss_type 'kto': choose one of sigmoid, ipo, hinge, robust"),
+        ({"beta": 0.0}, "beta must be a finite number > 0"),
+        ({"beta": float("nan")}, "beta must be a finite number > 0"),
+        ({"label_smoothing": 0.5}, r"label_smoothing must be in \[0, 0.5\)"),
+    ],
+)
+def test_bad_dpo_settings_are_refused(pair_model, settings, match, getkey):
+    _, tok, base = pair_model
+    model = peftx.get_peft_model(base, peftx.LoraConfig(**LORA), key=getkey())
+    data = jax.tree.map(jnp.asarray, encode_preference(tok, TEXT_ROWS, max_length=16))
+    with as_users_run(), pytest.raises(ValueError, match=match):
+        dpo_loss(model, data, **settings)
+
+
+def test_without_adapters_the_reference_needs_precomputing(pair_model):
+    _, tok, base = pair_model
+    data = jax.tree.map(jnp.asarray, encode_preference(tok, TEXT_ROWS, max_length=16))
+    with pytest.raises(TypeError, match="must be a PeftModel or PeftBankModel.*precompute"):
+        dpo_loss(base, data)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ("[dpo]\nbeta = 0.2\n", r'\[dpo\] sets up train.objective = "dpo", but the objective is'),
+        ('[train]\nobjective = "kto"\n', "train.objective = 'kto' is not one of sft, dpo, orpo"),
+        (
+            '[train]\nobjective = "dpo"\n[dpo]\nloss_type = "nca_pair"\n',
+            "dpo.loss_type = 'nca_pair' is not one of sigmoid, ipo, hinge, robust",
+        ),
+        ('[train]\nobjective = "orpo"\n[orpo]\nbeta = -1\n', "orpo.beta must be a finite"),
+        (
+            '[train]\nobjective = "dpo"\n[data]\ntext_column = "answer"\n',
+            "preference tuning reads data.prompt_column",
+        ),
+    ],
+)
+def test_bad_preference_jobs_fail_in_one_line(llama, change, match, tmp_path, capsys):
+    tables = {"model": f'path = "{llama / "base"}"\ntask = "causal-lm"\n'}
+    tables["data"] = 'train = "t.jsonl"\neval = "t.jsonl"\n'
+    tables["lora"] = 'r = 4\ntarget_modules = ["q_proj"]\n'
+    tables["train"] = ""
+    for block in change.strip().split("\n["):
+        name, _, body = block.lstrip("[").partition("]\n")
+        tables[name] = tables.get(name, "") + body
+    job = "".join(f"[{name}]\n{body}\n" for name, body in tables.items())
+    write_jsonl(tmp_path / "t.jsonl", TEXT_ROWS)
+    (tmp_path / "job.toml").write_text(job)
+    code, out, err = run_cli(capsys, "finetune", tmp_path / "job.toml")
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(match, err), err
+
+
+def test_a_missing_column_names_the_file_and_column(llama, tmp_path, capsys):
+    write_jsonl(tmp_path / "t.jsonl", [{"q": "w1", "good": " w2", "bad": 3}])
+    (tmp_path / "job.toml").write_text(
+        f"""
+[model]
+path = "{llama / "base"}"
+task = "causal-lm"
+[data]
+train = "t.jsonl"
+eval = "t.jsonl"
+prompt_column = "q"
+chosen_column = "good"
+rejected_column = "bad"
+[lora]
+r = 4
+target_modules = ["q_proj"]
+[train]
+objective = "dpo"
+"""
+    )
+    code, out, err = run_cli(capsys, "finetune", tmp_path / "job.toml")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "t.jsonl: row 1, column 'bad' holds an int: 3" in err, err
