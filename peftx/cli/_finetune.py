@@ -336,6 +336,7 @@ def _run(
             eval_every=t["eval_every"],
             checkpoint_every=t["checkpoint_every"],
             keep_checkpoints=job.output["keep_checkpoints"],
+            **job.best_settings(),
             out=run.work,
             resume=run.resume,
             # the collapse check compares a cross-entropy with the uniform prediction's
@@ -358,6 +359,8 @@ def _finish(
     once the run is committed to `output.dir`."""
     out, peft_model = job.out, result.model
     summary = {"before": result.before, "after": result.after, "steps": result.steps}
+    if result.best_step is not None:  # the adapter written is the best evaluation's
+        summary["best_step"] = result.best_step
     if result.serving is not None:
         summary["serving"] = result.serving
     peft_model.save_pretrained(work / "adapter")  # every process: the arrays are gathered

@@ -55,6 +55,9 @@ TRAIN_KEYS = {
     "log_every": 10,
     "eval_every": None,
     "checkpoint_every": None,
+    "keep_best": None,
+    "greater_is_better": None,
+    "early_stopping_patience": None,
     "quantize": False,
 }
 OUTPUT_KEYS = {"dir": None, "merged": False, "keep_checkpoints": 2}
@@ -119,7 +122,9 @@ COUNTS = [("data", "max_length"), ("output", "keep_checkpoints")] + [
     ("train", k)
     for k in ("batch_size", "eval_batch_size", "grad_accumulation", "epochs", "log_every")
 ]
-OPTIONAL_COUNTS = [("train", k) for k in ("steps", "eval_every", "checkpoint_every")]
+OPTIONAL_COUNTS = [
+    ("train", k) for k in ("steps", "eval_every", "checkpoint_every", "early_stopping_patience")
+]
 FLOAT32_MAX = 3.4028234663852886e38
 # (key, smallest allowed, whether the smallest is allowed)
 RATES = [("learning_rate", 0.0, False), ("weight_decay", 0.0, True), ("max_grad_norm", 0.0, True)]
@@ -162,11 +167,31 @@ def _check_numbers(job: "Job", path: Path) -> None:
                 f"{FLOAT32_MAX:.4g}), got {value!r}"
             )
         t[key] = float(value)
+    if t["greater_is_better"] is not None and not isinstance(t["greater_is_better"], bool):
+        raise UsageError(
+            f"{path}: train.greater_is_better must be true or false, got {t['greater_is_better']!r}"
+        )
+    if t["keep_best"] is None and (
+        t["early_stopping_patience"] is not None or t["greater_is_better"] is not None
+    ):
+        raise UsageError(
+            f"{path}: train.early_stopping_patience and train.greater_is_better go with "
+            'train.keep_best, the eval metric to compare (e.g. keep_best = "eval_loss")'
+        )
+    if t["early_stopping_patience"] is not None and t["eval_every"] is None:
+        raise UsageError(
+            f"{path}: train.early_stopping_patience counts evaluations: set train.eval_every"
+        )
     for table, key in FLAGS:
         value = getattr(job, table)[key]
         if not isinstance(value, bool):
             raise UsageError(f"{path}: {table}.{key} must be true or false, got {value!r}")
-    optional = [("data", "prompt_column"), ("data", "messages_column"), ("output", "dir")]
+    optional = [
+        ("data", "prompt_column"),
+        ("data", "messages_column"),
+        ("output", "dir"),
+        ("train", "keep_best"),
+    ]
     for table, key in TEXT + optional:
         value = getattr(job, table)[key]
         if not isinstance(value, str) and not (value is None and (table, key) in optional):
@@ -204,6 +229,7 @@ def _check_objective(job: "Job", path: Path) -> None:
     for key in ("chosen_column", "rejected_column"):
         if not isinstance(d[key], str):
             raise UsageError(f"{path}: data.{key} must be a string, got {d[key]!r}")
+    _check_keep_best(job, path)
     if objective == "sft":
         return
     if job.model.task != "causal-lm":
@@ -246,6 +272,30 @@ def _check_objective(job: "Job", path: Path) -> None:
         raise UsageError(
             f"{path}: dpo.precompute_ref_log_probs must be true or false, got "
             f"{job.dpo['precompute_ref_log_probs']!r}"
+        )
+
+
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+LOGPS = ("logps/chosen", "logps/rejected")
+# the eval metrics of each objective (and task), which `train.keep_best` may name
+EVAL_METRICS = {
+    "classification": ("loss", "accuracy"),
+    "sft": ("loss", "perplexity"),
+    "dpo": ("loss", *REWARDS, *LOGPS),
+    "orpo": ("loss", *REWARDS, *LOGPS, "nll_loss", "log_odds_ratio", "log_odds_chosen"),
+}
+
+
+def _check_keep_best(job: "Job", path: Path) -> None:
+    name = job.train["keep_best"]
+    if name is None:
+        return
+    kind = "classification" if job.model.task == "classification" else job.train["objective"]
+    known = EVAL_METRICS[kind]
+    if name.removeprefix("eval_") not in known:
+        raise UsageError(
+            f"{path}: train.keep_best = {name!r} is not an eval metric of this job; choose "
+            f"one of {', '.join('eval_' + m for m in known)}"
         )
 
 
@@ -488,6 +538,11 @@ class Job:
         if objective == "dpo":
             return {k: v for k, v in self.dpo.items() if k != "precompute_ref_log_probs"}
         return dict(self.orpo) if objective == "orpo" else {}
+
+    def best_settings(self) -> dict[str, Any]:
+        """The `[train]` settings of `fit`'s best checkpoint and early stopping."""
+        keys = ("keep_best", "greater_is_better", "early_stopping_patience")
+        return {key: self.train[key] for key in keys}
 
     def optimizer_settings(self) -> dict[str, Any]:
         """The `[train]` settings of `peftx.train.make_optimizer` (and `fit`)."""

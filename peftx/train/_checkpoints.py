@@ -20,20 +20,20 @@ from ._step import TrainState, trained_model
 
 STATE_FILE = "train_state.safetensors"
 INFO_FILE = "train_state.json"
+BEST_FILE = "best_trainable.safetensors"  # the best adapter so far (`fit(keep_best=...)`)
 _PREFIX = "checkpoint-"
+
+
+def _named(tree: Any) -> dict[str, jax.Array | np.ndarray]:
+    """The arrays of `tree`, named by their path in it."""
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
+    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
 
 
 def _arrays(state: TrainState) -> dict[str, jax.Array | np.ndarray]:
     """The arrays of `state`, named by their path in it."""
-    tree = (
-        state.trainable,
-        state.opt_state,
-        state.step,
-        jax.random.key_data(state.key),
-        state.hooks,
-    )
-    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(tree, eqx.is_array))
-    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+    key = jax.random.key_data(state.key)
+    return _named((state.trainable, state.opt_state, state.step, key, state.hooks))
 
 
 def save_checkpoint(
@@ -43,13 +43,15 @@ def save_checkpoint(
     *,
     info: dict[str, Any] | None = None,
     keep: int | None = 2,
+    best: Any = None,
 ) -> Path:
     """Write `directory/checkpoint-<step>/`: the adapter (`PeftModel.save_pretrained`, so
     PEFT loads any checkpoint) and the training state (optimizer state, step, PRNG key
     and the exact trainable leaves, in safetensors; `info` such as the data position in
     JSON). The files go to a new directory swapped into place when complete, so a run
     killed mid-write leaves the previous checkpoints intact. The `keep` newest
-    checkpoints are kept (None: all)."""
+    checkpoints are kept (None: all). `best`, a trainable tree of `state.trainable`'s
+    structure (the best adapter so far), is saved beside it (`restore_best`)."""
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1 (or None: keep all), got {keep}")
     directory = Path(directory)
@@ -61,6 +63,7 @@ def save_checkpoint(
     trainable = jax.tree.map(to_host, state.trainable)  # gathered once, saved twice
     with_host = eqx.tree_at(lambda s: s.trainable, state, trainable)
     host = {name: to_host(x) for name, x in _arrays(with_host).items()}
+    best_host = None if best is None else {k: to_host(x) for k, x in _named(best).items()}
     if writes_files():
         directory.mkdir(parents=True, exist_ok=True)
         remove_leftovers(directory)  # of a run killed while saving
@@ -69,6 +72,8 @@ def save_checkpoint(
         with replaced_directory(final, size=size) as tmp:
             trained_model(with_host, frozen).save_pretrained(tmp)
             safetensors.numpy.save_file(host, str(tmp / STATE_FILE))
+            if best_host is not None:
+                safetensors.numpy.save_file(best_host, str(tmp / BEST_FILE))
             record = {"step": step, "processes": jax.process_count(), **(info or {})}
             (tmp / INFO_FILE).write_text(json.dumps(record, indent=2))
         if keep is not None:
@@ -155,3 +160,25 @@ def restore_checkpoint(path: str | os.PathLike, like: TrainState) -> tuple[Train
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def restore_best(path: str | os.PathLike, like: Any) -> Any:
+    """The best trainable tree saved with the checkpoint at `path` (`save_checkpoint(...,
+    best=...)`), each array placed as its counterpart in `like` (the run's trainable
+    tree); `CheckpointError` if it is missing or of another structure."""
+    path = Path(path)
+    try:
+        saved = safetensors.numpy.load_file(str(path / BEST_FILE))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"cannot read the best adapter of {path}: {e}") from None
+    arrays, static = eqx.partition(like, eqx.is_array)
+    named = jax.tree_util.tree_leaves_with_path(arrays)
+    if set(saved) != {jax.tree_util.keystr(p) for p, _ in named}:
+        raise CheckpointError(f"{path / BEST_FILE} was written for another adapter")
+    leaves = []
+    for p, x in named:
+        value = saved[jax.tree_util.keystr(p)]
+        if value.shape != x.shape or value.dtype != x.dtype:
+            raise CheckpointError(f"{path / BEST_FILE}: {jax.tree_util.keystr(p)} differs")
+        leaves.append(jax.device_put(value, x.sharding))
+    return eqx.combine(jax.tree.unflatten(jax.tree.structure(arrays), leaves), static)

@@ -24,7 +24,7 @@ from .._errors import CheckpointError, RunFailed
 from .._files import naming_a_full_disk, temporary_file, write_text
 from .._peft_model import BASE, PeftModel
 from ..sharding import own_rows, placement_line, writes_files
-from ._checkpoints import checkpoints, restore_checkpoint, save_checkpoint
+from ._checkpoints import checkpoints, restore_best, restore_checkpoint, save_checkpoint
 from ._data import eval_batches, mixed_batches, train_batches
 from ._step import (
     LossFn,
@@ -48,14 +48,16 @@ UNIFORM_TOLERANCE = 1e-4
 @dataclasses.dataclass(frozen=True)
 class FitResult:
     """What `fit` returns: the trained `model` (save this one), the eval metrics
-    `before` and `after` training, the number of `steps` trained, and with several
-    adapters, the `serving` check of their mixed batch."""
+    `before` and `after` training (of `model`), the number of `steps` trained, with
+    several adapters the `serving` check of their mixed batch, and with `keep_best` the
+    step `model` is from (`best_step`)."""
 
     model: PeftModel | PeftBankModel
     before: dict[str, Any]
     after: dict[str, Any]
     steps: int
     serving: dict[str, Any] | None = None
+    best_step: int | None = None
 
 
 def make_optimizer(
@@ -114,6 +116,9 @@ def fit(
     eval_every: int | None = None,
     checkpoint_every: int | None = None,
     keep_checkpoints: int = 2,
+    keep_best: str | None = None,
+    greater_is_better: bool | None = None,
+    early_stopping_patience: int | None = None,
     out: str | os.PathLike | None = None,
     resume: bool = False,
     vocab_size: int | None = None,
@@ -141,6 +146,14 @@ def fit(
       `checkpoint_every` steps, the newest `keep_checkpoints` kept); `None` writes
       nothing. With `resume`, the run goes on from the newest checkpoint there that
       restores.
+    - `keep_best`: an eval metric (`"eval_loss"` or `"loss"`, `"accuracy"`,
+      `"rewards/accuracies"`, ...; with several adapters, its mean over them): the model
+      returned is the one of the evaluation (every `eval_every` steps, and the last) where
+      it was best, as transformers' `load_best_model_at_end` does; higher is better if
+      `greater_is_better`, which by default is False for losses and perplexity, True
+      otherwise. `early_stopping_patience`: stop once that many evaluations in a row have
+      not improved on the best (transformers' `EarlyStoppingCallback`). A resumed run
+      keeps the best so far (checkpoints hold it).
     - `vocab_size`: a causal LM's vocabulary, for the collapse check (below).
     - `mesh`, `rules`: train on a mesh, as `init_state` places the model.
     - `key`: dropout's PRNG key.
@@ -155,6 +168,7 @@ def fit(
     alone.
     """
     names = None if adapters is None else list(adapters)
+    best = _Best.for_run(keep_best, greater_is_better, early_stopping_patience, eval_every)
     if names is not None and not len(names) == len(train_data) == len(eval_data):
         raise ValueError(
             f"adapters {names} need a train and an eval dataset each, in their order; got "
@@ -181,8 +195,9 @@ def fit(
             eval_batch_size,
             learning_rate,
             None if out is None else Path(out),
+            best,
         )
-        state, before, after = loop.train(
+        state, before, after, trained = loop.train(
             state,
             frozen,
             tx,
@@ -198,7 +213,7 @@ def fit(
             resume=resume,
             mesh=mesh,
         )
-        return loop.checked(state, frozen, before, after, vocab_size)
+        return loop.checked(state, frozen, before, after, trained, vocab_size)
 
 
 class _Loop:
@@ -214,8 +229,10 @@ class _Loop:
         eval_batch_size: int,
         learning_rate: float,
         out: Path | None,
+        best: "_Best | None",
     ):
         self.names, self.train_sets, self.eval_sets = names, train_sets, eval_sets
+        self.best = best
         self.loss_fn, self.eval_batch_size = loss_fn, eval_batch_size
         self.learning_rate, self.out = learning_rate, out
         self.log = None if out is None else MetricsLog(out / "metrics.jsonl")
@@ -239,8 +256,9 @@ class _Loop:
         keep_checkpoints: int,
         resume: bool,
         mesh: Mesh | None,
-    ) -> tuple[TrainState, dict, dict]:
-        """The trained state and the metrics before and after, or `RunFailed`."""
+    ) -> tuple[TrainState, dict, dict, int]:
+        """The trained state (with `keep_best`, the best one's adapter), the metrics
+        before and after (of that adapter), and the steps trained; or `RunFailed`."""
         total, names = steps, self.names
         initial = state.trainable
         step_fn = make_train_step(self.loss_fn, tx, grad_accumulation=grad_accumulation, mesh=mesh)
@@ -256,6 +274,8 @@ class _Loop:
             state, info = restored
             start, before = info["batches"], info["before"]
             last_ckpt = ckpt_dir / f"checkpoint-{start:08d}"
+            if self.best is not None:
+                self.best.restore(info.get("best"), last_ckpt, state.trainable)
             self._truncate(after=start)
             print(f"resuming from {last_ckpt} (step {start} of {total})")
         else:
@@ -264,6 +284,8 @@ class _Loop:
             self._truncate(after=0)
             before = evaluate(state)
             self._write(*self._eval_records(0, before))
+        if self.best is not None:
+            self.best.value_of(before, names)  # a metric the evaluation lacks: before training
         self._report("before fine-tuning:", before)
 
         if names is None:
@@ -285,7 +307,7 @@ class _Loop:
             batches = ({**b, "adapter_ids": ids[b.pop("source")]} for b in mixed)
         every = lambda n, k: bool(k) and n % k == 0  # noqa: E731
         check = lambda n, m: _check_finite(n, m, last_ckpt, self.learning_rate)  # noqa: E731
-        tick, seen, pending = time.perf_counter(), 0, None
+        tick, seen, pending, stopped = time.perf_counter(), 0, None, None
         with tqdm(
             total=total,
             initial=start,
@@ -320,28 +342,60 @@ class _Loop:
                     )
                     tick, seen = time.perf_counter(), 0
                 if every(n, eval_every) and n != total:
-                    self._write(*self._eval_records(n, evaluate(state)))
+                    check(n, metrics)
+                    evaluated = evaluate(state)
+                    self._write(*self._eval_records(n, evaluated))
                     self._plot(report)
+                    if self.best is not None and self.best.update(
+                        n, evaluated, state.trainable, names
+                    ):
+                        stopped = (n, evaluated)
+                        break
                 if ckpt_dir and every(n, checkpoint_every) and n != total:
                     check(n, metrics)
+                    kept = {} if self.best is None else {"best": self.best.info()}
                     last_ckpt = save_checkpoint(
                         ckpt_dir,
                         state,
                         frozen,
-                        info={"batches": n, "before": before},
+                        info={"batches": n, "before": before, **kept},
                         keep=keep_checkpoints,
+                        best=None if self.best is None else self.best.trainable,
                     )
         if pending is not None:
             check(*pending)
-        _check_trained(initial, state.trainable, total)
-        after = evaluate(state)
-        self._write(*self._eval_records(total, after))
-        self._plot(report)
+        if stopped is not None:
+            last, after = stopped
+            print(
+                f"stopped early at step {last}: {self.best.patience} evaluations without "
+                f"improving {self.best.metric} on step {self.best.step}'s"
+            )
+        else:
+            last, after = total, evaluate(state)
+            self._write(*self._eval_records(total, after))
+            self._plot(report)
+            if self.best is not None:
+                self.best.update(total, after, state.trainable, names)
+        _check_trained(initial, state.trainable, last)
+        best = self.best
+        if best is not None and best.trainable is not None and best.step != last:
+            state = TrainState(best.trainable, state.opt_state, state.step, state.key, state.hooks)
+            after = best.metrics
+            print(
+                f"the best evaluation ({best.metric} {best.value:.4g}) was at step "
+                f"{best.step}: its adapter is kept"
+            )
         self._report("after fine-tuning: ", after)
-        return state, before, after
+        return state, before, after, last
 
     def checked(
-        self, state: TrainState, frozen: Any, before: dict, after: dict, vocab_size: int | None
+        self,
+        state: TrainState,
+        frozen: Any,
+        before: dict,
+        after: dict,
+        steps: int,
+        vocab_size: int | None,
     ) -> FitResult:
         """The run's result once its evaluations are finite, a causal LM's has not
         collapsed, and several adapters serve in one batch as each alone; or `RunFailed`."""
@@ -367,7 +421,8 @@ class _Loop:
                     f"by {serving['max_abs_diff']:.3g}, over the tolerance "
                     f"{serving['tolerance']:.3g}; nothing was saved"
                 )
-        return FitResult(model, before, after, int(state.step), serving)
+        best_step = None if self.best is None else self.best.step
+        return FitResult(model, before, after, steps, serving, best_step)
 
     def _evaluation(self, state: TrainState, frozen: Any, ids: np.ndarray | None) -> Any:
         """`evaluate(state)`: the eval metrics; with several adapters, each one's on its
@@ -440,6 +495,94 @@ class _Loop:
     def _plot(self, report: bool) -> None:
         if self.out is not None and report:
             plot(self.out / "metrics.jsonl", self.out / "curves.png")
+
+
+@dataclasses.dataclass
+class _Best:
+    """`fit(keep_best=...)`: the best evaluation so far (its step, metric value, metrics
+    and trainable tree) and how many evaluations since have not improved on it."""
+
+    metric: str
+    greater: bool
+    patience: int | None
+    step: int = 0
+    value: float | None = None
+    metrics: dict | None = None
+    trainable: Any = None
+    bad: int = 0
+
+    @classmethod
+    def for_run(
+        cls,
+        keep_best: str | None,
+        greater_is_better: bool | None,
+        patience: int | None,
+        eval_every: int | None,
+    ) -> "_Best | None":
+        if keep_best is None:
+            if patience is not None or greater_is_better is not None:
+                raise ValueError(
+                    "early_stopping_patience and greater_is_better go with keep_best, the "
+                    'eval metric to compare (e.g. keep_best="eval_loss")'
+                )
+            return None
+        if not isinstance(keep_best, str) or not keep_best.removeprefix("eval_"):
+            raise ValueError(
+                f'keep_best must name an eval metric, e.g. "eval_loss", got {keep_best!r}'
+            )
+        metric = keep_best.removeprefix("eval_")
+        if patience is not None:
+            if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+                raise ValueError(f"early_stopping_patience must be an int >= 1, got {patience!r}")
+            if eval_every is None:
+                raise ValueError(
+                    "early_stopping_patience counts evaluations: set eval_every as well"
+                )
+        if greater_is_better is None:  # transformers' default, and perplexity is a loss too
+            greater_is_better = not metric.endswith(("loss", "perplexity"))
+        return cls(metric, bool(greater_is_better), patience)
+
+    def value_of(self, metrics: dict, names: list[str] | None) -> float:
+        """The metric of an evaluation: with several adapters, its mean over them."""
+        each = [metrics] if names is None else [metrics[n] for n in names]
+        if self.metric not in each[0]:
+            raise ValueError(
+                f"keep_best: the evaluation has no metric {self.metric!r}; it has "
+                f"{', '.join(sorted(each[0]))}"
+            )
+        return float(np.mean([m[self.metric] for m in each]))
+
+    def update(self, step: int, metrics: dict, trainable: Any, names: list[str] | None) -> bool:
+        """Record step `step`'s evaluation; whether the run should stop (patience spent)."""
+        value = self.value_of(metrics, names)
+        better = self.value is None or (value > self.value if self.greater else value < self.value)
+        if better and math.isfinite(value):
+            self.step, self.value, self.metrics, self.trainable, self.bad = (
+                step,
+                value,
+                metrics,
+                trainable,
+                0,
+            )
+        else:
+            self.bad += 1
+        return self.patience is not None and self.bad >= self.patience
+
+    def info(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it (its trainable tree goes beside)."""
+        return {"step": self.step, "value": self.value, "metrics": self.metrics, "bad": self.bad}
+
+    def restore(self, info: Any, checkpoint: Path, like: Any) -> None:
+        """The best so far of a resumed run, from its checkpoint."""
+        if not isinstance(info, dict) or not info.get("step"):
+            return  # no evaluation after training began before the checkpoint
+        self.step, self.value, self.metrics, self.bad = (
+            info["step"],
+            info["value"],
+            info["metrics"],
+            info["bad"],
+        )
+        self.trainable = restore_best(checkpoint, like)
 
 
 def _eval_set(eval_sets: list[Data], ids: np.ndarray, base: int) -> Data:
