@@ -48,6 +48,14 @@ def _fit(base, data, out, **changes):
         return train.fit(model, *data, out=out, key=jax.random.key(1), **{**SETTINGS, **changes})
 
 
+@pytest.fixture(scope="module")
+def whole(job, tmp_path_factory):
+    """The run never stopped (checkpoints every 10 steps), and its directory."""
+    base, data, _ = job
+    out = tmp_path_factory.mktemp("whole")
+    return _fit(base, data, out, checkpoint_every=10), out
+
+
 def _evals(out):
     records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     return {r["step"]: r["loss"] for r in records if r["split"] == "eval"}
@@ -57,10 +65,10 @@ def _tensors(path):
     return safetensors.numpy.load_file(str(path / "adapter_model.safetensors"))
 
 
-def test_the_best_evaluation_is_kept_and_the_run_stops_after_its_patience(job, tmp_path):
-    base, data, _ = job
-    result = _fit(base, data, tmp_path / "run")
-    evals = _evals(tmp_path / "run")
+def test_the_best_evaluation_is_kept_and_the_run_stops_after_its_patience(job, whole):
+    _, data, _ = job
+    result, out = whole
+    evals = _evals(out)
     trained = {step: loss for step, loss in evals.items() if step > 0}
     best = min(trained, key=trained.get)
     assert 0 < best < max(trained), evals  # the loss fell, then rose
@@ -77,13 +85,13 @@ def test_the_best_evaluation_is_kept_and_the_run_stops_after_its_patience(job, t
     assert result.after["loss"] == evals[best]
 
 
-def test_a_resumed_run_keeps_the_best_so_far(job, tmp_path):
+def test_a_resumed_run_keeps_the_best_so_far(job, whole, tmp_path):
     """A run killed after a checkpoint past its best evaluation (simulated: a run of 35
     steps at a constant rate, checkpoints every 10, is the longer run's first 35 steps)
     and resumed ends as the whole run does, bit for bit, with the best adapter."""
     base, data, _ = job
-    whole = _fit(base, data, tmp_path / "whole", checkpoint_every=10)
-    whole.model.save_pretrained(tmp_path / "whole" / "adapter")
+    whole, whole_dir = whole
+    whole.model.save_pretrained(tmp_path / "adapter")
     _fit(base, data, tmp_path / "killed", steps=35, checkpoint_every=10,
          early_stopping_patience=None)  # fmt: skip
     assert (tmp_path / "killed" / "checkpoints" / "checkpoint-00000030").is_dir()
@@ -91,11 +99,11 @@ def test_a_resumed_run_keeps_the_best_so_far(job, tmp_path):
     resumed.model.save_pretrained(tmp_path / "killed" / "adapter")
     assert whole.best_step == resumed.best_step < 30  # the best came before the checkpoint
     assert (whole.steps, whole.after) == (resumed.steps, resumed.after)
-    got, want = _tensors(tmp_path / "killed" / "adapter"), _tensors(tmp_path / "whole" / "adapter")
+    got, want = _tensors(tmp_path / "killed" / "adapter"), _tensors(tmp_path / "adapter")
     assert got.keys() == want.keys()
     for name in want:
         assert got[name].tobytes() == want[name].tobytes(), name
-    assert _evals(tmp_path / "killed") == _evals(tmp_path / "whole")
+    assert _evals(tmp_path / "killed") == _evals(whole_dir)
 
 
 @pytest.mark.parametrize(

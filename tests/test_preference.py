@@ -8,7 +8,6 @@ import json
 import re
 import textwrap
 
-import datasets
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,6 @@ import optax
 import pytest
 import torch
 import transformers
-import trl
 from helpers import (
     CLASSES,
     FILLER,
@@ -91,7 +89,9 @@ def _trl_trainer(kind, root, tok, rows, tmp_path, **args):
     """TRL's trainer on `rows`, training a new LoRA adapter of random factors (both
     nonzero, so the policy is not the reference) on the base in `root`, with dropout off
     and no logging; and peftx's model with the same adapter, read from PEFT's files."""
+    import datasets
     import peft
+    import trl
 
     common = {"output_dir": str(tmp_path / "trl"), "report_to": [], "max_length": 32}
     common |= {"bf16": False, "use_cpu": True, **args}
@@ -149,7 +149,14 @@ def _trl_metrics(trainer, batch):
     return float(loss), {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
-@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+# the fast tier checks DPO's sigmoid loss; the whole suite every loss type
+@pytest.mark.parametrize(
+    "loss_type",
+    [
+        t if t == "sigmoid" else pytest.param(t, marks=pytest.mark.variant_sweep)
+        for t in DPO_LOSS_TYPES
+    ],
+)
 def test_dpo_loss_and_metrics_are_trls(pair_model, loss_type, tmp_path):
     root, tok, base = pair_model
     beta, smoothing = 0.3, (0.2 if loss_type == "robust" else 0.0)
@@ -260,6 +267,7 @@ def test_the_reference_is_the_base_and_precomputed_equals_in_step(pair_model, ge
     _check_reference(model, base, encode_preference(tok, TEXT_ROWS, max_length=16))
 
 
+@pytest.mark.variant_sweep  # the fast tier checks the reference under LoRA
 def test_under_qlora_the_reference_is_the_nf4_base(pair_model, getkey):
     _, tok, base = pair_model
     nf4 = peftx.quantize_model(base, peftx.QuantizationConfig(load_in_4bit=True))
@@ -268,6 +276,7 @@ def test_under_qlora_the_reference_is_the_nf4_base(pair_model, getkey):
     _check_reference(model, nf4, encode_preference(tok, TEXT_ROWS, max_length=16))
 
 
+@pytest.mark.variant_sweep  # the fast tier checks the reference under LoRA
 def test_a_bank_of_four_adapters_tunes_each_rows_own_against_the_base(pair_model, getkey):
     """Multi-tenant DPO: each row's policy is its own adapter, the reference the base for
     every row; a step changes the adapters whose rows are in the batch and no other."""
