@@ -253,7 +253,15 @@ def assert_same_adapter_dir(ours, theirs):
     assert mine["inference_mode"] is True
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case",
+    [
+        # GPT-2's DoRA and IA3 files: the fast tier has PEFT read them back tensor for tensor
+        # in test_peft_interop, and checks GPT-2's Conv1D config here on gpt2-c_attn
+        pytest.param(c, marks=pytest.mark.variant_sweep) if c in ("gpt2-dora", "gpt2-ia3") else c
+        for c in sorted(CASES)
+    ],
+)
 def test_same_files_as_peft(case, checkpoint, base, tmp_path):
     kind, cls, kwargs = CASES[case]
     ours = peftx.get_peft_model(base(kind), getattr(peftx, cls)(**kwargs), key=jax.random.key(0))

@@ -819,7 +819,13 @@ def test_bf16_cast_matches_ml_dtypes_rounding():
 
 
 @pytest.mark.parametrize(
-    "name", ["LlamaForSequenceClassification", "GPT2ForSequenceClassification"]
+    "name",
+    [
+        # the fast tier runs num_labels on GPT-2, and Llama's fresh head in
+        # test_fresh_head_warns_and_backbone_loads; the whole suite this case too
+        pytest.param("LlamaForSequenceClassification", marks=pytest.mark.variant_sweep),
+        "GPT2ForSequenceClassification",
+    ],
 )
 def test_num_labels_puts_a_fresh_head_on_a_causal_lm_checkpoint(tmp_path, name):
 

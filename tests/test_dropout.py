@@ -202,7 +202,9 @@ def _layer(stack, i):
     return jax.tree.map(lambda leaf: leaf[i], stack)
 
 
-@pytest.mark.parametrize("use_dora", [False, True])
+# DoRA's dropout is checked against PEFT in test_lora_and_dora_dropout_match_peft: the
+# fast tier scans LoRA's stack, the whole suite DoRA's too
+@pytest.mark.parametrize("use_dora", [False, pytest.param(True, marks=pytest.mark.variant_sweep)])
 def test_scan_over_stacked_layers_gives_each_layer_its_own_mask(getkey, use_dora):
     layers = with_dropout(_stack(getkey(), use_dora=use_dora), getkey())
     assert layers.dropout_key.shape == (3,)

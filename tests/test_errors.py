@@ -683,7 +683,10 @@ def test_compute_dtype_names_are_listed():
 
 
 @pytest.mark.parametrize("quantization", [dict(load_in_4bit=True), dict(load_in_8bit=True)])
-@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize(  # every model's layers share the check: the fast tier runs Llama's
+    "name",
+    ["llama", *(pytest.param(n, marks=pytest.mark.variant_sweep) for n in ("gpt2", "bert"))],
+)
 def test_quantized_model_outside_use_implicit_args(tiny_models, name, quantization):
     """A `quantize_model` result called directly used to fail with JAX's 'Error
     interpreting argument to dot_general as a JAX value', which does not say why."""

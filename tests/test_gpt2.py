@@ -281,7 +281,15 @@ def test_padding_invariance(checkpoint, side):
         )
 
 
-@pytest.mark.parametrize("name, layout", [("gpt2", "stacked"), ("inverse-layer-scale", "unrolled")])
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        ("gpt2", "stacked"),
+        # the fast tier checks the per-layer scales in test_lm_head_model_matches_transformers
+        # and decodes GPT-2 from a cache on its stack (an unrolled model in test_llama)
+        pytest.param("inverse-layer-scale", "unrolled", marks=pytest.mark.variant_sweep),
+    ],
+)
 def test_kv_cache_steps_match_full_forward(checkpoint, name, layout):
     """A left-padded prompt prefilled into the cache, then one token at a time (positions
     continuing from the cache's real tokens), gives the full forward's logits at every

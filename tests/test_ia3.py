@@ -157,7 +157,11 @@ def test_matches_peft(feedforward, bias):
     close(grads, (layer.ia3_l["default"].grad.numpy(), x_t.grad.numpy()), tol=1e-4)
 
 
-@pytest.mark.parametrize("feedforward", [False, True])
+# feed-forward on a bfloat16 weight: the fast tier checks it against PEFT in
+# test_mixed_precision (test_bf16_base_fp32_ia3_matches_peft), the whole suite here too
+@pytest.mark.parametrize(
+    "feedforward", [False, pytest.param(True, marks=pytest.mark.variant_sweep)]
+)
 def test_bf16_matches_dense_formula(getkey, feedforward):
     """A bfloat16 weight with a bfloat16 scale against `W ⊙ l` in float32 on the same
     values: outputs and vector-Jacobian products (scale and input)."""

@@ -273,7 +273,13 @@ def test_factor_gradients_are_written_rank_major(getkey, tokens):
         assert shape[major] == r, f"{shape} written with axis {major} major"
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+# bfloat16: the fast tier takes the one-GEMM product in test_fused_product_any_layout and
+# the separate branch in test_bf16_linear_matches_dense_formula, the whole suite here too
+@pytest.mark.parametrize(
+    "dtype",
+    [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.variant_sweep)],
+    ids=["float32", "bfloat16"],
+)
 @pytest.mark.parametrize("batch", [8, 2], ids=["one GEMM", "separate branch"])
 def test_outer_vmap_counts_the_batch_for_the_one_gemm_product(getkey, batch, dtype):
     """The idiomatic Equinox model takes one example and is `vmap`ped over the batch
@@ -329,11 +335,32 @@ FUSED_FORMS = {
 }
 
 
-@pytest.mark.parametrize("form", FUSED_FORMS)
+FUSED_VARIANTS = {
+    "float32": (jnp.float32, False),
+    "float32 with dropout": (jnp.float32, True),
+    "bfloat16": (jnp.bfloat16, False),
+}
+# every form in float32; the fast tier runs dropout on the two layouts its mask is drawn in
+# (x as it is, and transposed) and bfloat16 on x @ W.T, the whole suite every form
+FUSED_FAST = {
+    "float32": set(FUSED_FORMS),
+    "float32 with dropout": {"x @ W.T", "W @ x.T"},
+    "bfloat16": {"x @ W.T"},
+}
+
+
 @pytest.mark.parametrize(
-    "dtype, dropout",
-    [(jnp.float32, False), (jnp.float32, True), (jnp.bfloat16, False)],
-    ids=["float32", "float32 with dropout", "bfloat16"],
+    "dtype, dropout, form",
+    [
+        pytest.param(
+            *FUSED_VARIANTS[variant],
+            form,
+            id=f"{variant}-{form}",
+            marks=() if form in FUSED_FAST[variant] else pytest.mark.variant_sweep,
+        )
+        for variant in FUSED_VARIANTS
+        for form in FUSED_FORMS
+    ],
 )
 def test_fused_product_any_layout(form, dtype, dropout, getkey):
     """The one-GEMM product (taken when there are at least as many tokens as the met axis
@@ -499,7 +526,9 @@ def _stacked_lora_layers(key, n=4, d=6, r=2, use_dora=False):
     return eqx.filter_vmap(make)(jax.random.split(key, n))
 
 
-@pytest.mark.parametrize("use_dora", [False, True])
+# DoRA: the fast tier scans its stack in test_peft_model's test_stacked_layers_under_scan
+# and checks its gradients in test_forward_and_gradients_match_dense_formula
+@pytest.mark.parametrize("use_dora", [False, pytest.param(True, marks=pytest.mark.variant_sweep)])
 def test_scan_over_stacked_lora_layers(getkey, use_dora):
     layers = _stacked_lora_layers(getkey(), use_dora=use_dora)
     names = ["lora_A", "lora_B"]
@@ -541,7 +570,9 @@ def test_vmap_over_stacked_loras_inside_use_implicit_args(getkey):
     close(got, jnp.einsum("loi,li->lo", dense, x))
 
 
-@pytest.mark.parametrize("conv", ["Conv1d", "Conv2d"])
+@pytest.mark.parametrize(  # the fast tier runs Conv2d, the whole suite Conv1d too
+    "conv", [pytest.param("Conv1d", marks=pytest.mark.variant_sweep), "Conv2d"]
+)
 def test_conv_lora(getkey, conv):
     """A conv layer with a bias, values and gradients (factors and input) against the
     formula; r=2 differs from in=3 and out=4."""
@@ -590,7 +621,9 @@ def _bf16_close(got, want):
     [
         "lora",
         "rslora",
-        "dora",
+        # the fast tier checks DoRA on a bfloat16 base against PEFT in test_mixed_precision
+        # (test_bf16_base_fp32_lora_matches_peft), the whole suite here too
+        pytest.param("dora", marks=pytest.mark.variant_sweep),
     ],
 )
 def test_bf16_linear_matches_dense_formula(getkey, adapter):

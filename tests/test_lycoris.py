@@ -110,8 +110,23 @@ def test_factorization_is_peft_s():
             assert factorization(dim, factor) == peft_factorization(dim, factor), (dim, factor)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("name", list(ADAPTERS))
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        # the fast tier runs every layout on LoHa and on LoKr with both factors factored,
+        # and the other LoKr factorizations on x @ W.T; the whole suite every pair
+        pytest.param(
+            name,
+            layout,
+            id=f"{name}-{layout}",
+            marks=pytest.mark.variant_sweep
+            if name in ("lokr whole", "lokr factor 2") and layout != "x @ W.T"
+            else (),
+        )
+        for name in ADAPTERS
+        for layout in LAYOUTS
+    ],
+)
 def test_matches_dense_formula(name, layout, getkey):
     """Values and gradients (every factor and the input) against `x·(W + ΔW)ᵀ` with ΔW
     written out; the factors present are PEFT's for the layout."""
@@ -143,7 +158,11 @@ def test_matches_dense_formula(name, layout, getkey):
     close(adapter.delta(), dense(adapter), tol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["loha", "lokr both factored"])
+# LoKr: the fast tier runs its stacks under scan against PEFT (test_peftx_to_peft) and
+# unmerges it in test_merge_and_unmerge; the whole suite here too
+@pytest.mark.parametrize(
+    "name", ["loha", pytest.param("lokr both factored", marks=pytest.mark.variant_sweep)]
+)
 def test_stacked_layers_under_scan_jvp_and_unmerge(name, getkey):
     """A stack of adapters (one per layer, `eqx.filter_vmap`) run by `lax.scan`: values,
     forward-mode derivatives (`jax.jvp` in the factors) against the dense stack; and
@@ -334,7 +353,15 @@ def _assert_torch_holds(theirs, directory):
         assert np.abs(file[k]).max() > 0, k
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case",
+    [
+        # lokr-all-linear's file is checked against PEFT's in
+        # test_peft_to_peftx_files_and_counts: the fast tier loads LoKr into PEFT once
+        pytest.param(c, marks=pytest.mark.variant_sweep) if c == "lokr-all-linear" else c
+        for c in CASES
+    ],
+)
 def test_peftx_to_peft(case, tiny_llama, tmp_path):
     path, base = tiny_llama
     cls, kwargs = CASES[case]

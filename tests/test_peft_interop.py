@@ -478,8 +478,30 @@ BOTH_LAYOUTS = {
     "llama-layers-rank-pattern",
     "llama-per-layer-patterns",
 }
+# a config the fast tier reads on Llama (or on the architecture's own case: Phi-3's fused
+# DoRA, Qwen2's biases, GPT-2's Conv1D), repeated on another architecture of the family
+ARCHITECTURE_REPEATS = {
+    "qwen2-qv",  # llama-qv
+    "qwen2-all-linear",  # llama-all-linear
+    "qwen2-ia3",  # llama-ia3
+    "qwen3-default",  # llama-qv (PEFT writes the defaults' names; test_peftx_to_peft keeps it)
+    "qwen3-ia3-default",  # llama-ia3
+    "qwen3-dora-all-linear",  # llama-dora, llama-all-linear
+    "gemma2-default",  # llama-qv
+    "gemma2-ia3-default",  # llama-ia3
+    "gemma2-dora-all-linear",  # llama-dora, llama-all-linear
+    "gemma3-default",  # llama-qv
+    "gemma3-all-linear",  # llama-all-linear
+    "phi3-ia3",  # llama-ia3
+    "phi3-all-linear",  # llama-all-linear, phi3-fused-dora
+}
 PARAMS = [
-    pytest.param(case, layout, id=f"{case}-{layout}", marks=UNROLLED_MARKS[layout])
+    pytest.param(
+        case,
+        layout,
+        id=f"{case}-{layout}",
+        marks=pytest.mark.variant_sweep if case in ARCHITECTURE_REPEATS else UNROLLED_MARKS[layout],
+    )
     for case in CASES
     for layout in (("stacked", "unrolled") if case in BOTH_LAYOUTS else ("stacked",))
 ]
