@@ -585,3 +585,26 @@ objective = "dpo"
     code, out, err = run_cli(capsys, "finetune", tmp_path / "job.toml")
     assert code == 2 and err.count("\n") == 1, err
     assert "t.jsonl: row 1, column 'bad' holds an int: 3" in err, err
+
+
+def test_a_bfloat16_base_gives_the_float32_loss_within_its_precision(pair_model, getkey):
+    """On a bf16 base with fp32 adapters, DPO's log-probabilities and loss are the fp32
+    model's to within bf16's precision: the logits are rounded once per layer, and the
+    log-softmax and sums run in float32."""
+    root, tok, base = pair_model
+    config = peftx.LoraConfig(**LORA, init_lora_weights=False)
+    key = getkey()
+    data = jax.tree.map(jnp.asarray, encode_preference(tok, TEXT_ROWS, max_length=16))
+    runs = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        loaded = peftx.models.from_pretrained(root / "base", dtype=dtype)
+        model = peftx.get_peft_model(loaded, config, key=key)
+        total, sums = jax.jit(lambda b, m=model: dpo_loss(m, b, beta=0.5))(data)
+        assert sums["logps/chosen"].dtype == jnp.float32
+        runs.append((float(total), {k: float(v) for k, v in sums.items()}))
+    (want_loss, want), (got_loss, got) = runs
+    eps = float(jnp.finfo(jnp.bfloat16).eps)
+    scale = abs(want["logps/chosen"]) + abs(want["logps/rejected"])
+    for k in ("logps/chosen", "logps/rejected"):
+        assert abs(got[k] - want[k]) <= 8 * eps * scale, (k, got[k], want[k])
+    assert abs(got_loss - want_loss) <= 8 * eps * scale * 0.5, (got_loss, want_loss)
