@@ -608,3 +608,16 @@ def test_a_bfloat16_base_gives_the_float32_loss_within_its_precision(pair_model,
     for k in ("logps/chosen", "logps/rejected"):
         assert abs(got[k] - want[k]) <= 8 * eps * scale, (k, got[k], want[k])
     assert abs(got_loss - want_loss) <= 8 * eps * scale * 0.5, (got_loss, want_loss)
+
+
+def test_a_separate_reference_model_precomputes_for_any_policy(pair_model, getkey):
+    """`precompute_ref_log_probs` with a plain model takes it as the reference itself; the
+    base's numbers are then those of a PEFT model's disabled adapters."""
+    _, tok, base = pair_model
+    data = encode_preference(tok, TEXT_ROWS, max_length=16)
+    model = peftx.get_peft_model(
+        base, peftx.LoraConfig(**LORA, init_lora_weights=False), key=getkey()
+    )
+    plain, peft_base = (precompute_ref_log_probs(m, data, batch_size=4) for m in (base, model))
+    for k in ("ref_chosen_logps", "ref_rejected_logps"):
+        np.testing.assert_array_equal(plain[k], peft_base[k])

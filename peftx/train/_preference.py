@@ -62,11 +62,13 @@ def reference_model(model: Any) -> Any:
     return use_implicit_args(model.disable_adapters())
 
 
-def _reference_log_probs(model: Any, batch: Batch) -> tuple[Array, Array]:
+def _reference_log_probs(reference: Any, batch: Batch) -> tuple[Array, Array]:
+    """The batch's reference log-probabilities: stored with it, or those of
+    `reference()` (a callable model, made only when needed)."""
     if all(k in batch for k in REFERENCE_KEYS):
         return tuple(batch[k].astype(jnp.float32) for k in REFERENCE_KEYS)
     flat = _flat(batch)
-    out = reference_model(model)(flat["input_ids"], flat["attention_mask"])
+    out = reference()(flat["input_ids"], flat["attention_mask"])
     logps, _ = sequence_log_probs(out.logits, batch["labels"].reshape(flat["input_ids"].shape))
     return _pairs_of(jax.lax.stop_gradient(logps))
 
@@ -132,7 +134,7 @@ def dpo_loss(
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
     _, logps, _ = _policy(model, batch, key)
     chosen, rejected = _pairs_of(logps)
-    ref_chosen, ref_rejected = _reference_log_probs(model, batch)
+    ref_chosen, ref_rejected = _reference_log_probs(lambda: reference_model(model), batch)
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     delta = chosen_ratio - rejected_ratio
     if loss_type == "sigmoid":
@@ -226,16 +228,23 @@ def orpo_loss(
 
 @eqx.filter_jit
 def _reference_batch(model: Any, batch: Batch) -> tuple[Array, Array]:
-    return _reference_log_probs(model, {k: v for k, v in batch.items() if k not in REFERENCE_KEYS})
+    def reference() -> Any:
+        if isinstance(model, PeftModel | PeftBankModel):
+            return reference_model(model)
+        return use_implicit_args(model)
+
+    unstored = {k: v for k, v in batch.items() if k not in REFERENCE_KEYS}
+    return _reference_log_probs(reference, unstored)
 
 
 def precompute_ref_log_probs(
-    model: PeftModel | PeftBankModel, data: dict[str, np.ndarray], *, batch_size: int = 8
+    model: Any, data: dict[str, np.ndarray], *, batch_size: int = 8
 ) -> dict[str, np.ndarray]:
     """`data` (from `encode_preference`) with `ref_chosen_logps` and `ref_rejected_logps`:
     the reference's summed completion log-probabilities of each pair, computed once
     (TRL's `precompute_ref_log_probs`), so that `dpo_loss` runs no reference forward in
-    a step. The reference is `model` with its adapters disabled."""
+    a step. The reference is `model` with its adapters disabled (`reference_model`), or
+    `model` itself if it has none (a separate reference model of your own)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     rows = len(data["input_ids"])
