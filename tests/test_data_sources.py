@@ -253,6 +253,30 @@ def test_the_same_job_from_each_source_trains_the_same_adapter(
         assert all(r["bytes"] == Path(f).stat().st_size for f, r in record["files"].items())
 
 
+def test_a_specs_paths_are_taken_from_the_job_file(llama, tmp_path, monkeypatch):
+    """Relative `data_files` are taken from the job file's directory (from the current
+    one with `--set`), as every path of a job; a `dataset` that names a local directory
+    is taken from there, and its `data_files` are within it, as in `datasets`."""
+    job = _llama_job(llama, tmp_path, "spec")
+    here = tmp_path / "here"
+    (here / "local").mkdir(parents=True)
+    write_jsonl(here / "local" / "rows.jsonl", ROWS)
+    monkeypatch.chdir(here)
+    (adapter,) = Job(job, []).adapters
+    assert adapter.train.data_files == str(tmp_path / "train.jsonl")
+    spec = '{dataset = "json", data_files = ["rows.jsonl", "more.jsonl"], split = "train"}'
+    (adapter,) = Job(job, [f"data.train={spec}"]).adapters
+    assert adapter.train.data_files == (str(here / "rows.jsonl"), str(here / "more.jsonl"))
+    (adapter,) = Job(
+        job, ['data.eval={dataset = "local", data_files = "rows.jsonl", split = "train"}']
+    ).adapters
+    assert (adapter.eval.dataset, adapter.eval.data_files) == (str(here / "local"), "rows.jsonl")
+    assert train.read_records(adapter.eval.load(), ["text"]) == ROWS
+    assert str(adapter.eval) == (
+        f'{{dataset = "{here / "local"}", data_files = "rows.jsonl", split = "train"}}'
+    )
+
+
 @pytest.mark.parametrize("kind", ["saved", "spec"])
 def test_a_run_resumes_only_on_the_same_data(kind, llama, tmp_path):
     """A run's directory of checkpoints goes on only while its data is as `job.json`
