@@ -155,8 +155,9 @@ def _saved_rows(path: Path, columns: Sequence[str]) -> list[dict[str, Any]]:
 
 @contextlib.contextmanager
 def _offline(datasets: ModuleType) -> Iterator[None]:
-    """`datasets` and the Hub client offline (`HF_HUB_OFFLINE=1`), whenever they were
-    imported: their flags are read from the environment at import, so they are set too."""
+    """`datasets` and the Hub client offline while the block runs (`HF_HUB_OFFLINE=1`):
+    their module flags, which they read from the environment when imported, and the
+    environment, for what reads it later."""
     import huggingface_hub.constants as hub
 
     flags = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE")]
