@@ -533,7 +533,10 @@ ENTRY = 'train = "t.jsonl"\neval = "e.jsonl"\n'
 BAD_ENTRIES = {
     "unknown key": (f'name = "a"\n{ENTRY}nme = "b"\n', "unknown key 'nme' in [[adapters]][2]"),
     "taken name": (f'name = "a"\n{ENTRY}', "name 'a' is taken by [[adapters]][1]"),
-    "no eval": ('name = "b"\ntrain = "t.jsonl"\n', "[[adapters]][2]: missing 'eval'"),
+    "no eval": (
+        'name = "b"\ntrain = "t.jsonl"\n',
+        "[[adapters]][2].eval or data.eval_fraction is needed",
+    ),
     "mixed kinds": (
         f'name = "b"\n{ENTRY}[adapters.ia3]\n',
         "[adapters.ia3] cannot join [adapters.lora]",

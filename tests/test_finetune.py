@@ -350,7 +350,7 @@ def test_errors(bert, tmp_path, capsys):
         job.read_text().replace('train = "train.jsonl"\n', "").replace('"base"', f'"{bert}/base"')
     )
     err = _error(capsys, 2, "finetune", no_train, *at)
-    assert "[data] needs 'train', a .jsonl or .csv file" in err
+    assert "[data] needs 'train': a .jsonl, .csv or .parquet file, a directory" in err
 
     odd = tmp_path / "odd_eval.jsonl"
     write_jsonl(odd, [{"sentence": "w30", "intent": "red"}, {"sentence": "w9", "intent": "mauve"}])
@@ -625,7 +625,7 @@ UNMIXED = {
     [
         ('name = "a"\n', "", (), "[[adapters]][1]: missing 'name'"),
         ('eval = "eval.jsonl"\n[adapters.lora]\nr = 4', '[adapters.lora]\nr = 4', (),
-         "[[adapters]][2]: missing 'eval'"),
+         "[[adapters]][2].eval or data.eval_fraction is needed: the eval data"),
         ('name = "b"', 'name = "a"', (), "[[adapters]][2]: name 'a' is taken by [[adapters]][1]"),
         ('name = "b"', 'name = "__base__"', (),
          "[[adapters]][2]: name '__base__' is not an adapter name"),

@@ -549,7 +549,7 @@ def test_read_records_errors(tmp_path):
         train.read_records(csv, ["text", "label"])
     txt = tmp_path / "data.txt"
     txt.write_text("hello\n")
-    with pytest.raises(ValueError, match=r"expected a .jsonl or .csv file"):
+    with pytest.raises(ValueError, match=r"expected a .jsonl, .csv or .parquet file"):
         train.read_records(txt, ["text"])
     empty = tmp_path / "e.jsonl"
     empty.write_text("\n")

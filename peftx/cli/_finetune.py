@@ -32,6 +32,7 @@ from ._common import (
 from ._job import MAX_COUNT, Adapter, Job
 from ._mesh import on_mesh, run_mesh
 from ._run_dir import open_run, plan_output
+from ._sources import local_paths, read_source
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,9 +58,10 @@ def run(args: argparse.Namespace) -> int:
         return _finetune(job, overwrite=args.overwrite)
 
 
-def _encoded(file: Path, columns: dict[str, str], encode: Callable[[], dict]) -> dict:
-    """`encode()`'s data for `file`; its errors become one line naming the file and the
-    column (`columns`: the encoder's argument name to the column), its warnings too."""
+def _encoded(where: str, columns: dict[str, str], encode: Callable[[], dict]) -> dict:
+    """`encode()`'s data for the rows `where` names; its errors become one line naming
+    them and the column (`columns`: the encoder's argument name to the column), its
+    warnings too."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -69,10 +71,31 @@ def _encoded(file: Path, columns: dict[str, str], encode: Callable[[], dict]) ->
             for argument, column in columns.items():
                 if message.startswith(f"{argument}:"):
                     message = f"column {column!r}" + message.removeprefix(argument)
-            raise UsageError(f"{file}: {message}") from None
+            raise UsageError(f"{where}: {message}") from None
     for w in caught:
-        print(f"peftx: warning: {file}: {w.message}", file=sys.stderr)
+        print(f"peftx: warning: {where}: {w.message}", file=sys.stderr)
     return data
+
+
+Rows = tuple[str, list[dict[str, Any]]]  # rows, and what messages call them
+
+
+def _rows(job: Job, adapter: Adapter, columns: list[str]) -> tuple[Rows, Rows]:
+    """An adapter's train and eval rows, each named: those of its eval data, or those
+    `[data] eval_fraction` draws from its train rows by `[train] seed`."""
+    rows = read_source(adapter.train, columns)
+    if adapter.eval is not None:
+        return (str(adapter.train), rows), (str(adapter.eval), read_source(adapter.eval, columns))
+    fraction, seed = job.data["eval_fraction"], job.train["seed"]
+    try:
+        kept, held = train.split_records(rows, fraction, seed=seed)
+    except ValueError as e:
+        raise UsageError(f"{adapter.train}: data.{e}") from None
+    print(
+        f"data.eval_fraction = {fraction} of the {len(rows)} rows of {adapter.train} (drawn "
+        f"by train.seed = {seed}): {len(kept)} rows to train on, {len(held)} to evaluate on"
+    )
+    return (f"{adapter.train} [train rows]", kept), (f"{adapter.train} [eval rows]", held)
 
 
 def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, list[str] | None]:
@@ -80,17 +103,17 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
     vocab_size = hf_config(job.model.path).get("vocab_size")
     if job.model.task == "classification":
         columns = [d["text_column"], d["label_column"]]
-        rows = train.read_records(adapter.train, columns)
-        held = train.read_records(adapter.eval, columns)
+        (train_name, rows), (eval_name, held) = _rows(job, adapter, columns)
         labels = sorted({str(r[d["label_column"]]) for r in rows})
         unseen = sorted({str(r[d["label_column"]]) for r in held} - set(labels))
         if unseen:
-            raise UsageError(f"{adapter.eval}: labels {unseen} never appear in {adapter.train}")
+            drawn = "" if adapter.eval else " (eval_fraction drew all their rows)"
+            raise UsageError(f"{eval_name}: labels {unseen} never appear in {train_name}{drawn}")
         names = {"texts": d["text_column"], "labels": d["label_column"]}
 
-        def encode(file: Path, rs: list[dict]) -> dict:
+        def encode(where: str, rs: list[dict]) -> dict:
             return _encoded(
-                file,
+                where,
                 names,
                 lambda: train.encode_classification(
                     tokenizer,
@@ -102,7 +125,7 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
                 ),
             )
 
-        return encode(adapter.train, rows), encode(adapter.eval, held), labels
+        return encode(train_name, rows), encode(eval_name, held), labels
     if job.train["objective"] != "sft":
         data = _preference_data(job, tokenizer, adapter, vocab_size)
         return *data, None
@@ -111,28 +134,28 @@ def _load_data(job: Job, tokenizer: Any, adapter: Adapter) -> tuple[dict, dict, 
     if d["messages_column"]:
         columns, names = [d["messages_column"]], {"conversations": d["messages_column"]}
 
-    def encode_lm(file: Path) -> dict:
-        rs = train.read_records(file, columns)
+    def encode_lm(where: str, rs: list[dict]) -> dict:
         rows = dict(max_length=d["max_length"], pack=d["pack"], vocab_size=vocab_size)
         if d["messages_column"]:
             chats = [r[d["messages_column"]] for r in rs]
-            data = _encoded(file, names, lambda: train.encode_chat(tokenizer, chats, **rows))
+            data = _encoded(where, names, lambda: train.encode_chat(tokenizer, chats, **rows))
         else:
             texts = [r[d["text_column"]] for r in rs]
             prompts = [r[d["prompt_column"]] for r in rs] if d["prompt_column"] else None
             data = _encoded(
-                file, names, lambda: train.encode_causal_lm(tokenizer, texts, prompts, **rows)
+                where, names, lambda: train.encode_causal_lm(tokenizer, texts, prompts, **rows)
             )
         if d["pack"]:
             print(
-                f"packed {file}: all {len(rs)} examples, each whole in one row, in "
+                f"packed {where}: all {len(rs)} examples, each whole in one row, in "
                 f"{len(data['input_ids'])} rows of {d['max_length']} tokens"
             )
         return data
 
-    data = encode_lm(adapter.train), encode_lm(adapter.eval)
+    (train_name, rows), (eval_name, held) = _rows(job, adapter, columns)
+    data = encode_lm(train_name, rows), encode_lm(eval_name, held)
     counts = [train.supervised_tokens(x) for x in data]
-    print(f"supervised tokens: {counts[0]} in {adapter.train}, {counts[1]} in {adapter.eval}")
+    print(f"supervised tokens: {counts[0]} in {train_name}, {counts[1]} in {eval_name}")
     return *data, None
 
 
@@ -146,8 +169,7 @@ def _preference_data(job: Job, tokenizer: Any, adapter: Adapter, vocab_size: Any
         "rejected": d["rejected_column"],
     }
 
-    def encode(file: Path) -> dict:
-        records = train.read_records(file, list(columns.values()))
+    def encode(where: str, records: list[dict]) -> dict:
         rows = [{field: r[column] for field, column in columns.items()} for r in records]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -163,14 +185,15 @@ def _preference_data(job: Job, tokenizer: Any, adapter: Adapter, vocab_size: Any
                 message = str(e).removeprefix("rows: ")
                 for field, column in columns.items():  # the file's own column names
                     message = message.replace(f"{field!r}", f"column {column!r}")
-                raise UsageError(f"{file}: {message}") from None
+                raise UsageError(f"{where}: {message}") from None
         for w in caught:
-            print(f"peftx: warning: {file}: {w.message}", file=sys.stderr)
+            print(f"peftx: warning: {where}: {w.message}", file=sys.stderr)
         return data
 
-    data = encode(adapter.train), encode(adapter.eval)
+    (train_name, rows), (eval_name, held) = _rows(job, adapter, list(columns.values()))
+    data = encode(train_name, rows), encode(eval_name, held)
     counts = [len(x["input_ids"]) for x in data]
-    print(f"preference pairs: {counts[0]} in {adapter.train}, {counts[1]} in {adapter.eval}")
+    print(f"preference pairs: {counts[0]} in {train_name}, {counts[1]} in {eval_name}")
     return data
 
 
@@ -270,9 +293,11 @@ def _with_reference(job: Job, model: Any, pairs: list[tuple[dict, dict]]) -> lis
 
 
 def _protected(job: Job) -> list[tuple[str, Path]]:
-    """What a run's output may not be or hold: the model and the data."""
-    files = [("data file", p) for a in job.adapters for p in (a.train, a.eval)]
-    return [("model directory", job.model.path), *files]
+    """What a run's output may not be or hold: the model and the data (nor may it lie
+    inside a data directory)."""
+    paths = [p for s in job.sources() for p in local_paths(s)]
+    data = [("data directory" if p.is_dir() else "data file", p) for p in paths]
+    return [("model directory", job.model.path), *data]
 
 
 def _finetune(job: Job, *, overwrite: bool) -> int:

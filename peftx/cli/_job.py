@@ -24,10 +24,12 @@ from ._common import (
 )
 from ._mesh import mesh_settings
 from ._run_dir import DATA_FILES, data_record
+from ._sources import SOURCES, Source, data_source, with_base
 
 DATA_KEYS = {
     "train": None,
     "eval": None,
+    "eval_fraction": None,
     "text_column": "text",
     "label_column": "label",
     "prompt_column": None,
@@ -103,6 +105,8 @@ def _override(job: dict[str, Any], item: str) -> None:
         value = text  # a bare word: a string
     if (table, name) in PATHS and isinstance(value, str) and value != BUNDLED_MODEL:
         value = str(Path(value).expanduser().absolute())  # on the command line: from the cwd
+    elif (table, name) in PATHS and isinstance(value, dict):  # a datasets spec
+        value = with_base(value, Path.cwd())
     job.setdefault(table, {})[name] = value
 
 
@@ -196,6 +200,14 @@ def _check_numbers(job: "Job", path: Path) -> None:
         value = getattr(job, table)[key]
         if not isinstance(value, str) and not (value is None and (table, key) in optional):
             raise UsageError(f"{path}: {table}.{key} must be a string, got {value!r}")
+    fraction = job.data["eval_fraction"]
+    if fraction is not None and (
+        isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction < 1
+    ):
+        raise UsageError(
+            f"{path}: data.eval_fraction must be a number in (0, 1), the share of the train "
+            f"rows to evaluate on (e.g. 0.1), got {fraction!r}"
+        )
     if job.data["messages_column"] is not None:
         if job.model.task != "causal-lm":
             raise UsageError(f'{path}: data.messages_column needs model.task = "causal-lm"')
@@ -310,12 +322,13 @@ class Bank:
 
 @dataclasses.dataclass(frozen=True)
 class Adapter:
-    """One adapter a job trains: its name, config, and its own train and eval files."""
+    """One adapter a job trains: its name, config, and its own train and eval data (no
+    eval: `[data] eval_fraction` of the train rows)."""
 
     name: str
     config: Any
-    train: Path
-    eval: Path
+    train: Source
+    eval: Source | None
     # a config whose `total_step` the table left out takes the run's number of steps
     steps_from_run: bool = False
 
@@ -390,21 +403,31 @@ class Job:
                 f"{path}: a job needs exactly one adapter table, {table_names()} (or "
                 "[[adapters]] entries)"
             )
-        for name in ("train", "eval"):
-            if self.data[name] is None:
-                raise UsageError(f"{path}: [data] needs {name!r}, a .jsonl or .csv file")
-            if not isinstance(self.data[name], str):
-                raise UsageError(
-                    f"{path}: data.{name} must be a file name, got {self.data[name]!r}"
-                )
+        if self.data["train"] is None:
+            raise UsageError(f"{path}: [data] needs 'train': {SOURCES}")
+        if self.data["eval"] is not None and self.data["eval_fraction"] is not None:
+            raise UsageError(
+                f"{path}: data.eval and data.eval_fraction both give the eval rows: give one, "
+                "the eval data or the share of the train rows to evaluate on"
+            )
         config, from_run = self._config(tables[0], raw[tables[0]], f"{path}: [{tables[0]}]")
         return Adapter(
             "default",
             config,
-            path.parent / self.data["train"],
-            path.parent / self.data["eval"],
+            data_source(self.data["train"], "data.train", path),
+            self._eval(self.data["eval"], "data.eval", path),
             from_run,
         )
+
+    def _eval(self, value: Any, name: str, path: Path) -> Source | None:
+        """The eval data `name` gives, or None for `[data] eval_fraction` of the train
+        rows; one of the two is needed."""
+        if value is None and self.data["eval_fraction"] is None:
+            raise UsageError(
+                f"{path}: {name} or data.eval_fraction is needed: the eval data "
+                f"({SOURCES}), or the share of the train rows to evaluate on (e.g. 0.1)"
+            )
+        return None if value is None else data_source(value, name, path)
 
     def _several(self, raw: dict[str, Any], path: Path) -> list[Adapter]:
         entries = raw["adapters"]
@@ -436,11 +459,11 @@ class Job:
             for key in entry:
                 if key not in keys:
                     raise unknown_key(f"[[adapters]][{n}] of {path}", key, keys)
-            for key in ("name", "train", "eval"):
+            for key in ("name", "train"):
                 if key not in entry:
                     raise UsageError(f"{where}: missing {key!r}")
-                if not isinstance(entry[key], str):
-                    raise UsageError(f"{where}: {key} must be a string, got {entry[key]!r}")
+            if not isinstance(entry["name"], str):
+                raise UsageError(f"{where}: name must be a string, got {entry['name']!r}")
             name = entry["name"]
             if not ADAPTER_NAME.fullmatch(name) or name == BASE:
                 raise UsageError(
@@ -474,8 +497,10 @@ class Job:
             config, from_run = self._config(
                 kinds[0], entry[kinds[0]], f"{where}: [adapters.{kinds[0]}]"
             )
-            files = (path.parent / entry["train"], path.parent / entry["eval"])
-            adapters.append(Adapter(name, config, *files, from_run))
+            at = f"[[adapters]][{n}]"
+            train = data_source(entry["train"], f"{at}.train", path)
+            evaluate = self._eval(entry.get("eval"), f"{at}.eval", path)
+            adapters.append(Adapter(name, config, train, evaluate, from_run))
         share = self.train["batch_size"] / len(adapters)
         if share != int(share):
             raise UsageError(
@@ -548,12 +573,16 @@ class Job:
         """The `[train]` settings of `peftx.train.make_optimizer` (and `fit`)."""
         return {key: self.train[key] for key in OPTIMIZER_KEYS}
 
+    def sources(self) -> list[Source]:
+        """The job's data sources, each once."""
+        given = (s for a in self.adapters for s in (a.train, a.eval) if s is not None)
+        return list(dict.fromkeys(given))
+
     def resolved(self) -> dict[str, Any]:
-        """The job as it runs, with its data files' sizes and hashes, for `job.json` (a
-        resumed run must be the same job on the same data)."""
+        """The job as it runs, with its data's sizes and hashes, for `job.json` (a resumed
+        run must be the same job on the same data)."""
         plain = json.loads(json.dumps(self.raw, default=str))
         plain["model"] = {k: str(v) for k, v in vars(self.model).items()}
         if self._data_record is None:  # hashed once a run
-            files = dict.fromkeys(p for a in self.adapters for p in (a.train, a.eval))
-            self._data_record = data_record(list(files))
+            self._data_record = data_record(self.sources())
         return {**plain, DATA_FILES: self._data_record}

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from .._files import file_mode, remove_leftovers, swap_in, write_text
 from ..sharding import agree, writes_files
 from ._common import UsageError
+from ._sources import Source, local_paths
 
 MARKER = ".peftx-run"
 LOCK = ".peftx-lock"
@@ -25,24 +26,40 @@ RUN_ENTRIES = frozenset(
     | {"adapter", "merged", "checkpoints"}
 )
 Plan = Literal["new", "resume", "replace"]
-# the job's record of its data files (`data_record`): a run resumes only on the same bytes
+# the job's record of its data (`data_record`): a run resumes only on the same bytes
 DATA_FILES = "data_files"
 # where a run computes, not what: its checkpoints restore onto any mesh and device count
 PLACEMENT = "mesh"
 
 
-def data_record(paths: list[Path]) -> dict[str, dict[str, Any] | None]:
-    """Each data file's size and SHA-256, for `job.json` (None for a file that cannot be
-    read: reading the data reports it)."""
-    record: dict[str, dict[str, Any] | None] = {}
-    for path in paths:
-        try:
-            with path.open("rb") as f:
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
-                record[str(path)] = {"bytes": os.fstat(f.fileno()).st_size, "sha256": digest}
-        except OSError:
-            record[str(path)] = None
+def data_record(sources: list[Source]) -> dict[str, Any]:
+    """Each data source's record, for `job.json`: a file's size and SHA-256 (None for a
+    file that cannot be read: reading the data reports it); a directory's, or a spec's
+    (its directory, or the files its `data_files` match), `files`: each file's, by path."""
+    record: dict[str, Any] = {}
+    for source in sources:
+        if isinstance(source, Path) and not source.is_dir():
+            record[str(source)] = _file_record(source)
+        else:
+            files = sorted({f for p in local_paths(source) for f in _files(p)})
+            record[str(source)] = {"files": {str(f): _file_record(f) for f in files}}
     return record
+
+
+def _file_record(path: Path) -> dict[str, Any] | None:
+    try:
+        with path.open("rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            return {"bytes": os.fstat(f.fileno()).st_size, "sha256": digest}
+    except OSError:
+        return None
+
+
+def _files(path: Path) -> list[Path]:
+    """`path`, or the files in the directory `path` and those below it."""
+    if not path.is_dir():
+        return [path]
+    return [f for f in path.rglob("*") if f.is_file()]
 
 
 def staging_dir(out: Path) -> Path:
@@ -60,15 +77,18 @@ def plan_output(
     """What a run of `job` (its `job.json`) does with `out`: start there (`"new"`), go on
     from its checkpoints (`"resume"`), or run beside it and replace it when done
     (`"replace"`). Reads only; a directory that is not peftx's, or that a run may not
-    replace, is a `UsageError`. `protected` (the model directory, the data files, each
-    with what it is) may not be `out` or lie inside it."""
+    replace, is a `UsageError`. `protected` (the model directory, the data files and
+    directories, each with what it is) may not be `out` or lie inside it, nor may `out`
+    lie inside a data directory."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"output.dir {str(out)!r} is a file; name a directory")
     real = out.resolve()
     for what, path in protected:
         other = path.resolve()
-        if other == real or real in other.parents:
-            relation = "is" if other == real else "contains"
+        # a run inside a data directory would be read, and recorded, as part of its data
+        inside = what == "data directory" and other in real.parents
+        if other == real or real in other.parents or inside:
+            relation = "is" if other == real else "lies inside" if inside else "contains"
             raise UsageError(
                 f"output.dir {str(out)!r} {relation} the {what} {str(path)!r}; a run's output "
                 "goes in a directory of its own, e.g. runs/NAME"
@@ -112,15 +132,41 @@ def _mismatch(recorded: Any, job: dict[str, Any]) -> str | None:
     then = recorded.get(DATA_FILES)
     if not isinstance(then, dict):
         return "a different job"
-    for path, now in job[DATA_FILES].items():
-        old = then.get(path)
+    for source, now in job[DATA_FILES].items():
+        old = then.get(source)
         if now is not None and now != old:
-            was = "a file not read" if not isinstance(old, dict) else _describe(old)
-            return (
-                f"a run on data file {path!r} as it was then ({was}); it has changed since "
-                f"({_describe(now)}): put it back to resume"
-            )
+            return _changed(source, old, now)
     return None
+
+
+def _changed(source: str, old: Any, now: dict[str, Any]) -> str:
+    """How data `source` differs from when a run recorded it (`old`; `now`: its record
+    today), for "holds checkpoints of ...": the file, or the first file of a directory's
+    or spec's, that changed."""
+    if "files" not in now:
+        was = _describe(old) if isinstance(old, dict) else "a file not read"
+        return (
+            f"a run on data file {source!r} as it was then ({was}); it has changed since "
+            f"({_describe(now)}): put it back to resume"
+        )
+    before = old.get("files") if isinstance(old, dict) else None
+    before = before if isinstance(before, dict) else {}
+    files = before.keys() | now["files"]
+    changed = sorted(f for f in files if before.get(f) != now["files"].get(f))
+    if not changed:
+        return f"a run on data {source!r} when it was a file: put it back to resume"
+    name = changed[0]
+    return (
+        f"a run on data {source!r} as it was then; its file {name!r} has changed since "
+        f"({_state(before, name)} then, {_state(now['files'], name)} now): put it back to "
+        "resume"
+    )
+
+
+def _state(files: dict[str, Any], name: str) -> str:
+    if name not in files:
+        return "absent"
+    return _describe(files[name]) if isinstance(files[name], dict) else "not read"
 
 
 def _describe(file: dict[str, Any]) -> str:

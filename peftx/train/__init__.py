@@ -19,7 +19,6 @@ from ._data import (
     eval_batches as eval_batches,
     mixed_batches as mixed_batches,
     pad_to as pad_to,
-    read_records as read_records,
     supervised_tokens as supervised_tokens,
     train_batches as train_batches,
 )
@@ -37,6 +36,11 @@ from ._preference import (
     precompute_ref_log_probs as precompute_ref_log_probs,
     reference_model as reference_model,
     sequence_log_probs as sequence_log_probs,
+)
+from ._records import (
+    load_local_dataset as load_local_dataset,
+    read_records as read_records,
+    split_records as split_records,
 )
 from ._slots import (
     keep_untrained_slots as keep_untrained_slots,

@@ -1,61 +1,16 @@
-"""Data for fine-tuning: records from JSONL or CSV, tokenized to fixed shapes, packed
-for causal LM, and batched in an order a run can resume from."""
+"""Data for fine-tuning: rows (see `_records.py`) tokenized to fixed shapes, packed for
+causal LM, and batched in an order a run can resume from."""
 
 import bisect
-import csv
-import io
-import json
 import re
 import warnings
 from collections.abc import Iterator, Sequence
 from numbers import Integral
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
 IGNORE = -100  # transformers' label for tokens and rows the loss leaves out
-
-
-def read_records(path: str | Path, columns: Sequence[str]) -> list[dict[str, Any]]:
-    """The rows of a `.jsonl` (one JSON object per line) or `.csv` (with a header) file,
-    UTF-8 (a byte-order mark is allowed), each checked to have `columns`."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file {str(path)!r} does not exist")
-    if path.suffix not in (".jsonl", ".csv"):
-        raise ValueError(f"data file {str(path)!r}: expected a .jsonl or .csv file")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise ValueError(
-            f"data file {str(path)!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line "
-            f"{line}); save it as UTF-8"
-        ) from None
-    if path.suffix == ".jsonl":
-        rows = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(rows[-1], dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object, got {line[:40]!r}")
-    else:
-        rows = list(csv.DictReader(io.StringIO(text, newline="")))
-    if not rows:
-        raise ValueError(f"data file {str(path)!r} has no rows")
-    for n, row in enumerate(rows, 1):
-        missing = [c for c in columns if c not in row]
-        if missing:
-            raise ValueError(
-                f"{path}: row {n} has no column {missing[0]!r}; its columns are {sorted(row)}"
-            )
-    return rows
 
 
 def supervised_tokens(data: dict[str, np.ndarray]) -> int:
