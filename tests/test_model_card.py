@@ -14,7 +14,7 @@ import peft
 import pytest
 import torch
 import transformers
-from helpers import WORDS
+from helpers import WORDS, run_cli
 from huggingface_hub import ModelCard
 
 import peftx
@@ -146,3 +146,23 @@ def test_bank_saves_the_card(llama, base, tmp_path):
     assert _cards(tmp_path) == [CARD]
     card = ModelCard.load(tmp_path / CARD)
     assert card.data.base_model == str(llama / "base") and "- `r`: `4`" in card.text
+
+
+@pytest.mark.command_run
+def test_finetune_card_names_the_data_and_the_final_metrics(llama, tmp_path, capsys):
+    out = tmp_path / "run"
+    sets = [f"output.dir={out}", "train.steps=4", "output.merged=false"]
+    code, stdout, err = run_cli(
+        capsys, "finetune", llama / "job.toml", *[a for s in sets for a in ("--set", s)]
+    )
+    assert code == 0, (stdout, err)
+    card = ModelCard.load(out / "adapter" / CARD)
+    assert card.data.base_model == str(llama / "base")
+    assert card.data.pipeline_tag == "text-generation"
+    lines = card.text.splitlines()
+    assert f"| train | `{llama / 'train.jsonl'}` |" in lines
+    assert f"| eval | `{llama / 'eval.jsonl'}` |" in lines
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 4 and "## Evaluation after 4 steps" in lines
+    for name, value in summary["after"].items():
+        assert f"| {name} | {value:.6g} |" in lines
