@@ -17,7 +17,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import ModelCardData
 
 from ._config import CONFIG_CLASSES, CONFIG_NAME, PEFT_BASE_KEYS
 from ._errors import caller_level
@@ -113,7 +113,8 @@ def card_text(configs: Mapping[str, Mapping[str, Any]], sections: Sections | Non
         f"- Equinox {eqx.__version__}",
         *(f"- PEFT {v}" for v in versions),
     ]
-    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n" + "\n".join(lines) + "\n"))
+    # as `ModelCard` writes it (whose module would load the Hub's client on `import peftx`)
+    return f"---\n{data.to_yaml()}\n---\n" + "\n".join(lines) + "\n"
 
 
 def _adapter(name: str, config: Mapping[str, Any]) -> list[str]:
