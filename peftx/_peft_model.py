@@ -325,9 +325,9 @@ class PeftModel(eqx.Module):
         adapter's method and config, and the versions of peftx, JAX, Equinox and the
         config's `peft_version`. `model_card` adds sections by heading, each a mapping
         shown as a table (nested mappings flattened), e.g. `{"Data": {"train": path},
-        "Evaluation": result.after}`. peftx's card (its first line is `<!-- peftx model
-        card...`) is rewritten by each save; a `README.md` that peftx did not write is
-        kept as it is, and no card is written (with a warning).
+        "Evaluation": result.after}`. peftx's card (the one with a line starting
+        `<!-- peftx model card`) is rewritten by each save; a `README.md` that peftx did
+        not write is kept as it is, and no card is written (with a warning).
 
         `path_initial_model_for_weight_conversion`: PEFT's conversion of a PiSSA adapter
         into a plain LoRA on the original base: the directory of the adapter as it was
