@@ -54,6 +54,7 @@ from ._targets import (
     Targets as Targets,
     targets as targets,
 )
+from ._version import __version__ as __version__
 from .adapters import (
     AdaLoraConfig as AdaLoraConfig,
     IA3Config as IA3Config,
@@ -72,5 +73,3 @@ from .models import (
     generate as generate,
     save_pretrained as save_pretrained,
 )
-
-__version__ = "0.1.0"

@@ -271,7 +271,8 @@ class PeftBankModel(eqx.Module):
         **kwargs: Any,
     ) -> None:
         """Each adapter as PEFT saves it (its own rank's columns only): `"default"` in
-        `save_directory`, any other in the subfolder of its name, replaced as a whole."""
+        `save_directory`, any other in the subfolder of its name, with the model card at
+        the top, replaced as a whole (`kwargs`: `PeftModel.save_pretrained`'s)."""
         model = self.to_peft_model(selected_adapters)
         configs = {n: self.peft_config[n] for n in model.adapter_names}
         for name, config in configs.items():

@@ -1,6 +1,10 @@
-"""Every error peftx raises on purpose, in one place."""
+"""Every error peftx raises on purpose, in one place, and where its warnings point."""
 
 import difflib
+import os
+import sys
+
+import equinox as eqx
 
 
 class MaterializationError(RuntimeError):
@@ -83,3 +87,13 @@ def listing(keys: list[str], limit: int = 8) -> str:
     """`keys` for a message: the first `limit` quoted, then how many more."""
     shown = ", ".join(repr(k) for k in keys[:limit])
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def caller_level() -> int:
+    """The `stacklevel` of the first frame outside peftx and equinox (whose method
+    wrappers add frames), so that a warning points at the user's call."""
+    inside = tuple(os.path.dirname(m.__file__) + os.sep for m in (eqx, sys.modules["peftx"]))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -19,6 +19,7 @@ import safetensors.numpy
 from ._config import CONFIG_NAME, load_config
 from ._errors import CheckpointError, TargetNotFoundError, listing
 from ._files import replaced_directory
+from ._model_card import CARD_NAME, Sections, card_text, writes_card
 from ._select import Predicate, Selection, dotted, node_at, select
 from ._targets import (
     expert_fields,
@@ -334,9 +335,10 @@ def save_adapters(
     selected_adapters: Sequence[str] | None = None,
     save_embedding_layers: bool | str = "auto",
     initial: str | os.PathLike[str] | None = None,
+    card: Sections | None = None,
 ) -> None:
     """`PeftModel.save_pretrained`; see there (`initial`: its
-    `path_initial_model_for_weight_conversion`)."""
+    `path_initial_model_for_weight_conversion`, `card`: its `model_card`)."""
     if save_embedding_layers not in (True, False, "auto"):
         raise ValueError(
             f"save_embedding_layers must be True, False or 'auto'; got {save_embedding_layers!r}."
@@ -349,7 +351,8 @@ def save_adapters(
         raise NotADirectoryError(
             f"{str(directory)!r} is a file; save_pretrained takes a directory to write into."
         )
-    planned: list[tuple[str, dict[str, np.ndarray], str]] = []  # (folder, weights, config)
+    # (adapter name, weights, config as saved)
+    planned: list[tuple[str, dict[str, np.ndarray], dict[str, Any]]] = []
     spread = False  # whether a saved array lies partly on other processes' devices
     for name in names:
         if name != "default" and (
@@ -378,17 +381,22 @@ def save_adapters(
         saved = _saved_config(peft_model, name)
         if initial is not None:
             arrays, saved = _converted(arrays, saved, pathlib.Path(initial), name)
-        text = json.dumps(saved, indent=2, sort_keys=True) + "\n"
-        planned.append(("" if name == "default" else name, arrays, text))
+        planned.append((name, arrays, saved))
     if writes_files():  # of several processes, process 0
         size = sum(a.nbytes for _, arrays, _ in planned for a in arrays.values())
+        configs = {name: saved for name, _, saved in planned}
+        card_file = card_text(configs, card) if writes_card(directory) else None
         with replaced_directory(directory, size=size) as tmp:
-            for folder, arrays, text in planned:
-                (tmp / folder).mkdir(exist_ok=True)
+            for name, arrays, saved in planned:
+                folder = tmp if name == "default" else tmp / name
+                folder.mkdir(exist_ok=True)
                 safetensors.numpy.save_file(
-                    arrays, str(tmp / folder / WEIGHTS_NAME), metadata={"format": "pt"}
+                    arrays, str(folder / WEIGHTS_NAME), metadata={"format": "pt"}
                 )
-                (tmp / folder / CONFIG_NAME).write_text(text, encoding="utf-8")
+                text = json.dumps(saved, indent=2, sort_keys=True) + "\n"
+                (folder / CONFIG_NAME).write_text(text, encoding="utf-8")
+            if card_file is not None:  # part of the save, replaced with it
+                (tmp / CARD_NAME).write_text(card_file, encoding="utf-8")
     wait_for_writer(f"peftx save_pretrained {directory}", spread)
 
 

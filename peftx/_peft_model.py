@@ -3,7 +3,7 @@
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -295,6 +295,7 @@ class PeftModel(eqx.Module):
         *,
         save_embedding_layers: bool | Literal["auto"] = "auto",
         path_initial_model_for_weight_conversion: str | os.PathLike[str] | None = None,
+        model_card: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """Write adapters in HF PEFT's format, loadable by `peft.PeftModel.from_pretrained`.
 
@@ -316,7 +317,17 @@ class PeftModel(eqx.Module):
         The files are written into a new directory that replaces `save_directory` in
         one atomic swap: a save killed at any point leaves the old adapters or the new
         ones, never new weights beside an old config. Other files there (a tokenizer's)
-        are kept. Nothing but JSON and safetensors is written.
+        are kept. Nothing but JSON, safetensors and the Markdown card is written.
+
+        A model card, `README.md`, goes at the top of `save_directory` (as PEFT writes it;
+        none in the subfolders): front matter for the Hub (`library_name: peft`,
+        `base_model`, `tags`, the `pipeline_tag` of the config's `task_type`), each
+        adapter's method and config, and the versions of peftx, JAX, Equinox and the
+        config's `peft_version`. `model_card` adds sections by heading, each a mapping
+        shown as a table (nested mappings flattened), e.g. `{"Data": {"train": path},
+        "Evaluation": result.after}`. peftx's card (the one with a line starting
+        `<!-- peftx model card`) is rewritten by each save; a `README.md` that peftx did
+        not write is kept as it is, and no card is written (with a warning).
 
         `path_initial_model_for_weight_conversion`: PEFT's conversion of a PiSSA adapter
         into a plain LoRA on the original base: the directory of the adapter as it was
@@ -330,6 +341,7 @@ class PeftModel(eqx.Module):
             selected_adapters,
             save_embedding_layers,
             path_initial_model_for_weight_conversion,
+            model_card,
         )
 
     @classmethod

@@ -4,8 +4,6 @@ resolves a config against a model once, into one `AdaptedLayer` record per layer
 and saving adapters read those records."""
 
 import dataclasses
-import os
-import sys
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -14,7 +12,7 @@ import equinox as eqx
 import jax
 
 from ._config import AdaptedLayer, AdaptedParameter
-from ._errors import TargetNotFoundError, UnsupportedTargetError
+from ._errors import TargetNotFoundError, UnsupportedTargetError, caller_level
 from ._select import (
     Predicate,
     Selection,
@@ -281,18 +279,8 @@ def _warn_unmatched(modules: Selection, target: tuple[str, ...]) -> None:
                 f"target_modules entry {entry!r} matches no module of this model, so it "
                 f"adapts nothing (the other entries do). {suggest_names(modules, [entry])}",
                 UserWarning,
-                stacklevel=_caller_level(),
+                stacklevel=caller_level(),
             )
-
-
-def _caller_level() -> int:
-    """The `stacklevel` of the first frame outside peftx and equinox (whose method
-    wrappers add frames), so that a warning points at the user's call."""
-    inside = tuple(os.path.dirname(m.__file__) + os.sep for m in (eqx, sys.modules["peftx"]))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def layer_paths(path: str) -> list[str]:

@@ -29,6 +29,7 @@ import peftx.models as pm
 VOCAB = 97
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
+CARD = "README.md"
 PREFIX = "base_model.model."
 # keys of adapter_config.json that legitimately differ between the two writers
 BOOKKEEPING = {"peft_version", "auto_mapping", "base_model_name_or_path"}
@@ -271,7 +272,8 @@ def test_same_files_as_peft(case, checkpoint, base, tmp_path):
     )
     theirs.save_pretrained(tmp_path / "theirs")
     assert_same_adapter_dir(tmp_path / "ours", tmp_path / "theirs")
-    assert tree_files(tmp_path / "ours") == [CONFIG, WEIGHTS]
+    files = tree_files(tmp_path / "ours")
+    assert files == tree_files(tmp_path / "theirs") == [CARD, CONFIG, WEIGHTS]
 
 
 @pytest.mark.parametrize("save_embedding_layers", [True, False])
@@ -347,10 +349,7 @@ def test_two_adapters_same_files_as_peft(kind, checkpoint, base, tmp_path):
     )
     theirs.add_adapter("other", peft.LoraConfig(**second))
     theirs.save_pretrained(tmp_path / "theirs")
-    # PEFT also writes a README.md model card; the adapter files are the same
-    assert tree_files(tmp_path / "ours") == tree_files(
-        tmp_path / "theirs", {".json", ".safetensors"}
-    )
+    assert tree_files(tmp_path / "ours") == tree_files(tmp_path / "theirs")
     assert_same_adapter_dir(tmp_path / "ours", tmp_path / "theirs")
     assert_same_adapter_dir(tmp_path / "ours" / "other", tmp_path / "theirs" / "other")
 
@@ -361,7 +360,7 @@ def test_selected_adapters(base, tmp_path):
     )
     ours = ours.add_adapter("other", peftx.LoraConfig(**SECOND), key=jax.random.key(1))
     ours.save_pretrained(tmp_path, selected_adapters=["other"])
-    assert tree_files(tmp_path) == [f"other/{CONFIG}", f"other/{WEIGHTS}"]
+    assert tree_files(tmp_path) == [CARD, f"other/{CONFIG}", f"other/{WEIGHTS}"]
 
 
 def test_bf16_factors_written_in_bf16(base, tmp_path):
@@ -672,7 +671,7 @@ def test_adapter_saved_under_another_name(saved, base, tmp_path):
     named = peftx.PeftModel.from_pretrained(base("llama"), path, adapter_name="mine")
     assert named.adapter_names == ("mine",)
     named.save_pretrained(tmp_path)
-    assert tree_files(tmp_path) == [f"mine/{CONFIG}", f"mine/{WEIGHTS}"]
+    assert tree_files(tmp_path) == [CARD, f"mine/{CONFIG}", f"mine/{WEIGHTS}"]
     for f in (CONFIG, WEIGHTS):
         assert (tmp_path / "mine" / f).read_bytes() == (path / f).read_bytes()
     again = peftx.PeftModel.from_pretrained(base("llama"), tmp_path, adapter_name="mine")
@@ -853,7 +852,7 @@ def test_failed_save_leaves_earlier_adapter(saved, base, tmp_path, monkeypatch, 
     assert_same_leaves(loaded, model)
 
 
-def test_save_writes_only_json_and_safetensors(base, tmp_path):
+def test_save_writes_only_json_safetensors_and_the_card(base, tmp_path):
     ours = peftx.get_peft_model(
         base("llama-cls"),
         peftx.LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS"),
@@ -866,7 +865,7 @@ def test_save_writes_only_json_and_safetensors(base, tmp_path):
     )
     ours.save_pretrained(tmp_path)
     files = tree_files(tmp_path)
-    assert files == sorted([CONFIG, WEIGHTS, f"other/{CONFIG}", f"other/{WEIGHTS}"])
+    assert files == sorted([CARD, CONFIG, WEIGHTS, f"other/{CONFIG}", f"other/{WEIGHTS}"])
     for f in files:
         data = (tmp_path / f).read_bytes()
         assert not data.startswith(b"\x80"), f  # no pickle

@@ -121,6 +121,10 @@ def test_a_bank_job_writes_three_adapters_peft_loads(bank_run, llama):
         config = json.loads((dirs[name] / "adapter_config.json").read_text())
         assert config["r"] == r and config["use_rslora"] == (name == "back")
         assert f"adapter {name!r} (PEFT format): {dirs[name]}" in out
+    # one model card for the bank, at the top (as PEFT writes it), naming every adapter
+    assert [str(p.relative_to(adapter)) for p in adapter.rglob("README.md")] == ["README.md"]
+    card = (adapter / "README.md").read_text()
+    assert all(f"### `{name}`: LORA, in " in card for name in NAMES)
 
     rows = ["back", "__base__", "default", "skip", "default", "back"]
     ids = np.random.default_rng(1).integers(5, len(WORDS), size=(len(rows), 10))

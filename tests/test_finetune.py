@@ -560,6 +560,13 @@ def test_two_adapters_config_trains_and_serves_as_peft(llama, tmp_path, capsys):
     saved = {n: json.loads((adapter / n / "adapter_config.json").read_text()) for n in
              ("stories", "support")}  # fmt: skip
     assert saved["stories"]["r"] == 16 and saved["support"]["r"] == 8
+    # one model card, at the top as PEFT writes it, naming each adapter's data and metrics
+    assert [str(p.relative_to(adapter)) for p in adapter.rglob("README.md")] == ["README.md"]
+    card = (adapter / "README.md").read_text().splitlines()
+    job = CONFIGS / "two_adapters_llama_causal.toml"
+    for name, data in (("stories", "tiny_stories"), ("support", "support_intents")):
+        assert f"| {name} / train | `{job.parent / 'data' / data / 'train.jsonl'}` |" in card
+        assert f"| {name} / loss | {summary['after'][name]['loss']:.6g} |" in card
 
     # PEFT serves one batch with a row per adapter and one for the base model
     rng = np.random.default_rng(1)

@@ -388,7 +388,8 @@ def _finish(
         summary["best_step"] = result.best_step
     if result.serving is not None:
         summary["serving"] = result.serving
-    peft_model.save_pretrained(work / "adapter")  # every process: the arrays are gathered
+    # every process: the arrays are gathered
+    peft_model.save_pretrained(work / "adapter", model_card=_card(job, result))
     writer = writes_files()  # process 0 of several
     if writer:
         tokenizer.save_pretrained(work / "adapter")
@@ -417,3 +418,11 @@ def _finish(
         write_text(work / "summary.json", json.dumps(summary, indent=2))
         shutil.rmtree(work / "checkpoints", ignore_errors=True)
     return written
+
+
+def _card(job: Job, result: train.FitResult) -> dict[str, dict[str, Any]]:
+    """The run's sections of the adapter's model card: the data files (each adapter's,
+    with several) and the eval metrics after training, as `summary.json` has them."""
+    files = {a.name: {"train": str(a.train), "eval": str(a.eval)} for a in job.adapters}
+    data = files if job.multi else files[job.adapters[0].name]
+    return {"Data": data, f"Evaluation after {result.steps} steps": result.after}
