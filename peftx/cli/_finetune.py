@@ -423,6 +423,16 @@ def _finish(
 def _card(job: Job, result: train.FitResult) -> dict[str, dict[str, Any]]:
     """The run's sections of the adapter's model card: the data files (each adapter's,
     with several) and the eval metrics after training, as `summary.json` has them."""
-    files = {a.name: {"train": str(a.train), "eval": str(a.eval)} for a in job.adapters}
+    fraction = job.data["eval_fraction"]
+    files = {
+        a.name: {
+            "train": str(a.train),
+            "eval": str(a.eval) if a.eval is not None else f"{fraction:g} of the train rows",
+        }
+        for a in job.adapters
+    }
     data = files if job.multi else files[job.adapters[0].name]
-    return {"Data": data, f"Evaluation after {result.steps} steps": result.after}
+    when = f"after {result.steps} steps"
+    if result.best_step is not None:  # the adapter is the best evaluation's
+        when = f"at step {result.best_step} (the best of {result.steps} steps)"
+    return {"Data": data, f"Evaluation {when}": result.after}
