@@ -146,6 +146,7 @@ def job_tables() -> tuple[str, ...]:
         "dpo",
         "orpo",
         "output",
+        "log",
         "mesh",
     )
 

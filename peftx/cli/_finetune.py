@@ -29,7 +29,7 @@ from ._common import (
     load_tokenizer,
     model_class_for,
 )
-from ._job import MAX_COUNT, Adapter, Job
+from ._job import LOG_WRITERS, MAX_COUNT, Adapter, Job
 from ._mesh import on_mesh, run_mesh
 from ._run_dir import open_run, plan_output
 from ._sources import local_paths, read_source
@@ -292,6 +292,21 @@ def _with_reference(job: Job, model: Any, pairs: list[tuple[dict, dict]]) -> lis
     ]
 
 
+def _writers(job: Job, work: Path) -> list[train.MetricWriter]:
+    """The writers the job's `[log]` turns on, for its run written in `work`: W&B's and
+    MLflow's run named `run_name` (default: output.dir's name) in `project`."""
+    log = job.log
+    name = log["run_name"] or job.out.name
+    make = {
+        "tensorboard": lambda: train.TensorBoardWriter(work / "tensorboard"),
+        "wandb": lambda: train.WandbWriter(
+            work, project=log["project"], name=name, config=job.resolved()
+        ),
+        "mlflow": lambda: train.MLflowWriter(experiment=log["project"], run_name=name),
+    }
+    return [make[key]() for key in LOG_WRITERS if log[key]]
+
+
 def _protected(job: Job) -> list[tuple[str, Path]]:
     """What a run's output may not be or hold: the model and the data (nor may it lie
     inside a data directory)."""
@@ -364,6 +379,7 @@ def _run(
             **job.best_settings(),
             out=run.work,
             resume=run.resume,
+            writers=_writers(job, run.work),
             # the collapse check compares a cross-entropy with the uniform prediction's
             vocab_size=hf_config(job.model.path)["vocab_size"] if sft_lm else None,
             mesh=mesh,
@@ -414,6 +430,7 @@ def _finish(
             copy_base_files(job.model.path, work / "merged")
         written.append(f"merged model: {out / 'merged'}")
     written += [f"metrics: {out / 'metrics.jsonl'}", f"curves: {out / 'curves.png'}"]
+    written += [f"{key}: {out / key}" for key in ("tensorboard", "wandb") if job.log[key]]
     if writer:
         write_text(work / "summary.json", json.dumps(summary, indent=2))
         shutil.rmtree(work / "checkpoints", ignore_errors=True)

@@ -12,7 +12,14 @@ from .. import BASE
 from .._bank import check_bank_config
 from .._config import TOML_TABLES, table_names
 from .._files import followed
-from ..train import DPO_LOSS_TYPES, OPTIMIZERS, SCHEDULES
+from ..train import (
+    DPO_LOSS_TYPES,
+    OPTIMIZERS,
+    SCHEDULES,
+    MLflowWriter,
+    TensorBoardWriter,
+    WandbWriter,
+)
 from ._common import (
     BUNDLED_MODEL,
     ModelSettings,
@@ -74,6 +81,10 @@ DPO_KEYS = {
 }
 ORPO_KEYS = {"beta": 0.1}
 TRUNCATION_MODES = ("keep_start", "keep_end")
+# `[log]`: each writer's key (true: mirror metrics.jsonl there), W&B's project and MLflow's
+# experiment, and the name of their run (default: output.dir's name)
+LOG_WRITERS = {"tensorboard": TensorBoardWriter, "wandb": WandbWriter, "mlflow": MLflowWriter}
+LOG_KEYS = {**dict.fromkeys(LOG_WRITERS, False), "project": "peftx", "run_name": None}
 # `[bank]`: the slots of the adapter bank the `[[adapters]]` train in (max_rank: their
 # largest r when left out)
 BANK_KEYS = {"max_adapters": None, "max_rank": None}
@@ -216,6 +227,28 @@ def _check_numbers(job: "Job", path: Path) -> None:
                 f"{path}: data.messages_column and data.prompt_column are two formats; "
                 "give one (a chat's prompt is its messages before the assistant's turn)"
             )
+
+
+def _check_log(log: dict[str, Any], path: Path) -> None:
+    """`[log]`: its flags and names, and that the package of each writer it turns on is
+    installed (one line naming it, before the run starts)."""
+    for key, writer in LOG_WRITERS.items():
+        if not isinstance(log[key], bool):
+            raise UsageError(f"{path}: log.{key} must be true or false, got {log[key]!r}")
+        if log[key]:
+            try:
+                writer.require()
+            except ImportError:
+                raise UsageError(
+                    f"{path}: [log] {key} = true needs the {writer.package} package: "
+                    f"pip install {writer.package}"
+                ) from None
+    for key in ("project", "run_name"):
+        value = log[key]
+        if value is None and key == "run_name":
+            continue  # output.dir's name
+        if not isinstance(value, str) or not value.strip():
+            raise UsageError(f"{path}: log.{key} must be a non-empty string, got {value!r}")
 
 
 def _check_objective(job: "Job", path: Path) -> None:
@@ -362,12 +395,14 @@ class Job:
         self.output = _settings(raw, "output", OUTPUT_KEYS, path)
         self.dpo = _settings(raw, "dpo", DPO_KEYS, path)
         self.orpo = _settings(raw, "orpo", ORPO_KEYS, path)
+        self.log = _settings(raw, "log", LOG_KEYS, path)
         if self.train["optimizer"] not in OPTIMIZERS:
             raise UsageError(f"{path}: train.optimizer must be one of {', '.join(OPTIMIZERS)}")
         if self.train["schedule"] not in SCHEDULES:
             raise UsageError(f"{path}: train.schedule must be one of {', '.join(SCHEDULES)}")
         _check_numbers(self, path)
         _check_objective(self, path)
+        _check_log(self.log, path)
         self.mesh = mesh_settings(raw.get("mesh"), str(path))
         self.multi = "adapters" in raw
         self.adapters = self._several(raw, path) if self.multi else [self._single(raw, path)]

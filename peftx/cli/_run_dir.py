@@ -23,13 +23,15 @@ SUMMARY = "summary.json"
 # every entry a run writes; anything else in a run directory is the user's and is kept
 RUN_ENTRIES = frozenset(
     {MARKER, LOCK, JOB, SUMMARY, "metrics.jsonl", "curves.png", "labels.json"}
-    | {"adapter", "merged", "checkpoints"}
+    | {"adapter", "merged", "checkpoints", "tensorboard", "wandb"}
 )
 Plan = Literal["new", "resume", "replace"]
 # the job's record of its data (`data_record`): a run resumes only on the same bytes
 DATA_FILES = "data_files"
 # where a run computes, not what: its checkpoints restore onto any mesh and device count
 PLACEMENT = "mesh"
+# where a run reports its metrics, not what it computes: a run resumes with other [log] keys
+LOGGING = "log"
 
 
 def data_record(sources: list[Source]) -> dict[str, Any]:
@@ -122,10 +124,10 @@ def plan_output(
 
 def _mismatch(recorded: Any, job: dict[str, Any]) -> str | None:
     """What keeps the run of `recorded` (a `job.json`) from going on as `job`, or None:
-    the job (on any mesh) and its data files must be the same."""
+    the job (on any mesh, with any `[log]`) and its data files must be the same."""
 
     def computed(j: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in j.items() if k not in (PLACEMENT, DATA_FILES)}
+        return {k: v for k, v in j.items() if k not in (PLACEMENT, LOGGING, DATA_FILES)}
 
     if not isinstance(recorded, dict) or computed(recorded) != computed(job):
         return "a different job"

@@ -1,6 +1,7 @@
 """Training: `fit`, the loop `peftx finetune` runs, and what it is made of: the jitted
 train and eval steps, their losses (supervised, and preference tuning: DPO, ORPO), data
-to fixed-shape batches, and checkpoints a run resumes from."""
+to fixed-shape batches, checkpoints a run resumes from, and writers that mirror its
+metrics to TensorBoard, Weights & Biases and MLflow."""
 
 from ._checkpoints import (
     checkpoints as checkpoints,
@@ -60,4 +61,12 @@ from ._step import (
     make_train_step as make_train_step,
     summarize as summarize,
     trained_model as trained_model,
+)
+from ._writers import (
+    MetricWriter as MetricWriter,
+    MLflowWriter as MLflowWriter,
+    TensorBoardWriter as TensorBoardWriter,
+    WandbWriter as WandbWriter,
+    mlflow_name as mlflow_name,
+    scalars as scalars,
 )

@@ -37,6 +37,7 @@ from ._step import (
     summarize,
     trained_model,
 )
+from ._writers import MetricWriter, closing_writers
 
 Data = dict[str, np.ndarray]
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -121,6 +122,7 @@ def fit(
     early_stopping_patience: int | None = None,
     out: str | os.PathLike | None = None,
     resume: bool = False,
+    writers: Sequence[MetricWriter] = (),
     vocab_size: int | None = None,
     mesh: Mesh | None = None,
     rules: Any = "fsdp",
@@ -154,6 +156,10 @@ def fit(
       otherwise. `early_stopping_patience`: stop once that many evaluations in a row have
       not improved on the best (transformers' `EarlyStoppingCallback`). A resumed run
       keeps the best so far (checkpoints hold it).
+    - `writers`: `TensorBoardWriter`, `WandbWriter`, `MLflowWriter` (any `MetricWriter`):
+      each gets the records of `metrics.jsonl` as they are written (by process 0 of
+      several; when resuming, first the records kept from before), and is closed when
+      `fit` ends, `failed` if it raised.
     - `vocab_size`: a causal LM's vocabulary, for the collapse check (below).
     - `mesh`, `rules`: train on a mesh, as `init_state` places the model.
     - `key`: dropout's PRNG key.
@@ -169,12 +175,13 @@ def fit(
     """
     names = None if adapters is None else list(adapters)
     best = _Best.for_run(keep_best, greater_is_better, early_stopping_patience, eval_every)
-    if names is not None and not len(names) == len(train_data) == len(eval_data):
-        raise ValueError(
-            f"adapters {names} need a train and an eval dataset each, in their order; got "
-            f"{len(train_data)} train and {len(eval_data)} eval datasets"
-        )
-    with jax.numpy_dtype_promotion("standard"):  # optax mixes Python floats and int32
+    # optax mixes Python floats and int32
+    with jax.numpy_dtype_promotion("standard"), closing_writers(writers):
+        if names is not None and not len(names) == len(train_data) == len(eval_data):
+            raise ValueError(
+                f"adapters {names} need a train and an eval dataset each, in their order; "
+                f"got {len(train_data)} train and {len(eval_data)} eval datasets"
+            )
         tx, rates = make_optimizer(
             steps,
             optimizer=optimizer,
@@ -196,6 +203,7 @@ def fit(
             learning_rate,
             None if out is None else Path(out),
             best,
+            writers,
         )
         state, before, after, trained = loop.train(
             state,
@@ -230,11 +238,12 @@ class _Loop:
         learning_rate: float,
         out: Path | None,
         best: "_Best | None",
+        writers: Sequence[MetricWriter],
     ):
         self.names, self.train_sets, self.eval_sets = names, train_sets, eval_sets
         self.best = best
         self.loss_fn, self.eval_batch_size = loss_fn, eval_batch_size
-        self.learning_rate, self.out = learning_rate, out
+        self.learning_rate, self.out, self.writers = learning_rate, out, writers
         self.log = None if out is None else MetricsLog(out / "metrics.jsonl")
         if out is not None and writes_files():
             out.mkdir(parents=True, exist_ok=True)
@@ -276,7 +285,7 @@ class _Loop:
             last_ckpt = ckpt_dir / f"checkpoint-{start:08d}"
             if self.best is not None:
                 self.best.restore(info.get("best"), last_ckpt, state.trainable)
-            self._truncate(after=start)
+            self._mirror(self._truncate(after=start))  # a new run of each writer: from step 0
             print(f"resuming from {last_ckpt} (step {start} of {total})")
         else:
             if resume and ckpt_dir and checkpoints(ckpt_dir):
@@ -487,10 +496,17 @@ class _Loop:
     def _write(self, *records: dict[str, Any]) -> None:
         if self.log is not None:
             self.log.write(*records)
+        self._mirror(records)
 
-    def _truncate(self, after: int) -> None:
-        if self.log is not None:
-            self.log.truncate(after)
+    def _mirror(self, records: Sequence[dict[str, Any]]) -> None:
+        """Give the writers `records` as `metrics.jsonl` holds them (by process 0)."""
+        if self.writers and records and writes_files():
+            plain = [_finite_or_null(r) for r in records]
+            for writer in self.writers:
+                writer.write(plain)
+
+    def _truncate(self, after: int) -> list[dict[str, Any]]:
+        return [] if self.log is None else self.log.truncate(after)
 
     def _plot(self, report: bool) -> None:
         if self.out is not None and report:
@@ -739,12 +755,12 @@ class MetricsLog:
         with naming_a_full_disk(self.path, len(data)), self.path.open("ab") as f:
             f.write(data)
 
-    def truncate(self, after: int) -> None:
+    def truncate(self, after: int) -> list[dict[str, Any]]:
         """Drop the records past step `after` (a killed run's, after its last checkpoint),
-        and any line a kill tore."""
+        and any line a kill tore; returns the records kept."""
         if not writes_files() or not self.path.exists():
-            return
-        kept = []
+            return []
+        kept, records = [], []
         for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
                 record = json.loads(line)
@@ -753,7 +769,9 @@ class MetricsLog:
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 if record["step"] <= after:
                     kept.append(line)
+                    records.append(record)
         write_text(self.path, "".join(line + "\n" for line in kept))
+        return records
 
 
 def plot(metrics: str | os.PathLike, png: str | os.PathLike) -> None:
