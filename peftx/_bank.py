@@ -408,7 +408,7 @@ def check_bank_config(config: Any, max_rank: int) -> None:
             ("modules_to_save", config.modules_to_save),
             (
                 f"init_lora_weights={config.init_lora_weights!r}",
-                config.init_lora_weights == "pissa",
+                config.changes_base,
             ),
         )
         if present

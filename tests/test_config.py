@@ -451,15 +451,18 @@ FROM_DICT_ERRORS = [
     ),
     (
         LoraConfig,
-        dict(init_lora_weights="olora"),
+        dict(init_lora_weights="loftq"),
         ValueError,
-        r"`init_lora_weights` must be one of True, False, 'gaussian', 'pissa'; got 'olora'",
+        (
+            r"`init_lora_weights` must be True, False, 'gaussian', 'pissa', 'pissa_niter_K' "
+            r"\(K an int\), 'olora' or 'orthogonal' \(peftx does not do PEFT's 'loftq'.*got 'loftq'"
+        ),
     ),
     (
         LoraConfig,
         dict(init_lora_weights=1),
-        ValueError,
-        "`init_lora_weights` must be one of .* got 1",
+        TypeError,
+        "`init_lora_weights` must be True, False, .* got 1 of type int",
     ),
     (
         IA3Config,

@@ -32,7 +32,7 @@ from ..._select import Predicate
 from ._dora import dora
 from ._embedding import lora_embedding
 from ._experts import expert_lora
-from ._lora import lora
+from ._lora import lora, pissa_niter
 
 # PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
 # architectures peftx users load; tests compare them with PEFT's own tables.
@@ -159,6 +159,15 @@ LORA_HARMLESS = frozenset(
 )
 
 
+_LORA_INITS = (True, False, "gaussian", "pissa", "olora", "orthogonal")
+_LORA_INIT_MEANS = (
+    "True, False, 'gaussian', 'pissa', 'pissa_niter_K' (K an int), 'olora' or 'orthogonal'"
+)
+_LORA_INIT = Range(
+    lambda v: any(type(v) is type(c) and v == c for c in _LORA_INITS) or pissa_niter(v) is not None,
+    f"`{{name}}` must be {_LORA_INIT_MEANS} (peftx does not do PEFT's 'loftq', 'eva', "
+    "'corda', 'lora_ga' or 'mica')",
+)
 _LORA_RANK = Range(
     RANK.holds, f"`r` (the LoRA rank) must be a positive integer (at most {MAX_RANK})"
 )
@@ -185,7 +194,13 @@ class LoraConfig(AbstractAdapterConfig):
     - `use_rslora`: rank-stabilized scaling `lora_alpha / sqrt(r)`.
     - `modules_to_save`: modules trained in full and saved alongside the adapter.
     - `init_lora_weights`: `True` (Kaiming-uniform A, zero B: a no-op at start), `False`
-      (random B too, for tests), `"gaussian"` (normal A with std `1/r`), `"pissa"`.
+      (random B too, for tests), `"gaussian"` (normal A with std `1/r`), `"pissa"` (the
+      top-`r` singular triplets of each weight, which is replaced by the residual),
+      `"pissa_niter_K"` (the same by randomized SVD with `K` subspace iterations, drawn
+      from the key), `"olora"` (the first `r` columns of `W = QR`, the residual replacing
+      `W`), `"orthogonal"` (random factors with `B @ A = 0`, from a random orthogonal
+      matrix; `r` even; the base is left as it is). These last four are for Linear layers,
+      as in PEFT; a file saved with one loads as PEFT loads it (the residual re-derived).
     - `layers_to_transform`: only these layer indices (the first numbered path segment, or
       the one after `layers_pattern`). Not allowed with a regex `target_modules`.
     - `layers_pattern`: the name of the layer list (`"layers"`, `"h"`); needs
@@ -215,7 +230,7 @@ class LoraConfig(AbstractAdapterConfig):
     lora_dropout: int | float = field(default=0.0, range=PROBABILITY, converter=float)
     bias: Literal["none", "all", "lora_only"] = "none"
     use_rslora: bool = False
-    init_lora_weights: bool | Literal["gaussian", "pissa"] = True
+    init_lora_weights: bool | str = field(default=True, range=_LORA_INIT, means=_LORA_INIT_MEANS)
     rank_pattern: dict[str, int] = field(default_factory=dict, range=RANKS, means=RANKS_TYPE)
     alpha_pattern: dict[str, int | float] = field(
         default_factory=dict, range=SCALES, means=SCALES_TYPE
@@ -241,15 +256,17 @@ class LoraConfig(AbstractAdapterConfig):
                 "lora_dropout": self.lora_dropout != 0.0,
                 "use_dora": self.use_dora,
                 "fan_in_fan_out": self.fan_in_fan_out,
-                "init_lora_weights='pissa'": self.init_lora_weights == "pissa",
+                f"init_lora_weights={self.init_lora_weights!r}": self.init_lora_weights
+                not in (True, False, "gaussian"),
             }
             bad = [name for name, on in refused.items() if on]
             if bad:
                 raise ValueError(
                     f"target_parameters {list(self.target_parameters)} cannot be combined with "
                     f"{', '.join(bad)}: an expert stack's LoRA has no dropout (its input cannot "
-                    "be factored out), no DoRA, no PiSSA and no transposed layout (as in PEFT). "
-                    "Set lora_dropout=0, use_dora=False, fan_in_fan_out=False, or drop "
+                    "be factored out), no DoRA, no init from the weight (PiSSA, OLoRA) and no "
+                    "transposed layout (as in PEFT). Set lora_dropout=0, use_dora=False, "
+                    "fan_in_fan_out=False, init_lora_weights True, False or 'gaussian', or drop "
                     "target_parameters."
                 )
 
@@ -358,7 +375,8 @@ class LoraConfig(AbstractAdapterConfig):
 
     @property
     def changes_base(self) -> bool:
-        return self.init_lora_weights == "pissa"
+        init = self.init_lora_weights
+        return init in ("pissa", "olora") or pissa_niter(init) is not None
 
     def combined(
         self,

@@ -3,6 +3,7 @@
 import abc
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
@@ -33,7 +34,8 @@ from .._products import (
     low_rank,
 )
 
-LoraInit = Literal["default", "gaussian", "pissa", "random"]
+# and "pissa_niter_K" (K a non-negative int): PiSSA by randomized SVD
+LoraInit = Literal["default", "gaussian", "pissa", "olora", "orthogonal", "random"]
 
 
 class AbstractLowRank(AbstractAdapter):
@@ -453,7 +455,7 @@ def lora(
     *,
     r: int = 8,
     lora_alpha: float | int = 8.0,
-    init: LoraInit = "default",
+    init: LoraInit | str = "default",
     use_rslora: bool = False,
     lora_dropout: float | int = 0.0,
     dtype: Any = jnp.float32,
@@ -470,7 +472,12 @@ def lora(
       `lora_B` zeros, so the output equals the base model's. `"gaussian"`: `lora_A` normal
       with std `1/r`, `lora_B` zeros. `"pissa"`: the top-`r` singular triplets of `W` go
       into the factors and `W` is replaced by the residual (same output as the base).
-      `"random"` (`False`): both factors random, for tests.
+      `"pissa_niter_K"`: the same from a randomized SVD (Halko et al., as
+      `torch.svd_lowrank(W, r, niter=K)`), drawn with `key`. `"olora"`: the QR
+      decomposition `W = QR` gives `lora_B = Q[:, :r]`, `lora_A = R[:r]`, and `W` is
+      replaced by the residual. `"orthogonal"`: `lora_A` and `lora_B` random, built from the
+      odd and even rows of a random orthogonal `r × r` matrix, so that `B @ A = 0` (`r` must
+      be even); `W` is left as it is. `"random"` (`False`): both factors random, for tests.
     - `dtype`: the factors' dtype (PEFT keeps adapters in float32).
     - `key`: a JAX PRNG key.
 
@@ -487,8 +494,14 @@ def lora(
     a_key, b_key = jax.random.split(key)
     # Kaiming-uniform with a=sqrt(5), PyTorch's default for Linear/Conv weights.
     a_bound = 1.0 / math.sqrt(in_ * math.prod(kernel))
-    if init == "pissa":
-        weight, lora_A, lora_B = _pissa(weight, r, lora_alpha, use_rslora, dtype)
+    scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
+    niter = pissa_niter(init)
+    if init == "pissa" or niter is not None:
+        weight, lora_A, lora_B = _pissa(weight, r, scaling, dtype, niter, a_key)
+    elif init == "olora":
+        weight, lora_A, lora_B = _olora(weight, r, scaling, dtype)
+    elif init == "orthogonal":
+        lora_A, lora_B = _orthogonal(weight, r, dtype, key)
     elif init in ("default", "gaussian", "random"):
         if init == "gaussian":
             lora_A = jax.random.normal(a_key, a_shape, dtype) / r
@@ -501,7 +514,8 @@ def lora(
             lora_B = jnp.zeros(b_shape, dtype)
     else:
         raise ValueError(
-            f"unknown LoRA init {init!r}; expected one of 'default', 'gaussian', 'pissa', 'random'."
+            f"unknown LoRA init {init!r}; expected one of 'default', 'gaussian', 'pissa', "
+            "'pissa_niter_K' (K an int), 'olora', 'orthogonal', 'random'."
         )
     return LoraArray(
         weight,
@@ -513,28 +527,99 @@ def lora(
     )
 
 
-def _pissa(
-    weight: Any, r: int, lora_alpha: float | int, use_rslora: bool, dtype: Any
-) -> tuple[Array, Array, Array]:
+def pissa_niter(init: Any) -> int | None:
+    """K of PEFT's `init_lora_weights="pissa_niter_K"`, else None."""
+    found = re.fullmatch(r"pissa_niter_(\d+)", init) if isinstance(init, str) else None
+    return None if found is None else int(found.group(1))
+
+
+def _dense_2d(weight: Any, r: int, what: str) -> Array:
+    """`weight` as a float32 array, if it is a dense 2-D floating-point one with at least
+    `r` singular vectors."""
     if isinstance(weight, ImplicitArray) or weight.ndim != 2:
         raise TypeError(
-            "PiSSA initialization needs a dense 2-D floating-point weight; quantize the "
+            f"{what} initialization needs a dense 2-D floating-point weight; quantize the "
             f"residual afterwards. Got {type(weight).__name__} of shape {tuple(weight.shape)}."
         )
     if not jnp.issubdtype(weight.dtype, jnp.floating):
-        raise TypeError(f"PiSSA needs a floating-point weight, got dtype {weight.dtype}.")
+        raise TypeError(f"{what} needs a floating-point weight, got dtype {weight.dtype}.")
     if r > min(weight.shape):
         raise ValueError(
-            f"PiSSA takes r={r} singular vectors of a weight of shape {tuple(weight.shape)}, "
+            f"{what} takes r={r} singular vectors of a weight of shape {tuple(weight.shape)}, "
             f"which has only {min(weight.shape)}; use r <= {min(weight.shape)}."
         )
-    scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
-    u, s, vh = jnp.linalg.svd(weight.astype(jnp.float32), full_matrices=False)
-    root = jnp.sqrt(s[:r] / scaling)
-    lora_A = root[:, None] * vh[:r]
-    lora_B = u[:, :r] * root[None, :]
-    residual = weight.astype(jnp.float32) - scaling * lora_B @ lora_A
+    return weight.astype(jnp.float32)
+
+
+def _pissa(
+    weight: Any, r: int, scaling: float, dtype: Any, niter: int | None, key: PRNGKeyArray
+) -> tuple[Array, Array, Array]:
+    """PEFT's `pissa_init`: the top-`r` singular triplets (exact, or by `svd_lowrank` with
+    `niter` subspace iterations) split evenly between the factors; `W` less their product."""
+    w = _dense_2d(weight, r, "PiSSA")
+    if niter is None:
+        u, s, vh = jnp.linalg.svd(w, full_matrices=False)
+        u, s, vh = u[:, :r], s[:r], vh[:r]
+    else:
+        u, s, vh = svd_lowrank(w, r, niter=niter, key=key)
+    root = jnp.sqrt(s / scaling)
+    lora_A = root[:, None] * vh
+    lora_B = u * root[None, :]
+    residual = w - scaling * lora_B @ lora_A
     return residual.astype(weight.dtype), lora_A.astype(dtype), lora_B.astype(dtype)
+
+
+def svd_lowrank(
+    a: Array, q: int, *, niter: int = 2, key: PRNGKeyArray
+) -> tuple[Array, Array, Array]:
+    """`(u (m, q), s (q,), vh (q, n))` with `u @ diag(s) @ vh ≈ a`: torch's `svd_lowrank`
+    (Halko et al. 2009, algorithms 4.4 and 5.1: a Gaussian sketch of `q` columns and `niter`
+    subspace iterations, on the transpose when `a` is wide), with the sketch drawn from
+    `key`."""
+    m, n = a.shape
+    wide = m < n
+    if wide:
+        a = a.T
+    sketch = jax.random.normal(key, (a.shape[1], q), a.dtype)
+    basis = jnp.linalg.qr(a @ sketch)[0]
+    for _ in range(niter):
+        basis = jnp.linalg.qr(a.T @ basis)[0]
+        basis = jnp.linalg.qr(a @ basis)[0]
+    u, s, vh = jnp.linalg.svd(basis.T @ a, full_matrices=False)
+    u = basis @ u
+    if wide:
+        u, vh = vh.T, u.T
+    return u, s, vh
+
+
+def _olora(weight: Any, r: int, scaling: float, dtype: Any) -> tuple[Array, Array, Array]:
+    """PEFT's `olora_init`: `W = QR`, `lora_B = Q[:, :r]`, `lora_A = R[:r]`, and `W` less
+    `scaling · B @ A`."""
+    w = _dense_2d(weight, r, "OLoRA")
+    q, rr = jnp.linalg.qr(w)
+    lora_B, lora_A = q[:, :r], rr[:r]
+    residual = w - scaling * lora_B @ lora_A
+    return residual.astype(weight.dtype), lora_A.astype(dtype), lora_B.astype(dtype)
+
+
+def _orthogonal(weight: Any, r: int, dtype: Any, key: PRNGKeyArray) -> tuple[Array, Array]:
+    """PEFT's `orthogonal_init`: `A = (G_A @ Q[0::2]).T / 10`, `B = G_B @ Q[1::2] / 10` with
+    `Q` a random orthogonal `r × r` matrix and `G_A (in, r/2)`, `G_B (out, r/2)` standard
+    normal, so that `B @ A = 0`; rounded to the base weight's dtype, as PEFT stores them."""
+    if r % 2:
+        raise ValueError(f"Orthogonal initialization requires the LoRA rank to be even, got {r}.")
+    if len(weight.shape) != 2:
+        raise TypeError(
+            "orthogonal initialization is for Linear weights (as in PEFT); got a weight of "
+            f"shape {tuple(weight.shape)}."
+        )
+    out, in_ = weight.shape
+    q_key, a_key, b_key = jax.random.split(key, 3)
+    q = jnp.linalg.qr(jax.random.normal(q_key, (r, r), jnp.float32))[0]
+    lora_A = (jax.random.normal(a_key, (in_, r // 2), jnp.float32) @ q[0::2]).T / 10.0
+    lora_B = jax.random.normal(b_key, (out, r // 2), jnp.float32) @ q[1::2] / 10.0
+    base = weight.dtype if jnp.issubdtype(weight.dtype, jnp.floating) else jnp.float32
+    return lora_A.astype(base).astype(dtype), lora_B.astype(base).astype(dtype)
 
 
 def with_compute_dtype(tree: Any, dtype: Any) -> Any:
