@@ -621,3 +621,33 @@ def test_a_separate_reference_model_precomputes_for_any_policy(pair_model, getke
     plain, peft_base = (precompute_ref_log_probs(m, data, batch_size=4) for m in (base, model))
     for k in ("ref_chosen_logps", "ref_rejected_logps"):
         np.testing.assert_array_equal(plain[k], peft_base[k])
+
+
+@pytest.mark.command_run
+def test_a_bank_job_tunes_each_adapter_on_its_own_pairs(llama, tmp_path, capsys):
+    """Multi-tenant DPO from the command: two adapters of a bank, each on its own pairs
+    (the same rule, flipped for the second), the base the reference of both."""
+    rng = np.random.default_rng(1)
+    pairs = _toy_pairs(rng, 64)
+    flipped = [{**r, "good": r["bad"], "bad": r["good"]} for r in pairs]
+    for name, rows in (("red", pairs), ("blue", flipped)):
+        write_jsonl(tmp_path / f"{name}.jsonl", rows)
+    entries = "".join(
+        f'[[adapters]]\nname = "{n}"\ntrain = "{n}.jsonl"\neval = "{n}.jsonl"\n[adapters.lora]\n'
+        'r = 4\nlora_alpha = 8\ntarget_modules = ["q_proj", "v_proj", "down_proj"]\n'
+        for n in ("red", "blue")
+    )
+    (tmp_path / "job.toml").write_text(
+        f'[model]\npath = "{llama / "base"}"\ntask = "causal-lm"\n'
+        '[data]\nprompt_column = "question"\nchosen_column = "good"\nrejected_column = "bad"\n'
+        f"max_length = 16\n{entries}[bank]\nmax_adapters = 4\n"
+        '[train]\nobjective = "dpo"\nsteps = 40\nbatch_size = 8\nlearning_rate = 2e-2\n'
+        '[dpo]\nbeta = 0.5\n[output]\ndir = "run"\n'
+    )
+    code, out, err = run_cli(capsys, "finetune", tmp_path / "job.toml")
+    assert code == 0, err
+    evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+    last = {(r["adapter"], r["data"]): r for r in evals if r["split"] == "eval" and r["step"] == 40}
+    for name in ("red", "blue"):
+        assert last[name, name]["rewards/accuracies"] >= 0.9, last[name, name]
+        assert last["__base__", name]["rewards/margins"] == 0.0  # the base is the reference
