@@ -61,6 +61,7 @@ from .adapters import (
     LoHaConfig as LoHaConfig,
     LoKrConfig as LoKrConfig,
     LoraConfig as LoraConfig,
+    MissConfig as MissConfig,
     OFTConfig as OFTConfig,
     VeraConfig as VeraConfig,
 )

@@ -308,6 +308,11 @@ ADAPTERS = {
         peft.VeraConfig(r=8, target_modules=["query", "value"]),
         peftx.VeraConfig(r=8, target_modules=("query", "value")),
     ),
+    "miss": (
+        'r = 8\ninit_weights = "mini"\nmini_r = 4\ntarget_modules = ["query", "value"]',
+        peft.MissConfig(r=8, init_weights="mini", mini_r=4, target_modules=["query", "value"]),
+        peftx.MissConfig(r=8, init_weights="mini", mini_r=4, target_modules=("query", "value")),
+    ),
     # total_step left out: a job takes its own number of steps
     "adalora": (
         'init_r = 6\ntarget_r = 2\ntarget_modules = ["query", "value"]',

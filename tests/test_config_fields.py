@@ -86,7 +86,10 @@ STARTS = {
     "layers_to_transform": {"layers_to_transform": (0, 1)},
     "layers_pattern": {"layers_to_transform": (0,)},  # group 0 vs layer 0 of each group
     "eps": {"coft": True},  # COFT's radius
-    "decompose_both": {"decompose_factor": 4},  # 4 = 4·1: w1 (4, 4), w2 (1, 1)
+    "decompose_both": {"decompose_factor": 4},
+    "mini_r": {
+        "init_weights": "mini"
+    },  # MiSS's block width, used by "mini" only  # 4 = 4·1: w1 (4, 4), w2 (1, 1)
 }
 CASES = {
     peftx.LoraConfig: (
@@ -179,6 +182,19 @@ CASES = {
             "d_initial": (0.5, "builds"),
             "bias": ("all", "builds"),
             "init_weights": (False, "builds"),
+        },
+    ),
+    peftx.MissConfig: (
+        {"r": 2, "target_modules": ("q", "v", "fc"), "init_weights": False},
+        {
+            **COMMON,
+            # PEFT's MissConfig has no fan_in_fan_out; peftx's base field warns it is ignored
+            "peft_type": ("LORA", "refused"),
+            "r": (3, "builds"),
+            "miss_dropout": (0.1, "builds"),
+            "mini_r": (4, "builds"),  # with init_weights="mini" (STARTS)
+            "init_weights": ("bat", "builds"),
+            "bias": ("all", "builds"),
         },
     ),
     peftx.AdaLoraConfig: (

@@ -25,6 +25,7 @@ from peftx.adapters import (
     lokr,
     lora,
     lora_embedding,
+    miss,
     oft,
     quantize_int8,
     quantize_nf4,
@@ -56,7 +57,7 @@ def _random(adapter, key):
 def _kinds():
     """name -> (array, stacking axes, dense formula of `merged(W)`, PEFT's parameter count:
     an adapter's trained arrays and its base weight's count)."""
-    k = iter(jax.random.split(jax.random.key(0), 24))
+    k = iter(jax.random.split(jax.random.key(0), 30))
     w = _weight(next(k))
     low = _random(lora(w, r=R, lora_alpha=5, key=next(k)), next(k))
     conv_w = _weight(next(k), (OUT, IN, 3, 3))
@@ -92,6 +93,30 @@ def _kinds():
     def vera_formula(v):
         a, b = shared.vera_A[:, :IN], shared.vera_B[:OUT]
         return v + shared.vera_lambda_b[:, None] * (b @ (shared.vera_lambda_d[:, None] * a))
+
+    # IN = 8 in shards of R = 3: 3 + 3 + 2, the last padded
+    shared_block = _random(miss(w, r=R), next(k))
+    mini_block = _random(miss(w, r=R, mini_r=2, init_weights="mini"), next(k))
+    bat_block = _random(miss(w, r=2, init_weights="bat"), next(k))
+
+    def miss_formula(a):
+        def formula(v):
+            cols = np.arange(OUT) % a.miss_block.shape[1]
+            return v + a.miss_block[np.arange(IN) % R][:, cols].T
+
+        return formula
+
+    def bat_formula(v):
+        # each (2, 2) block of W: W_oi + W_oi·B_o + B_o
+        b = bat_block.miss_block
+        rows = [
+            jnp.concatenate(
+                [v[2 * o : 2 * o + 2, 2 * i : 2 * i + 2] @ b[o] + b[o] for i in range(IN // 2)],
+                axis=1,
+            )
+            for o in range(OUT // 2)
+        ]
+        return v + jnp.concatenate(rows, axis=0)
 
     def low_rank(a):
         return a.scaling * a.lora_B @ a.lora_A
@@ -165,6 +190,9 @@ def _kinds():
             ),
             OUT * IN + 2 * 2 + 3 + 4,
         ),
+        "miss": (shared_block, 0, miss_formula(shared_block), OUT * IN + R * OUT),
+        "miss mini": (mini_block, 0, miss_formula(mini_block), OUT * IN + R * 2),
+        "miss bat": (bat_block, 0, bat_formula, OUT * IN + (OUT // 2) * 2 * 2),
         "nf4": (quantize_nf4(w), 0, None, OUT * IN),
         "int8": (quantize_int8(w), 0, None, OUT * IN),
         "adapter set": (adapter_set(w, {"a": low}, ("a",)), 0, None, OUT * IN + R * (IN + OUT)),
@@ -184,6 +212,9 @@ KINDS = [
     "vera",
     "loha",
     "lokr",
+    "miss",
+    "miss mini",
+    "miss bat",
     "nf4",
     "int8",
     "adapter set",

@@ -43,6 +43,7 @@ from ._lora import (
     with_compute_dtype as with_compute_dtype,
 )
 from ._merge import merge as merge, unmerge as unmerge
+from ._miss import MissArray as MissArray, MissConfig as MissConfig, miss as miss
 from ._oft import OFTArray as OFTArray, OFTConfig as OFTConfig, oft as oft
 from ._quantized import (
     Int8Array as Int8Array,

@@ -1,0 +1,563 @@
+"""MiSS against dense formulas written out here and against HF PEFT 0.21.2 in PyTorch:
+one layer's outputs and gradients (float32, and a bfloat16 base with a float32 block) for
+each variant, files both ways on a tiny Llama, gradients of every block, merging, no dense
+update in a training step (but for "bat", which PEFT builds dense too), forward mode, the
+stacked layout, and a `[miss]` job whose adapter PEFT reads."""
+
+import json
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from helpers import close, run_cli
+from safetensors.numpy import load_file
+from test_peft_interop import (
+    BUILDERS,
+    WEIGHTS,
+    _randomize_torch_base,
+    assert_same,
+    assert_same_files,
+    batch,
+    jax_out,
+    randomized,
+    torch_base,
+    torch_out,
+)
+
+import peftx
+import peftx.models as pm
+from peftx.adapters import AdapterSet, MissArray, miss, unmerge, with_dropout
+from peftx.implicit import DenseWeightError, assert_no_dense, strict, use_implicit_args
+
+EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
+EPS_F32 = float(jnp.finfo(jnp.float32).eps)
+OUT, IN = 8, 12
+
+# name: miss() arguments; "balance" at r=5 shards 12 inputs as 5 + 5 + 2 (padded)
+VARIANTS = {
+    "balance": dict(r=5),
+    "mini": dict(r=5, mini_r=2, init_weights="mini"),
+    "bat": dict(r=4, init_weights="bat"),
+}
+
+
+def _dense_delta(a, weight):
+    """ΔW written out entry by entry from PEFT's definitions, in jnp (differentiable)."""
+    block = a.miss_block
+    out, in_ = weight.shape
+    if a.variant == "bat":
+        r = block.shape[-1]
+        rows = []
+        for o in range(out // r):
+            cols = []
+            for i in range(in_ // r):
+                w = weight[o * r : (o + 1) * r, i * r : (i + 1) * r]
+                cols.append(w @ block[o] + block[o])
+            rows.append(jnp.concatenate(cols, axis=1))
+        return jnp.concatenate(rows, axis=0)
+    r = block.shape[0]
+    cols = np.arange(out) % block.shape[1] if a.variant == "mini" else np.arange(out)
+    return block[np.arange(in_) % r][:, cols].T  # ΔW[o, j] = block[j mod r, o (mod mini_r)]
+
+
+def _random(variant, key, weight=None):
+    kw, kb = jax.random.split(key)
+    weight = jax.random.normal(kw, (OUT, IN)) / 4 if weight is None else weight
+    a = miss(weight, **VARIANTS[variant])
+    return eqx.tree_at(lambda a: a.miss_block, a, 0.3 * jax.random.normal(kb, a.miss_block.shape))
+
+
+LAYOUTS = {
+    "x @ W.T": lambda w, x: x @ w.T,
+    "vmap(W @ x)": lambda w, x: jax.vmap(lambda v: w @ v)(x),
+    "(x @ W.T) @ W (rows meet x)": lambda w, x: (x @ w.T) @ w,
+}
+
+
+@pytest.mark.parametrize(
+    "variant, layout",
+    [
+        # the fast tier runs every layout on "balance" and x @ W.T on the others
+        pytest.param(
+            v,
+            lay,
+            id=f"{v}-{lay}",
+            marks=pytest.mark.variant_sweep if v != "balance" and lay != "x @ W.T" else (),
+        )
+        for v in VARIANTS
+        for lay in LAYOUTS
+    ],
+)
+def test_matches_dense_formula(variant, layout, getkey):
+    """Values, gradients of `miss_block` and of `x`, and jvp against `x·(W + ΔW)ᵀ` with ΔW
+    written out; `merged` is the same formula."""
+    fn = LAYOUTS[layout]
+    a = _random(variant, getkey())
+    x = jax.random.normal(getkey(), (3, IN))
+    close(a.merged(a.weight), a.weight + _dense_delta(a, a.weight), tol=1e-5)
+
+    def loss(block, x, implicit):
+        b = eqx.tree_at(lambda a: a.miss_block, a, block)
+        if implicit:
+            return jnp.sum(jnp.sin(use_implicit_args(fn)(b, x)))
+        return jnp.sum(jnp.sin(fn(a.weight + _dense_delta(b, a.weight), x)))
+
+    with strict():
+        got = jax.jit(use_implicit_args(fn))(a, x)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(a.miss_block, x, True)
+        tangent = jax.random.normal(getkey(), a.miss_block.shape)
+        _, jvp = jax.jit(lambda b, t: jax.jvp(lambda b: loss(b, x, True), (b,), (t,)))(
+            a.miss_block, tangent
+        )
+    close(got, fn(a.weight + _dense_delta(a, a.weight), x), tol=1e-4)
+    assert not np.allclose(got, fn(a.weight, x), atol=1e-2)  # the update matters
+    dense = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(a.miss_block, x, False)
+    close(grads, dense, tol=1e-4)
+    _, dense_jvp = jax.jvp(lambda b: loss(b, x, False), (a.miss_block,), (tangent,))
+    close(jvp, dense_jvp, tol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "variant", ["balance", "bat", pytest.param("mini", marks=pytest.mark.variant_sweep)]
+)
+def test_stacked_layers_under_scan_jvp_and_unmerge(variant, getkey):
+    """A stack of adapters (`eqx.filter_vmap`) run by `lax.scan`: values and jvp against
+    the dense stack; `unmerge` gives the base weight back (for "bat", PEFT's solve)."""
+    weights = jax.random.normal(getkey(), (3, OUT, OUT)) / 4
+    kwargs = dict(VARIANTS[variant], r=4)
+    layers = eqx.filter_vmap(
+        lambda w, k: eqx.tree_at(
+            lambda a: a.miss_block,
+            miss(w, **kwargs),
+            0.3 * jax.random.normal(k, miss(w, **kwargs).miss_block.shape),
+        )
+    )(weights, jax.random.split(getkey(), 3))
+    x = jax.random.normal(getkey(), (5, OUT))
+
+    def forward(layers, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w.T), None), x, layers)[0]
+
+    def with_block(b):
+        return eqx.tree_at(lambda a: a.miss_block, layers, b)
+
+    def dense(b):
+        one = [
+            eqx.tree_at(lambda a: a.miss_block, miss(w, **kwargs), b[i])
+            for i, w in enumerate(weights)
+        ]
+        return jnp.stack([w + _dense_delta(a, w) for a, w in zip(one, weights)])
+
+    tangent = jax.random.normal(getkey(), layers.miss_block.shape)
+    with strict():
+        got, d_got = jax.jvp(
+            lambda b: use_implicit_args(forward)(with_block(b), x), (layers.miss_block,), (tangent,)
+        )
+    want, d_want = jax.jvp(lambda b: forward(dense(b), x), (layers.miss_block,), (tangent,))
+    close((got, d_got), (want, d_want), tol=1e-4)
+    assert not np.allclose(got, forward(weights, x), atol=1e-2)
+    merged = layers.merged(weights)
+    close(unmerge(merged, layers).weight, weights, tol=1e-5)
+
+
+# ---------------------------------------------------------------- one layer against PEFT
+
+
+class _Torch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(IN, OUT)
+
+
+class _Proj(eqx.Module):
+    proj: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(self.proj)(x)
+
+
+@pytest.mark.parametrize(
+    "variant, dtype",
+    [
+        # bf16 on one variant in the fast tier, every variant in the whole suite
+        (v, d)
+        if d == "float32" or v == "balance"
+        else pytest.param(v, d, marks=pytest.mark.variant_sweep)
+        for v in VARIANTS
+        for d in ("float32", "bfloat16 base")
+    ],
+)
+def test_layer_matches_peft(variant, dtype):
+    """The output and the gradients of `miss_block` and of the input equal PEFT's for the
+    same weights and loss; a bfloat16 base keeps a float32 block and float32 gradients."""
+    kwargs = dict(VARIANTS[variant])
+    torch.manual_seed(0)
+    config = peft.MissConfig(target_modules=["proj"], **kwargs)
+    theirs = peft.get_peft_model(_Torch(), config)
+    layer = theirs.base_model.model.proj
+    block_t = layer.miss_block["default"]
+    with torch.no_grad():
+        block_t.copy_(0.3 * torch.randn(block_t.shape, generator=torch.Generator().manual_seed(1)))
+    bf16 = dtype != "float32"
+    if bf16:
+        layer.base_layer.to(torch.bfloat16)
+    assert block_t.dtype == torch.float32
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, IN)).astype(np.float32)
+    cot = rng.standard_normal((6, OUT)).astype(np.float32)
+    x_t = torch.tensor(x, dtype=torch.bfloat16 if bf16 else torch.float32, requires_grad=True)
+    out_t = layer(x_t)
+    (out_t.float() * torch.tensor(cot)).sum().backward()
+
+    base_dtype = jnp.bfloat16 if bf16 else jnp.float32
+    linear = eqx.tree_at(
+        lambda m: (m.weight, m.bias),
+        eqx.nn.Linear(IN, OUT, key=jax.random.key(0)),
+        tuple(
+            jnp.asarray(t.detach().float().numpy()).astype(base_dtype)
+            for t in (layer.base_layer.weight, layer.base_layer.bias)
+        ),
+    )
+    model = peftx.get_peft_model(
+        _Proj(linear), peftx.MissConfig(target_modules=["proj"], **kwargs), key=jax.random.key(1)
+    )
+
+    def run(block, x):
+        m = eqx.tree_at(
+            lambda m: m.base_model.proj.weight.adapters["default"].miss_block, model, block
+        )
+        return m(x)
+
+    block = jnp.asarray(block_t.detach().numpy())
+    x_j = jnp.asarray(x).astype(base_dtype)
+    with strict():
+        out, vjp = jax.vjp(run, block, x_j)
+        grad, dx = vjp(jnp.asarray(cot).astype(out.dtype))
+    assert out.dtype == base_dtype and dx.dtype == base_dtype and grad.dtype == jnp.float32
+    want = out_t.detach().float().numpy()
+    tol = (4 * EPS_BF16 if bf16 else 1e-5) * np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=0, atol=tol)
+    ref = block_t.grad.numpy()
+    # bf16: the same float32 sums over rounded inputs, up to the rounding of the output
+    atol = (8 * EPS_BF16 if bf16 else 8 * EPS_F32 * math.sqrt(6 * IN)) * np.abs(ref).max()
+    np.testing.assert_allclose(np.asarray(grad), ref, rtol=0, atol=atol)
+    ref_dx = x_t.grad.float().numpy()
+    dx_tol = (2 * EPS_BF16 if bf16 else 1e-5) * np.abs(ref_dx).max()
+    np.testing.assert_allclose(np.asarray(dx, np.float32), ref_dx, rtol=0, atol=dx_tol)
+
+
+# ---------------------------------------------------------------- whole models, both ways
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """test_peft_interop's tiny random Llama checkpoint: its directory and its peftx model
+    by layout. q_proj (32, 32), v_proj (16, 32), down_proj (32, 64), up_proj (64, 32)."""
+    torch.manual_seed(0)
+    model = _randomize_torch_base(BUILDERS["llama"]().eval(), seed=7)
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path)
+    built = {}
+
+    def get(layout="stacked"):
+        if layout not in built:
+            built[layout] = pm.from_pretrained(path, layout=layout)
+        return built[layout]
+
+    return path, get
+
+
+TARGETS = ["q_proj", "v_proj", "down_proj", "up_proj"]
+CASES = {  # r=5 divides none of the input sizes: every layer pads its last shard
+    "balance": dict(r=5, target_modules=TARGETS),
+    "mini": dict(r=4, mini_r=8, init_weights="mini", target_modules=TARGETS),
+    "bat": dict(r=4, init_weights="bat", target_modules=TARGETS),
+}
+
+
+def _randomize_torch(model, seed, scale=0.3):
+    gen = torch.Generator().manual_seed(seed)
+    count = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "miss_block" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+                count += 1
+    assert count == 3 * len(TARGETS)
+    return model
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["balance", *(pytest.param(c, marks=pytest.mark.variant_sweep) for c in ("mini", "bat"))],
+)
+def test_peftx_to_peft(case, tiny_llama, tmp_path):
+    """A stacked peftx adapter with random blocks: PEFT loads the file (its state dict is
+    the file) to peftx's logits; peftx's config file is one PEFT reads as a MissConfig
+    with PEFT's keys; counts are PEFT's."""
+    path, base = tiny_llama
+    ours = peftx.get_peft_model(base(), peftx.MissConfig(**CASES[case]), key=jax.random.key(0))
+    ours = randomized(ours, jax.random.key(1))
+    ours.save_pretrained(tmp_path)
+    theirs = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path).eval()
+    file = load_file(str(tmp_path / WEIGHTS))
+    state = peft.utils.get_peft_model_state_dict(theirs)
+    assert sorted(file) == sorted(state) and all(k.endswith(".miss_block") for k in file)
+    for k, v in state.items():
+        np.testing.assert_array_equal(v.numpy(), file[k], err_msg=k)
+    ids, mask = batch("llama")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "llama"), mask, reference)
+    their_config = peft.MissConfig(**CASES[case])
+    saved = peft.PeftConfig.from_pretrained(tmp_path)
+    assert type(saved) is peft.MissConfig
+    assert sorted(saved.to_dict()) == sorted(their_config.to_dict())
+    assert list(peftx.MissConfig(**CASES[case]).to_dict()) == list(their_config.to_dict())
+    fresh = peft.get_peft_model(torch_base(path, "llama"), their_config)
+    assert ours.get_nb_trainable_parameters() == fresh.get_nb_trainable_parameters()
+
+
+@pytest.mark.parametrize(
+    "case, layout",
+    [
+        ("balance", "stacked"),
+        ("balance", "unrolled"),
+        ("bat", "stacked"),
+        # mini takes balance's path with a tiled result (its layer test runs in the fast tier)
+        pytest.param("mini", "stacked", marks=pytest.mark.variant_sweep),
+    ],
+)
+def test_peft_to_peftx_files_gradients_and_merge(case, layout, tiny_llama, tmp_path):
+    """PEFT's adapter loads with equal logits and is written back exactly; the gradient of
+    every block for one loss is PEFT's; merged logits are the unmerged ones."""
+    path, base = tiny_llama
+    theirs = _randomize_torch(
+        peft.get_peft_model(torch_base(path, "llama"), peft.MissConfig(**CASES[case])), 3
+    )
+    theirs.save_pretrained(tmp_path / "peft")
+    ours = peftx.PeftModel.from_pretrained(base(layout), tmp_path / "peft", is_trainable=True)
+    ids, mask = batch("llama")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "llama"), mask, reference)
+    ours.save_pretrained(tmp_path / "again")
+    assert_same_files(tmp_path / "peft", tmp_path / "again")
+
+    # gradients: loss = Σ logits · c over the real tokens
+    c = np.random.RandomState(2).standard_normal(reference.shape[-1])
+    weights = (mask[..., None] * c[None, None]).astype(np.float32)
+    kwargs = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    kwargs["position_ids"] = torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))
+    (theirs(**kwargs).logits * torch.tensor(weights)).sum().backward()
+    trainable, frozen = peftx.partition(ours)
+
+    @eqx.filter_jit
+    @eqx.filter_grad
+    def grads(trainable):
+        logits = eqx.combine(trainable, frozen)(jnp.asarray(ids), jnp.asarray(mask)).logits
+        return jnp.sum(logits * jnp.asarray(weights))
+
+    eqx.combine(grads(trainable), frozen).save_pretrained(tmp_path / "grads")
+    got = load_file(str(tmp_path / "grads" / WEIGHTS))
+    want = {
+        k.replace(".default", ""): p.grad.numpy()
+        for k, p in theirs.named_parameters()
+        if "miss_block" in k
+    }
+    assert sorted(got) == sorted(want)
+    for k, g in want.items():
+        np.testing.assert_allclose(got[k], g, atol=1e-4 * np.abs(g).max(), err_msg=k)
+        assert np.abs(g).max() > 0, k
+
+    merged = ours.merge_and_unload()
+    assert_same(jax_out(merged, ids, mask), jax_out(ours, ids, mask), mask, reference)
+    s = next(
+        x
+        for x in jax.tree.leaves(ours, is_leaf=lambda x: isinstance(x, AdapterSet))
+        if isinstance(x, AdapterSet)
+    )
+    adapter = s.adapter("default")
+    close(unmerge(adapter.merged(s.weight), adapter).weight, s.weight, tol=1e-5)
+
+
+def test_peft_merge_is_peftx_merged():
+    """PEFT's own `merge` (a full weight for balance/mini, `W + ΔW(W)` for bat) gives
+    `merged`'s weight, padding included."""
+    for variant, kwargs in VARIANTS.items():
+        torch.manual_seed(0)
+        theirs = peft.get_peft_model(_Torch(), peft.MissConfig(target_modules=["proj"], **kwargs))
+        layer = theirs.base_model.model.proj
+        with torch.no_grad():
+            layer.miss_block["default"].normal_(0, 0.3)
+        w = jnp.asarray(layer.base_layer.weight.detach().numpy())
+        a = eqx.tree_at(
+            lambda a: a.miss_block,
+            miss(w, **kwargs),
+            jnp.asarray(layer.miss_block["default"].detach().numpy()),
+        )
+        layer.merge()
+        close(a.merged(w), layer.base_layer.weight.detach().numpy(), tol=1e-6)
+        layer.unmerge()
+        close(a.unmerged(a.merged(w)), layer.base_layer.weight.detach().numpy(), tol=1e-5)
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_training_step_builds_no_dense_update_and_jvp(tiny_llama):
+    """A training step (forward and backward, dropout on) of the stacked balance and mini
+    variants builds no weight-sized array; forward mode agrees with reverse mode."""
+    _, base = tiny_llama
+    for case in ("balance", "mini"):
+        config = peftx.MissConfig(**CASES[case], miss_dropout=0.1)
+        model = randomized(
+            peftx.get_peft_model(base(), config, key=jax.random.key(0)), jax.random.key(4)
+        )
+        trainable, frozen = peftx.partition(model)
+        ids = jnp.ones((3, 7), jnp.int32)
+
+        def loss(t, key):
+            m = with_dropout(eqx.combine(t, frozen), key)
+            return jnp.mean(m(ids).logits ** 2)
+
+        def step(t, frozen, key):
+            return jax.grad(loss)(t, key)
+
+        key = jax.random.key(1)
+        with strict():
+            assert_no_dense(step, trainable, frozen, key)
+            grads = eqx.filter_jit(step)(trainable, frozen, key)
+            tangent, _ = peftx.partition(randomized(model, jax.random.key(5)))
+            _, forward = eqx.filter_jit(lambda t, d: jax.jvp(lambda t: loss(t, key), (t,), (d,)))(
+                trainable, tangent
+            )
+        leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(tangent))
+        reverse = sum(jnp.vdot(g, d) for g, d in leaves)
+        np.testing.assert_allclose(forward, reverse, rtol=1e-4)
+        # dropout acts: without the keys the gradient differs
+        plain = eqx.filter_jit(
+            jax.grad(lambda t: jnp.mean(eqx.combine(t, frozen)(ids).logits ** 2))
+        )(trainable)
+        assert not all(
+            np.allclose(a, b, atol=1e-6)
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain))
+        )
+
+
+def test_bat_builds_the_weight_as_peft_does(tiny_llama):
+    """ "bat" multiplies the weight by the block: `assert_no_dense` names the built weight."""
+    _, base = tiny_llama
+    model = peftx.get_peft_model(base(), peftx.MissConfig(**CASES["bat"]), key=jax.random.key(0))
+    trainable, frozen = peftx.partition(model)
+    ids = jnp.ones((3, 7), jnp.int32)
+
+    def step(t, frozen):
+        return jax.grad(lambda t: jnp.mean(eqx.combine(t, frozen)(ids).logits ** 2))(t)
+
+    with pytest.raises(DenseWeightError):
+        assert_no_dense(step, trainable, frozen)
+
+
+def test_two_adapters_switch_and_refuse_mixed_batches(tiny_llama):
+    _, base = tiny_llama
+    model = peftx.get_peft_model(
+        base(),
+        peftx.MissConfig(r=4, target_modules=["q_proj"], init_weights=False),
+        key=jax.random.key(0),
+    )
+    model = model.add_adapter(
+        "b",
+        peftx.MissConfig(r=8, target_modules=["q_proj"], init_weights=False),
+        key=jax.random.key(1),
+    )
+    ids, mask = batch("llama")
+    assert (
+        np.abs(jax_out(model, ids, mask) - jax_out(model.set_adapter("b"), ids, mask)).max() > 1e-3
+    )
+    with pytest.raises(ValueError, match="within a batch, which PEFT does not do for MISS"):
+        model(jnp.asarray(ids), jnp.asarray(mask), adapter_names=["default", "b"])
+
+
+def test_refusals(tiny_llama):
+    _, base = tiny_llama
+    w = jnp.ones((OUT, IN))
+    with pytest.raises(ValueError, match="must be less than or equal to in_features"):
+        miss(w, r=IN + 1)
+    with pytest.raises(ValueError, match=r"fully divisible into \[r, r\]"):
+        miss(w, r=5, init_weights="bat")
+    with pytest.raises(ValueError, match="mini_r .3. must divide out_features"):
+        miss(w, r=4, mini_r=3, init_weights="mini")
+    with pytest.raises(ValueError, match="miss_block of shape"):
+        MissArray(w, jnp.zeros((3, OUT + 1)))
+    with pytest.raises(ValueError, match="miss_dropout"):
+        peftx.MissConfig(miss_dropout=1.0)
+    with pytest.raises((ValueError, TypeError), match="bias"):
+        peftx.MissConfig(bias="lora_only")
+    with pytest.raises((ValueError, TypeError), match="init_weights"):
+        peftx.MissConfig(init_weights="lycoris")
+    with pytest.raises(ValueError, match="MiSS on 'model.layers.0-2.self_attn.v_proj'.*r. .64"):
+        peftx.get_peft_model(
+            base(), peftx.MissConfig(r=64, target_modules=["v_proj"]), key=jax.random.key(0)
+        )
+    with pytest.warns(UserWarning, match="miss_dropout=0.1 has no effect"):
+        peftx.get_peft_model(
+            base(), peftx.MissConfig(**CASES["bat"], miss_dropout=0.1), key=jax.random.key(0)
+        )
+
+
+def test_toml_table(tmp_path):
+    file = tmp_path / "job.toml"
+    file.write_text(
+        '[miss]\nr = 16\ninit_weights = "mini"\nmini_r = 4\ntarget_modules = ["q_proj"]\n'
+    )
+    assert peftx.from_toml(file) == peftx.MissConfig(
+        r=16, init_weights="mini", mini_r=4, target_modules=("q_proj",)
+    )
+    file.write_text("[miss]\nmini = 4\n")
+    with pytest.raises(ValueError, match="did you mean 'mini_r'"):
+        peftx.from_toml(file)
+
+
+@pytest.mark.command_run
+def test_miss_job_trains_and_writes_what_peft_reads(llama, tmp_path, capsys):
+    """A `[miss]` job trains and writes PEFT's adapter, which PEFT reads to peftx's
+    logits."""
+    text = (llama / "job.toml").read_text().replace('"base"', f'"{llama / "base"}"')
+    for name in ("train.jsonl", "eval.jsonl"):
+        text = text.replace(f'"{name}"', f'"{llama / name}"')
+    lora = text[text.index("[lora]") : text.index("[train]")]
+    job = tmp_path / "job.toml"
+    job.write_text(
+        text.replace(lora, '[miss]\nr = 4\ntarget_modules = ["q_proj", "v_proj", "down_proj"]\n\n')
+    )
+    out_dir = tmp_path / "run"
+    code, out, err = run_cli(
+        capsys,
+        "finetune",
+        job,
+        "--set",
+        f"output.dir={out_dir}",
+        "--set",
+        "train.steps=3",
+        "--set",
+        "output.merged=false",
+    )
+    assert code == 0, (out, err)
+    adapter = out_dir / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["peft_type"] == "MISS"
+    base = transformers.LlamaForCausalLM.from_pretrained(llama / "base").eval()
+    theirs = peft.PeftModel.from_pretrained(base, adapter).eval()
+    ids = np.array([[5, 7, 9, 11, 6], [5, 8, 6, 10, 12]])
+    mask = np.ones_like(ids)
+    with torch.no_grad():
+        want = theirs(input_ids=torch.from_numpy(ids)).logits.numpy()
+    ours = peftx.PeftModel.from_pretrained(pm.from_pretrained(llama / "base"), adapter)
+    got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask)).logits)
+    untrained = np.asarray(
+        pm.from_pretrained(llama / "base")(jnp.asarray(ids), jnp.asarray(mask)).logits
+    )
+    assert_same(got, want, mask, untrained)
