@@ -351,7 +351,10 @@ def test_load_config_errors(tmp_path):
         load_config({"r": 8})
     with pytest.raises(
         ValueError,
-        match=r"'BOFT'; peftx supports \['LORA', 'ADALORA', 'IA3', 'LOHA', 'LOKR', 'OFT', 'VERA'\]",
+        match=(
+            r"'BOFT'; peftx supports "
+            r"\['LORA', 'ADALORA', 'IA3', 'LOHA', 'LOKR', 'MISS', 'OFT', 'VERA'\]"
+        ),
     ):
         load_config({"peft_type": "BOFT"})
     with pytest.raises(FileNotFoundError, match=f"No {CONFIG_NAME} in the directory"):
