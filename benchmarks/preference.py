@@ -10,7 +10,7 @@ temporaries + arguments + outputs - aliases).
 On the suite's Llama (`suite.py`'s sizes: hidden 512, 4 layers, batch 8 x 128 tokens on
 CPU), LoRA r=8 on the seven projections, AdamW.
 
-Run: `python benchmarks/preference.py [--quick] [--no-trl] [--out FILE]`.
+Run: `python benchmarks/preference.py [--quick] [--no-trl] [--repeats N] [--out FILE]`.
 """
 
 import argparse
@@ -137,6 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     parser.add_argument("--no-trl", action="store_true", help="leave out TRL's step")
+    parser.add_argument("--repeats", type=int, help="timed rounds (default: the suite's)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     sizes = SIZES["quick" if args.quick else "full"]
@@ -176,7 +177,7 @@ def main() -> None:
             r.run()
     for r in rows:
         r.times.clear()
-    for _ in range(sizes["repeats"]):
+    for _ in range(args.repeats or sizes["repeats"]):
         for r in rows:
             r.run()
     sft_time = rows[0].median
