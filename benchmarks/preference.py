@@ -10,7 +10,10 @@ temporaries + arguments + outputs - aliases).
 On the suite's Llama (`suite.py`'s sizes: hidden 512, 4 layers, batch 8 x 128 tokens on
 CPU), LoRA r=8 on the seven projections, AdamW.
 
-Run: `python benchmarks/preference.py [--quick] [--no-trl] [--repeats N] [--out FILE]`.
+On a GPU (`--gpu`): the suite's GPU Llama (hidden 2048, 16 layers, 4 x 2048 tokens) in
+bfloat16, without TRL's row.
+
+Run: `python benchmarks/preference.py [--quick | --gpu] [--no-trl] [--repeats N] [--out FILE]`.
 """
 
 import argparse
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from suite import LLAMA_TARGETS, SIZES, llama_config, md_table, mib, ms
@@ -135,13 +139,16 @@ def trl_step(size: tuple, pairs: dict) -> Callable[[], Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    size.add_argument("--gpu", action="store_true", help="the suite's GPU Llama in bfloat16")
     parser.add_argument("--no-trl", action="store_true", help="leave out TRL's step")
     parser.add_argument("--repeats", type=int, help="timed rounds (default: the suite's)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    sizes = SIZES["quick" if args.quick else "full"]
+    sizes = SIZES["gpu" if args.gpu else "quick" if args.quick else "full"]
     size = sizes["llama"]
+    dtype = jnp.bfloat16 if args.gpu else jnp.float32
     batch, seq = size[6], size[7]
     vocab = size[5]
     rng = np.random.default_rng(0)
@@ -157,7 +164,7 @@ def main() -> None:
     labels = np.where(np.arange(seq) < prompt, -100, ids).astype(np.int32)
     pairs = {"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": labels}
 
-    llama = pm.LlamaForCausalLM(llama_config(size), key=jax.random.key(0))
+    llama = pm.LlamaForCausalLM(llama_config(size), key=jax.random.key(0), dtype=dtype)
     config = peftx.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=LLAMA_TARGETS)
     model = peftx.get_peft_model(llama, config, key=jax.random.key(1))
     precomputed = peftx.train.precompute_ref_log_probs(model, pairs, batch_size=batch)
@@ -170,7 +177,7 @@ def main() -> None:
         (f"ORPO, {batch} pairs", peftx.train.orpo_loss, pairs),
     ]
     rows = [Timed(name, *peftx_step(model, loss, data)) for name, loss, data in cases]
-    if not args.no_trl:
+    if not (args.no_trl or args.gpu):  # TRL's row: on this machine's CPU only
         rows.append(Timed(f"TRL DPO (PyTorch PEFT), {batch} pairs", trl_step(size, pairs)))
     for _ in range(sizes["warmup"]):
         for r in rows:
