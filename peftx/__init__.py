@@ -63,6 +63,7 @@ from .adapters import (
     LoraConfig as LoraConfig,
     MissConfig as MissConfig,
     OFTConfig as OFTConfig,
+    ShiraConfig as ShiraConfig,
     VeraConfig as VeraConfig,
 )
 from .implicit import (

@@ -54,6 +54,8 @@ class AbstractAdapter(AbstractWeight):
     - `shared_keys`: frozen fields that every layer of one adapter holds alike (VeRA's
       projections), and PEFT's names for them, saved once beside the layers' tensors
       (`base_model.vera_A`) where the config asks (`saves_shared`);
+    - `index_keys`: frozen integer fields each layer holds (SHiRA's index set) and PEFT's
+      names for them, saved beside the trained tensors and read back from the file;
     - `rank_axes`: the trained fields whose rank axis (given) PEFT's file holds only the
       ranks the config keeps (AdaLoRA's `rank_pattern`; see the config's `kept_ranks`);
     - `weight_axes` (see `AbstractWeight`);
@@ -69,6 +71,7 @@ class AbstractAdapter(AbstractWeight):
     peft_keys: eqx.AbstractClassVar[Mapping[str, str]]
     file_transposed: ClassVar[frozenset[str]] = frozenset()
     shared_keys: ClassVar[Mapping[str, str]] = {}
+    index_keys: ClassVar[Mapping[str, str]] = {}
     rank_axes: ClassVar[Mapping[str, int]] = {}
 
     @abc.abstractmethod

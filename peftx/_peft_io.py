@@ -202,6 +202,8 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
                 flip=field in kind.file_transposed,
                 rank_axis=kind.rank_axes.get(field),
             )
+        for field, key in kind.index_keys.items():
+            add(owner, key, in_set + (_ATTR(field),), getattr(adapter, field), flip=False)
         for field, key in kind.shared_keys.items() if config.saves_shared else ():
             add(owner, key, in_set + (_ATTR(field),), getattr(adapter, field), shared=True)
         if getattr(layer, "bias", None) is not None and config.bias != "none":
@@ -563,8 +565,14 @@ def load_adapter_into(
 
 def _check_floating(stored: dict[str, np.ndarray], file: pathlib.Path) -> None:
     """Refuse integer and boolean tensors: every adapter weight is floating, and a cast
-    would load whatever the file holds (as the model loader refuses them too)."""
-    bad = [k for k, v in stored.items() if not jax.numpy.issubdtype(v.dtype, jax.numpy.floating)]
+    would load whatever the file holds (as the model loader refuses them too). Only an
+    index set a kind declares (`index_keys`, SHiRA's `shira_indices`) is integer."""
+    indices = tuple("." + name for name in _tensor_names(index=True))
+    bad = [
+        k
+        for k, v in stored.items()
+        if not jax.numpy.issubdtype(v.dtype, jax.numpy.floating) and not k.endswith(indices)
+    ]
     if bad:
         kinds = sorted({str(stored[k].dtype) for k in bad})
         raise CheckpointError(
@@ -588,17 +596,20 @@ def _origin(config: Any, base: Any) -> str:
     return said + (f"; this model was loaded from {here!r}." if here else ".")
 
 
-def _tensor_names() -> list[str]:
+def _tensor_names(index: bool = False) -> list[str]:
     """A key's tensor names after its module path, longest first: those every adapter kind
-    defined so far declares (`peft_keys`, a kind defined outside peftx too), and the base
-    layer's own weight and bias that PEFT saves beside them."""
-    names, kinds = {"base_layer.weight", "base_layer.bias"}, [AbstractAdapter]
+    defined so far declares (`peft_keys` and `index_keys`, a kind defined outside peftx
+    too), and the base layer's own weight and bias that PEFT saves beside them; with
+    `index`, the `index_keys` names only."""
+    names: set[str] = set() if index else {"base_layer.weight", "base_layer.bias"}
+    kinds: list[type] = [AbstractAdapter]
     while kinds:
         kind = kinds.pop()
         kinds.extend(kind.__subclasses__())
-        keys = getattr(kind, "peft_keys", None)
-        if isinstance(keys, Mapping):
-            names |= set(keys.values())
+        for declared in ("index_keys",) if index else ("peft_keys", "index_keys"):
+            keys = getattr(kind, declared, None)
+            if isinstance(keys, Mapping):
+                names |= set(keys.values())
     return sorted(names, key=len, reverse=True)
 
 

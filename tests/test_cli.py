@@ -313,6 +313,11 @@ ADAPTERS = {
         peft.MissConfig(r=8, init_weights="mini", mini_r=4, target_modules=["query", "value"]),
         peftx.MissConfig(r=8, init_weights="mini", mini_r=4, target_modules=("query", "value")),
     ),
+    "shira": (
+        'r = 2\nrandom_seed = 7\ntarget_modules = ["query", "value"]',
+        peft.ShiraConfig(r=2, random_seed=7, target_modules=["query", "value"]),
+        peftx.ShiraConfig(r=2, random_seed=7, target_modules=("query", "value")),
+    ),
     # total_step left out: a job takes its own number of steps
     "adalora": (
         'init_r = 6\ntarget_r = 2\ntarget_modules = ["query", "value"]',

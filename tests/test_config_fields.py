@@ -197,6 +197,18 @@ CASES = {
             "bias": ("all", "builds"),
         },
     ),
+    peftx.ShiraConfig: (
+        # r·(4 + 4) entries of each 4x4 weight: r = 1 or 2
+        {"r": 1, "target_modules": ("q", "v", "fc"), "init_weights": False},
+        {
+            **COMMON,
+            "peft_type": ("LORA", "refused"),
+            "r": (2, "builds"),
+            "mask_type": ("mine", "refused"),  # PEFT's own masks are Python functions
+            "random_seed": (1, "builds"),  # another index set
+            "init_weights": (True, "builds"),
+        },
+    ),
     peftx.AdaLoraConfig: (
         {
             "init_r": 3,

@@ -29,6 +29,7 @@ from peftx.adapters import (
     oft,
     quantize_int8,
     quantize_nf4,
+    shira,
     vera,
     vera_projections,
 )
@@ -118,6 +119,15 @@ def _kinds():
         ]
         return v + jnp.concatenate(rows, axis=0)
 
+    # R·(OUT + IN) = 42 of the 48 entries, at PEFT's random positions
+    sparse = _random(shira(w, r=R), next(k))
+
+    def shira_formula(v):
+        d = np.zeros((OUT, IN), np.float32)
+        for (i, j), x in zip(np.asarray(sparse.shira_indices).T, np.asarray(sparse.shira_weight)):
+            d[i, j] += x
+        return v + d
+
     def low_rank(a):
         return a.scaling * a.lora_B @ a.lora_A
 
@@ -193,6 +203,7 @@ def _kinds():
         "miss": (shared_block, 0, miss_formula(shared_block), OUT * IN + R * OUT),
         "miss mini": (mini_block, 0, miss_formula(mini_block), OUT * IN + R * 2),
         "miss bat": (bat_block, 0, bat_formula, OUT * IN + (OUT // 2) * 2 * 2),
+        "shira": (sparse, 0, shira_formula, OUT * IN + R * (OUT + IN)),
         "nf4": (quantize_nf4(w), 0, None, OUT * IN),
         "int8": (quantize_int8(w), 0, None, OUT * IN),
         "adapter set": (adapter_set(w, {"a": low}, ("a",)), 0, None, OUT * IN + R * (IN + OUT)),
@@ -215,6 +226,7 @@ KINDS = [
     "miss",
     "miss mini",
     "miss bat",
+    "shira",
     "nf4",
     "int8",
     "adapter set",

@@ -56,6 +56,12 @@ from ._set import (
     adapter_set as adapter_set,
     detach as detach,
 )
+from ._shira import (
+    ShiraArray as ShiraArray,
+    ShiraConfig as ShiraConfig,
+    random_indices as random_indices,
+    shira as shira,
+)
 from ._vera import (
     VeraArray as VeraArray,
     VeraConfig as VeraConfig,

@@ -34,7 +34,7 @@ _MT_MULTIPLIER = 1812433253
 _MT_STATE = 624
 
 
-def _torch_words(seed: int, n: int) -> np.ndarray:
+def torch_cpu_words(seed: int, n: int) -> np.ndarray:
     """The first `n` 32-bit words of `torch.Generator().manual_seed(seed)` on the CPU: a
     Mersenne Twister seeded with the seed's low 32 bits (NumPy's MT19937, state set)."""
     state = [seed % 2**64 & 0xFFFFFFFF]
@@ -67,7 +67,7 @@ def vera_projections(
     bit: Kaiming-uniform draws from a torch CPU generator seeded with
     `projection_prng_key`, `vera_A` first. Reproduced with NumPy (no torch at run time)."""
     n_a, n_b = r * in_features, out_features * r
-    words = _torch_words(projection_prng_key, n_a + n_b)
+    words = torch_cpu_words(projection_prng_key, n_a + n_b)
     vera_A = _kaiming_uniform(words[:n_a], (r, in_features))
     vera_B = _kaiming_uniform(words[n_a:], (out_features, r))
     return vera_A, vera_B

@@ -1,0 +1,542 @@
+"""SHiRA against dense formulas written out here and against HF PEFT 0.21.2 in PyTorch:
+PEFT's random mask bit for bit, one layer's outputs and gradients (float32, and a
+bfloat16 base with float32 values), files both ways on a tiny Llama (the index set
+included), gradients of every layer's values, merging, no dense update in a training
+step, forward mode, the stacked layout, and a `[shira]` job whose adapter PEFT reads."""
+
+import json
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+from helpers import close, run_cli
+from peft.tuners.shira.mask_functions import random_mask
+from safetensors.numpy import load_file
+from test_peft_interop import (
+    BUILDERS,
+    WEIGHTS,
+    _randomize_torch_base,
+    assert_same,
+    assert_same_files,
+    batch,
+    jax_out,
+    randomized,
+    torch_base,
+    torch_out,
+)
+
+import peftx
+import peftx.models as pm
+from peftx.adapters import AdapterSet, ShiraArray, random_indices, shira, unmerge
+from peftx.implicit import assert_no_dense, strict, use_implicit_args
+
+EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
+EPS_F32 = float(jnp.finfo(jnp.float32).eps)
+OUT, IN = 8, 12
+
+
+def _dense_delta(a):
+    """ΔW written out entry by entry, in jnp (differentiable): one-hot sums."""
+    rows, cols = np.asarray(a.shira_indices)
+    one_r = jnp.asarray(np.arange(OUT)[:, None] == rows[None], a.shira_weight.dtype)
+    one_c = jnp.asarray(np.arange(IN)[:, None] == cols[None], a.shira_weight.dtype)
+    return (one_r * a.shira_weight[None]) @ one_c.T
+
+
+def _random(key, weight=None, r=2, seed=None):
+    kw, kv = jax.random.split(key)
+    weight = jax.random.normal(kw, (OUT, IN)) / 4 if weight is None else weight
+    return shira(weight, r=r, random_seed=seed, init_weights=False, key=kv)
+
+
+# ---------------------------------------------------------------- the mask
+
+
+@pytest.mark.parametrize(
+    "shape, r, seed",
+    [((OUT, IN), 2, None), ((32, 64), 4, 0), ((96, 40), 3, 2**40 + 7), ((17, 5), 1, 123)],
+)
+def test_random_indices_are_peft_s(shape, r, seed):
+    """`random_indices` is PEFT's `random_mask` read back as PEFT reads it (torch.where),
+    for a fresh generator's seed (None) and seeds beyond 32 bits."""
+    layer = torch.nn.Linear(shape[1], shape[0])
+    mask = random_mask(layer, r, random_seed=seed)
+    rows, cols = torch.where(mask == 1.0)
+    want = torch.stack([rows, cols]).to(torch.int).numpy()
+    got = random_indices(*shape, r, seed)
+    assert got.dtype == np.int32 and got.shape == (2, r * sum(shape))
+    np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------- one layer, dense formula
+
+
+LAYOUTS = {
+    "x @ W.T": lambda w, x: x @ w.T,
+    "vmap(W @ x)": lambda w, x: jax.vmap(lambda v: w @ v)(x),
+    "(x @ W.T) @ W (rows meet x)": lambda w, x: (x @ w.T) @ w,
+}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(lay, marks=pytest.mark.layout_sweep if lay != "x @ W.T" else ())
+        for lay in LAYOUTS
+    ],
+)
+def test_matches_dense_formula(layout, getkey):
+    """Values, gradients of `shira_weight` and of `x`, and jvp against `x·(W + ΔW)ᵀ` with
+    ΔW written out; `merged` is the same formula."""
+    fn = LAYOUTS[layout]
+    a = _random(getkey())
+    x = jax.random.normal(getkey(), (3, IN))
+    close(a.merged(a.weight), a.weight + _dense_delta(a), tol=1e-6)
+
+    def loss(values, x, implicit):
+        b = eqx.tree_at(lambda a: a.shira_weight, a, values)
+        if implicit:
+            return jnp.sum(jnp.sin(use_implicit_args(fn)(b, x)))
+        return jnp.sum(jnp.sin(fn(a.weight + _dense_delta(b), x)))
+
+    with strict():
+        got = jax.jit(use_implicit_args(fn))(a, x)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(a.shira_weight, x, True)
+        tangent = jax.random.normal(getkey(), a.shira_weight.shape)
+        _, jvp = jax.jit(lambda v, t: jax.jvp(lambda v: loss(v, x, True), (v,), (t,)))(
+            a.shira_weight, tangent
+        )
+    close(got, fn(a.weight + _dense_delta(a), x), tol=1e-5)
+    assert not np.allclose(got, fn(a.weight, x), atol=1e-2)  # the update matters
+    dense = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(a.shira_weight, x, False)
+    close(grads, dense, tol=1e-4)
+    _, dense_jvp = jax.jvp(lambda v: loss(v, x, False), (a.shira_weight,), (tangent,))
+    close(jvp, dense_jvp, tol=1e-4)
+
+
+def test_stacked_layers_under_scan_jvp_and_unmerge(getkey):
+    """A stack of adapters (`eqx.filter_vmap`, each its own index set) run by `lax.scan`:
+    values and jvp against the dense stack; `unmerge` gives the base weight back."""
+    weights = jax.random.normal(getkey(), (3, OUT, OUT)) / 4
+    keys = jax.random.split(getkey(), 3)
+    layers = eqx.filter_vmap(
+        lambda w, k: shira(w, r=2, init_weights=False, key=k),
+        in_axes=(0, 0),
+    )(weights, keys)
+    # a different index set per layer (PEFT's random mask gives one per shape)
+    layers = eqx.tree_at(
+        lambda a: a.shira_indices,
+        layers,
+        jnp.stack([random_indices(OUT, OUT, 2, s) for s in (1, 2, 3)]),
+    )
+    assert layers.shira_indices.shape == (3, 2, 2 * (OUT + OUT))
+    x = jax.random.normal(getkey(), (5, OUT))
+
+    def forward(layers, x):
+        return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w.T), None), x, layers)[0]
+
+    def with_values(v):
+        return eqx.tree_at(lambda a: a.shira_weight, layers, v)
+
+    def dense(v):
+        out = []
+        for i, w in enumerate(weights):
+            rows, cols = layers.shira_indices[i]
+            out.append(w.at[rows, cols].add(v[i]))
+        return jnp.stack(out)
+
+    tangent = jax.random.normal(getkey(), layers.shira_weight.shape)
+    with strict():
+        got, d_got = jax.jvp(
+            lambda v: use_implicit_args(forward)(with_values(v), x),
+            (layers.shira_weight,),
+            (tangent,),
+        )
+    want, d_want = jax.jvp(lambda v: forward(dense(v), x), (layers.shira_weight,), (tangent,))
+    close((got, d_got), (want, d_want), tol=1e-4)
+    assert not np.allclose(got, forward(weights, x), atol=1e-2)
+    merged = layers.merged(weights)
+    close(merged, dense(layers.shira_weight), tol=1e-6)
+    close(unmerge(merged, layers).weight, weights, tol=1e-6)
+
+
+# ---------------------------------------------------------------- one layer against PEFT
+
+
+class _Torch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(IN, OUT)
+
+
+class _Proj(eqx.Module):
+    proj: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(self.proj)(x)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16 base"])
+def test_layer_matches_peft(dtype):
+    """The output and the gradients of `shira_weight` and of the input equal PEFT's for
+    the same weights, index set and loss; a bfloat16 base keeps float32 values and
+    float32 gradients."""
+    torch.manual_seed(0)
+    config = peft.ShiraConfig(target_modules=["proj"], r=2, random_seed=3)
+    theirs = peft.get_peft_model(_Torch(), config)
+    layer = theirs.base_model.model.proj
+    values_t = layer.shira_weight["default"]
+    with torch.no_grad():
+        values_t.copy_(
+            0.3 * torch.randn(values_t.shape, generator=torch.Generator().manual_seed(1))
+        )
+    bf16 = dtype != "float32"
+    if bf16:
+        layer.base_layer.to(torch.bfloat16)
+    assert values_t.dtype == torch.float32
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, IN)).astype(np.float32)
+    cot = rng.standard_normal((6, OUT)).astype(np.float32)
+    x_t = torch.tensor(x, dtype=torch.bfloat16 if bf16 else torch.float32, requires_grad=True)
+    out_t = layer(x_t)
+    (out_t.float() * torch.tensor(cot)).sum().backward()
+
+    base_dtype = jnp.bfloat16 if bf16 else jnp.float32
+    linear = eqx.tree_at(
+        lambda m: (m.weight, m.bias),
+        eqx.nn.Linear(IN, OUT, key=jax.random.key(0)),
+        tuple(
+            jnp.asarray(t.detach().float().numpy()).astype(base_dtype)
+            for t in (layer.base_layer.weight, layer.base_layer.bias)
+        ),
+    )
+    model = peftx.get_peft_model(
+        _Proj(linear),
+        peftx.ShiraConfig(target_modules=["proj"], r=2, random_seed=3),
+        key=jax.random.key(1),
+    )
+    adapter = model.base_model.proj.weight.adapters["default"]
+    np.testing.assert_array_equal(adapter.shira_indices, layer.shira_indices["default"].numpy())
+
+    def run(values, x):
+        m = eqx.tree_at(
+            lambda m: m.base_model.proj.weight.adapters["default"].shira_weight, model, values
+        )
+        return m(x)
+
+    values = jnp.asarray(values_t.detach().numpy())
+    x_j = jnp.asarray(x).astype(base_dtype)
+    with strict():
+        out, vjp = jax.vjp(run, values, x_j)
+        grad, dx = vjp(jnp.asarray(cot).astype(out.dtype))
+    assert out.dtype == base_dtype and dx.dtype == base_dtype and grad.dtype == jnp.float32
+    want = out_t.detach().float().numpy()
+    # bf16: PEFT rounds W + ΔW to bfloat16 before the product, peftx rounds the output
+    tol = (4 * EPS_BF16 if bf16 else 1e-5) * np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=0, atol=tol)
+    ref = values_t.grad.numpy()
+    # bf16: PEFT's gradient is a bfloat16 product dyᵀ·x gathered, peftx's a float32 sum
+    atol = (8 * EPS_BF16 if bf16 else 8 * EPS_F32 * math.sqrt(6)) * np.abs(ref).max()
+    np.testing.assert_allclose(np.asarray(grad), ref, rtol=0, atol=atol)
+    ref_dx = x_t.grad.float().numpy()
+    dx_tol = (4 * EPS_BF16 if bf16 else 1e-5) * np.abs(ref_dx).max()
+    np.testing.assert_allclose(np.asarray(dx, np.float32), ref_dx, rtol=0, atol=dx_tol)
+
+
+def test_peft_merge_is_peftx_merged():
+    """PEFT's own `merge` (its sparse ΔW added to the weight) gives `merged`'s weight,
+    and `unmerge` the base back."""
+    torch.manual_seed(0)
+    theirs = peft.get_peft_model(_Torch(), peft.ShiraConfig(target_modules=["proj"], r=2))
+    layer = theirs.base_model.model.proj
+    with torch.no_grad():
+        layer.shira_weight["default"].normal_(0, 0.3)
+    w = jnp.asarray(layer.base_layer.weight.detach().numpy())
+    a = ShiraArray(
+        w,
+        jnp.asarray(layer.shira_weight["default"].detach().numpy()),
+        jnp.asarray(layer.shira_indices["default"].numpy()),
+    )
+    layer.merge()
+    close(a.merged(w), layer.base_layer.weight.detach().numpy(), tol=1e-6)
+    layer.unmerge()
+    close(a.unmerged(a.merged(w)), layer.base_layer.weight.detach().numpy(), tol=1e-6)
+
+
+# ---------------------------------------------------------------- whole models, both ways
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """test_peft_interop's tiny random Llama checkpoint: its directory and its peftx model
+    by layout. q_proj (32, 32), v_proj (16, 32), down_proj (32, 64), up_proj (64, 32)."""
+    torch.manual_seed(0)
+    model = _randomize_torch_base(BUILDERS["llama"]().eval(), seed=7)
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path)
+    built = {}
+
+    def get(layout="stacked"):
+        if layout not in built:
+            built[layout] = pm.from_pretrained(path, layout=layout)
+        return built[layout]
+
+    return path, get
+
+
+TARGETS = ["q_proj", "v_proj", "down_proj", "up_proj"]
+CASE = dict(r=2, random_seed=5, target_modules=TARGETS)
+
+
+def _randomize_torch(model, seed, scale=0.3):
+    gen = torch.Generator().manual_seed(seed)
+    count = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "shira_weight" in name:
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+                count += 1
+    assert count == 3 * len(TARGETS)
+    return model
+
+
+@pytest.mark.parametrize(
+    "seed", [5, pytest.param(None, marks=pytest.mark.variant_sweep, id="seed-None")]
+)
+def test_peftx_to_peft(seed, tiny_llama, tmp_path):
+    """A stacked peftx adapter with random values: PEFT loads the file (its state dict is
+    the file, index sets included, equal to those PEFT draws itself) to peftx's logits;
+    peftx's config file is one PEFT reads as a ShiraConfig with PEFT's keys; counts are
+    PEFT's."""
+    path, base = tiny_llama
+    case = dict(CASE, random_seed=seed)
+    ours = peftx.get_peft_model(base(), peftx.ShiraConfig(**case), key=jax.random.key(0))
+    ours = randomized(ours, jax.random.key(1))
+    ours.save_pretrained(tmp_path)
+    theirs = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path).eval()
+    file = load_file(str(tmp_path / WEIGHTS))
+    state = peft.utils.get_peft_model_state_dict(theirs)
+    assert sorted(file) == sorted(state)
+    assert {k.rsplit(".", 1)[-1] for k in file} == {"shira_weight", "shira_indices"}
+    their_config = peft.ShiraConfig(**case)
+    fresh = peft.get_peft_model(torch_base(path, "llama"), their_config)
+    drawn = peft.utils.get_peft_model_state_dict(fresh)
+    for k, v in state.items():
+        assert v.dtype == (torch.int32 if k.endswith("indices") else torch.float32), k
+        np.testing.assert_array_equal(v.numpy(), file[k], err_msg=k)
+        if k.endswith("shira_indices"):  # the mask PEFT draws itself
+            np.testing.assert_array_equal(drawn[k].numpy(), file[k], err_msg=k)
+    ids, mask = batch("llama")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "llama"), mask, reference)
+    saved = peft.PeftConfig.from_pretrained(tmp_path)
+    assert type(saved) is peft.ShiraConfig
+    assert sorted(saved.to_dict()) == sorted(their_config.to_dict())
+    assert list(peftx.ShiraConfig(**case).to_dict()) == list(their_config.to_dict())
+    assert ours.get_nb_trainable_parameters() == fresh.get_nb_trainable_parameters()
+
+
+@pytest.mark.parametrize(
+    "layout", ["stacked", pytest.param("unrolled", marks=pytest.mark.layout_sweep)]
+)
+def test_peft_to_peftx_files_gradients_and_merge(layout, tiny_llama, tmp_path):
+    """PEFT's adapter loads with equal logits and is written back exactly (the index
+    sets taken from the file); the gradient of every layer's values for one loss is
+    PEFT's; merged logits are the unmerged ones."""
+    path, base = tiny_llama
+    theirs = _randomize_torch(
+        peft.get_peft_model(torch_base(path, "llama"), peft.ShiraConfig(**CASE)), 3
+    )
+    # an index set of PEFT's own that the config's seed would not draw: read from the file
+    q = theirs.base_model.model.model.layers[1].self_attn.q_proj
+    q.shira_indices["default"] = torch.from_numpy(random_indices(32, 32, 2, 99))
+    theirs.save_pretrained(tmp_path / "peft")
+    ours = peftx.PeftModel.from_pretrained(base(layout), tmp_path / "peft", is_trainable=True)
+    ids, mask = batch("llama")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "llama"), mask, reference)
+    ours.save_pretrained(tmp_path / "again")
+    assert_same_files(tmp_path / "peft", tmp_path / "again")
+
+    # gradients: loss = Σ logits · c over the real tokens
+    c = np.random.RandomState(2).standard_normal(reference.shape[-1])
+    weights = (mask[..., None] * c[None, None]).astype(np.float32)
+    kwargs = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    kwargs["position_ids"] = torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))
+    (theirs(**kwargs).logits * torch.tensor(weights)).sum().backward()
+    trainable, frozen = peftx.partition(ours)
+
+    @eqx.filter_jit
+    @eqx.filter_grad
+    def grads(trainable):
+        logits = eqx.combine(trainable, frozen)(jnp.asarray(ids), jnp.asarray(mask)).logits
+        return jnp.sum(logits * jnp.asarray(weights))
+
+    eqx.combine(grads(trainable), frozen).save_pretrained(tmp_path / "grads")
+    got = {k: v for k, v in load_file(str(tmp_path / "grads" / WEIGHTS)).items()}
+    want = {
+        k.replace(".default", ""): p.grad.numpy()
+        for k, p in theirs.named_parameters()
+        if "shira_weight" in k
+    }
+    assert sorted(k for k in got if k.endswith("shira_weight")) == sorted(want)
+    for k, g in want.items():
+        np.testing.assert_allclose(got[k], g, atol=1e-4 * np.abs(g).max(), err_msg=k)
+        assert np.abs(g).max() > 0, k
+
+    merged = ours.merge_and_unload()
+    assert_same(jax_out(merged, ids, mask), jax_out(ours, ids, mask), mask, reference)
+    s = next(
+        x
+        for x in jax.tree.leaves(ours, is_leaf=lambda x: isinstance(x, AdapterSet))
+        if isinstance(x, AdapterSet)
+    )
+    adapter = s.adapter("default")
+    close(unmerge(adapter.merged(s.weight), adapter).weight, s.weight, tol=1e-6)
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_training_step_builds_no_dense_update_and_jvp(tiny_llama):
+    """A training step (forward and backward) of the stacked model builds no weight-sized
+    array; forward mode agrees with reverse mode."""
+    _, base = tiny_llama
+    model = randomized(
+        peftx.get_peft_model(base(), peftx.ShiraConfig(**CASE), key=jax.random.key(0)),
+        jax.random.key(4),
+    )
+    trainable, frozen = peftx.partition(model)
+    ids = jnp.ones((3, 7), jnp.int32)
+
+    def loss(t):
+        return jnp.mean(eqx.combine(t, frozen)(ids).logits ** 2)
+
+    def step(t, frozen):
+        return jax.grad(lambda t: jnp.mean(eqx.combine(t, frozen)(ids).logits ** 2))(t)
+
+    with strict():
+        assert_no_dense(step, trainable, frozen)
+        grads = eqx.filter_jit(step)(trainable, frozen)
+        tangent, _ = peftx.partition(randomized(model, jax.random.key(5)))
+        _, forward = eqx.filter_jit(lambda t, d: jax.jvp(loss, (t,), (d,)))(trainable, tangent)
+    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(tangent))
+    reverse = sum(jnp.vdot(g, d) for g, d in leaves)
+    np.testing.assert_allclose(forward, reverse, rtol=1e-4)
+    # only the values train; the index sets stay in the frozen half
+    assert all(jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(trainable))
+
+
+def test_two_adapters_switch_and_refuse_mixed_batches(tiny_llama):
+    _, base = tiny_llama
+    model = peftx.get_peft_model(
+        base(),
+        peftx.ShiraConfig(r=2, target_modules=["q_proj"], init_weights=False),
+        key=jax.random.key(0),
+    )
+    model = model.add_adapter(
+        "b",
+        peftx.ShiraConfig(r=4, target_modules=["q_proj"], init_weights=False, random_seed=1),
+        key=jax.random.key(1),
+    )
+    ids, mask = batch("llama")
+    assert (
+        np.abs(jax_out(model, ids, mask) - jax_out(model.set_adapter("b"), ids, mask)).max() > 1e-3
+    )
+    with pytest.raises(ValueError, match="within a batch, which PEFT does not do for SHIRA"):
+        model(jnp.asarray(ids), jnp.asarray(mask), adapter_names=["default", "b"])
+
+
+def test_refusals(tiny_llama):
+    _, base = tiny_llama
+    w = jnp.ones((OUT, IN))
+    with pytest.raises(ValueError, match="more shira params .* than the total number"):
+        shira(w, r=5)
+    with pytest.raises(ValueError, match="should be a positive integer"):
+        shira(w, r=0)
+    with pytest.raises(ValueError, match="pass a `key`"):
+        shira(w, r=1, init_weights=False)
+    with pytest.raises(ValueError, match="do not fit weight"):
+        ShiraArray(w, jnp.zeros((5,)), jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(TypeError, match="shira_indices must be integers"):
+        ShiraArray(w, jnp.zeros((4,)), jnp.zeros((2, 4)))
+    with pytest.raises((ValueError, TypeError), match="mask_type"):
+        peftx.ShiraConfig(mask_type="mine")
+    with pytest.raises(ValueError, match="random_seed"):
+        peftx.ShiraConfig(random_seed=-1)
+    with pytest.raises(ValueError, match="SHiRA on 'model.layers.0-2.self_attn.v_proj'.*rank 16"):
+        peftx.get_peft_model(
+            base(), peftx.ShiraConfig(r=16, target_modules=["v_proj"]), key=jax.random.key(0)
+        )
+
+
+def test_excluded_modules_are_saved_as_targets(tiny_llama, tmp_path):
+    """PEFT's ShiraConfig has no `exclude_modules`: the saved config names the adapted
+    modules, and PEFT adapts those only."""
+    path, base = tiny_llama
+    config = peftx.ShiraConfig(r=2, target_modules=["q_proj", "v_proj"], exclude_modules=["v_proj"])
+    ours = peftx.get_peft_model(base(), config, key=jax.random.key(0))
+    ours.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert "exclude_modules" not in saved
+    assert saved["target_modules"] == [f"model.layers.{i}.self_attn.q_proj" for i in range(3)]
+    theirs = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path)
+    assert len(peft.utils.get_peft_model_state_dict(theirs)) == 2 * 3
+
+
+def test_toml_table(tmp_path):
+    file = tmp_path / "job.toml"
+    file.write_text('[shira]\nr = 16\nrandom_seed = 4\ntarget_modules = ["q_proj"]\n')
+    assert peftx.from_toml(file) == peftx.ShiraConfig(
+        r=16, random_seed=4, target_modules=("q_proj",)
+    )
+    file.write_text("[shira]\nrandom_sed = 4\n")
+    with pytest.raises(ValueError, match="did you mean 'random_seed'"):
+        peftx.from_toml(file)
+
+
+@pytest.mark.command_run
+def test_shira_job_trains_and_writes_what_peft_reads(llama, tmp_path, capsys):
+    """A `[shira]` job trains and writes PEFT's adapter, which PEFT reads to peftx's
+    logits."""
+    text = (llama / "job.toml").read_text().replace('"base"', f'"{llama / "base"}"')
+    for name in ("train.jsonl", "eval.jsonl"):
+        text = text.replace(f'"{name}"', f'"{llama / name}"')
+    lora = text[text.index("[lora]") : text.index("[train]")]
+    job = tmp_path / "job.toml"
+    job.write_text(
+        text.replace(lora, '[shira]\nr = 2\ntarget_modules = ["q_proj", "v_proj", "down_proj"]\n\n')
+    )
+    out_dir = tmp_path / "run"
+    code, out, err = run_cli(
+        capsys,
+        "finetune",
+        job,
+        "--set",
+        f"output.dir={out_dir}",
+        "--set",
+        "train.steps=3",
+        "--set",
+        "output.merged=false",
+    )
+    assert code == 0, (out, err)
+    adapter = out_dir / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["peft_type"] == "SHIRA"
+    base = transformers.LlamaForCausalLM.from_pretrained(llama / "base").eval()
+    theirs = peft.PeftModel.from_pretrained(base, adapter).eval()
+    ids = np.array([[5, 7, 9, 11, 6], [5, 8, 6, 10, 12]])
+    mask = np.ones_like(ids)
+    with torch.no_grad():
+        want = theirs(input_ids=torch.from_numpy(ids)).logits.numpy()
+    ours = peftx.PeftModel.from_pretrained(pm.from_pretrained(llama / "base"), adapter)
+    got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask)).logits)
+    untrained = np.asarray(
+        pm.from_pretrained(llama / "base")(jnp.asarray(ids), jnp.asarray(mask)).logits
+    )
+    assert_same(got, want, mask, untrained)
