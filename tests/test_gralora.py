@@ -358,15 +358,15 @@ CASES = {
 }
 
 
-def _randomize_torch(model, seed, scale=0.3):
+def _randomize_torch(model, seed, scale=0.3, count=None):
     gen = torch.Generator().manual_seed(seed)
-    count = 0
+    n = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "gralora_" in name:
                 p.copy_(scale * torch.randn(p.shape, generator=gen))
-                count += 1
-    assert count >= 2 * 3 * len(TARGETS)
+                n += 1
+    assert n >= 2 * 3 * (count or len(TARGETS))
     return model
 
 
@@ -464,6 +464,39 @@ def test_peft_to_peftx_files_gradients_and_merge(case, layout, tiny_llama, tmp_p
     adapter = s.adapter("default")
     assert isinstance(adapter, GraloraArray)
     close(unmerge(adapter.merged(s.weight), adapter).weight, s.weight, tol=1e-5)
+
+
+def test_gpt2_conv1d_both_ways(tmp_path):
+    """GPT-2's Conv1D layers (stored `(in, out)`, PEFT's `fan_in_fan_out`): PEFT's adapter
+    loads with equal logits and is written back exactly; peftx's own, saved, is one PEFT
+    reads to peftx's logits, with `fan_in_fan_out` set."""
+    torch.manual_seed(0)
+    model = _randomize_torch_base(BUILDERS["gpt2"]().eval(), seed=7)
+    path = tmp_path / "gpt2"
+    model.save_pretrained(path)
+    config = dict(r=4, hybrid_r=2, target_modules=["c_attn", "c_proj", "c_fc"])
+    theirs = _randomize_torch(
+        peft.get_peft_model(
+            torch_base(path, "gpt2"), peft.GraloraConfig(**config, fan_in_fan_out=True)
+        ),
+        5,
+        count=6,
+    )
+    theirs.save_pretrained(tmp_path / "peft")
+    base = pm.from_pretrained(path)
+    ours = peftx.PeftModel.from_pretrained(base, tmp_path / "peft")
+    ids, mask = batch("gpt2")
+    reference = torch_out(torch_base(path, "gpt2"), ids, mask, "gpt2")
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "gpt2"), mask, reference)
+    ours.save_pretrained(tmp_path / "again")
+    assert_same_files(tmp_path / "peft", tmp_path / "again")
+
+    mine = peftx.get_peft_model(base, peftx.GraloraConfig(**config), key=jax.random.key(0))
+    mine = randomized(mine, jax.random.key(1))
+    mine.save_pretrained(tmp_path / "mine")
+    assert json.loads((tmp_path / "mine" / "adapter_config.json").read_text())["fan_in_fan_out"]
+    read = peft.PeftModel.from_pretrained(torch_base(path, "gpt2"), tmp_path / "mine").eval()
+    assert_same(jax_out(mine, ids, mask), torch_out(read, ids, mask, "gpt2"), mask, reference)
 
 
 # ---------------------------------------------------------------- training
