@@ -98,7 +98,7 @@ LAYOUTS = {
             v,
             lay,
             id=f"{v}-{lay}",
-            marks=pytest.mark.layout_sweep if v != "hybrid" and lay != "x @ W.T" else (),
+            marks=pytest.mark.variant_sweep if v != "hybrid" and lay != "x @ W.T" else (),
         )
         for v in VARIANTS
         for lay in LAYOUTS
@@ -410,7 +410,7 @@ def test_peftx_to_peft(case, tiny_llama, tmp_path):
     [
         ("hybrid", "stacked"),
         ("plain", "stacked"),
-        pytest.param("hybrid", "unrolled", marks=pytest.mark.layout_sweep),
+        ("hybrid", "unrolled"),
     ],
 )
 def test_peft_to_peftx_files_gradients_and_merge(case, layout, tiny_llama, tmp_path):
