@@ -57,6 +57,7 @@ from ._targets import (
 from ._version import __version__ as __version__
 from .adapters import (
     AdaLoraConfig as AdaLoraConfig,
+    GraloraConfig as GraloraConfig,
     IA3Config as IA3Config,
     LoHaConfig as LoHaConfig,
     LoKrConfig as LoKrConfig,

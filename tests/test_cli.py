@@ -318,6 +318,11 @@ ADAPTERS = {
         peft.ShiraConfig(r=2, random_seed=7, target_modules=["query", "value"]),
         peftx.ShiraConfig(r=2, random_seed=7, target_modules=("query", "value")),
     ),
+    "gralora": (
+        'r = 8\nhybrid_r = 2\ngralora_k = 4\ntarget_modules = ["query", "value"]',
+        peft.GraloraConfig(r=8, hybrid_r=2, gralora_k=4, target_modules=["query", "value"]),
+        peftx.GraloraConfig(r=8, hybrid_r=2, gralora_k=4, target_modules=("query", "value")),
+    ),
     # total_step left out: a job takes its own number of steps
     "adalora": (
         'init_r = 6\ntarget_r = 2\ntarget_modules = ["query", "value"]',

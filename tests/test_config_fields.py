@@ -209,6 +209,20 @@ CASES = {
             "init_weights": (True, "builds"),
         },
     ),
+    peftx.GraloraConfig: (
+        {"r": 2, "target_modules": ("q", "v", "fc"), "init_weights": False},
+        {
+            **COMMON,
+            "peft_type": ("LORA", "refused"),
+            "r": (4, "builds"),
+            "hybrid_r": (1, "builds"),
+            "alpha": (32, "builds"),
+            "gralora_dropout": (0.1, "builds"),
+            "gralora_k": (1, "builds"),
+            "init_weights": (True, "builds"),
+            "bias": ("all", "builds"),
+        },
+    ),
     peftx.AdaLoraConfig: (
         {
             "init_r": 3,

@@ -20,6 +20,7 @@ from peftx.adapters import (
     adapter_set,
     dora,
     expert_lora,
+    gralora,
     ia3,
     loha,
     lokr,
@@ -58,7 +59,7 @@ def _random(adapter, key):
 def _kinds():
     """name -> (array, stacking axes, dense formula of `merged(W)`, PEFT's parameter count:
     an adapter's trained arrays and its base weight's count)."""
-    k = iter(jax.random.split(jax.random.key(0), 30))
+    k = iter(jax.random.split(jax.random.key(0), 34))
     w = _weight(next(k))
     low = _random(lora(w, r=R, lora_alpha=5, key=next(k)), next(k))
     conv_w = _weight(next(k), (OUT, IN, 3, 3))
@@ -127,6 +128,30 @@ def _kinds():
         for (i, j), x in zip(np.asarray(sparse.shira_indices).T, np.asarray(sparse.shira_weight)):
             d[i, j] += x
         return v + d
+
+    # OUT = 2·3, IN = 2·4: k = 2 blocks of (3, 4), each rank 4 in sub-ranks of 2; the
+    # hybrid part's rank is R
+    blocks = _random(gralora(w, r=4, alpha=6, key=next(k)), next(k))
+    hybrid = _random(gralora(w, r=4, hybrid_r=R, alpha=7, key=next(k)), next(k))
+
+    def gralora_formula(a):
+        def formula(v):
+            rows = [
+                jnp.concatenate(
+                    [
+                        (a.gralora_A[n][:, 2 * j : 2 * j + 2] @ a.gralora_B[j][2 * n : 2 * n + 2]).T
+                        for n in range(2)
+                    ],
+                    axis=1,
+                )
+                for j in range(2)
+            ]
+            d = jnp.concatenate(rows, axis=0)
+            if a.gralora_A_general is not None:
+                d = d + a.gralora_B_general @ a.gralora_A_general
+            return v + a.scaling * d
+
+        return formula
 
     def low_rank(a):
         return a.scaling * a.lora_B @ a.lora_A
@@ -204,6 +229,13 @@ def _kinds():
         "miss mini": (mini_block, 0, miss_formula(mini_block), OUT * IN + R * 2),
         "miss bat": (bat_block, 0, bat_formula, OUT * IN + (OUT // 2) * 2 * 2),
         "shira": (sparse, 0, shira_formula, OUT * IN + R * (OUT + IN)),
+        "gralora": (blocks, 0, gralora_formula(blocks), OUT * IN + 2 * 4 * 4 + 2 * 4 * 3),
+        "gralora hybrid": (
+            hybrid,
+            0,
+            gralora_formula(hybrid),
+            OUT * IN + 2 * 4 * 4 + 2 * 4 * 3 + R * (IN + OUT),
+        ),
         "nf4": (quantize_nf4(w), 0, None, OUT * IN),
         "int8": (quantize_int8(w), 0, None, OUT * IN),
         "adapter set": (adapter_set(w, {"a": low}, ("a",)), 0, None, OUT * IN + R * (IN + OUT)),
@@ -227,6 +259,8 @@ KINDS = [
     "miss mini",
     "miss bat",
     "shira",
+    "gralora",
+    "gralora hybrid",
     "nf4",
     "int8",
     "adapter set",

@@ -19,6 +19,11 @@ from ._bank import (
     LoraBank as LoraBank,
 )
 from ._dropout import with_dropout as with_dropout, without_dropout as without_dropout
+from ._gralora import (
+    GraloraArray as GraloraArray,
+    GraloraConfig as GraloraConfig,
+    gralora as gralora,
+)
 from ._ia3 import IA3Array as IA3Array, IA3Config as IA3Config, ia3 as ia3
 from ._loha import LoHaArray as LoHaArray, LoHaConfig as LoHaConfig, loha as loha
 from ._lokr import (
