@@ -353,7 +353,8 @@ def test_load_config_errors(tmp_path):
         ValueError,
         match=(
             r"'BOFT'; peftx supports "
-            r"\['LORA', 'ADALORA', 'IA3', 'LOHA', 'LOKR', 'MISS', 'OFT', 'VERA', 'SHIRA'\]"
+            r"\['LORA', 'ADALORA', 'GRALORA', 'IA3', 'LOHA', 'LOKR', 'MISS', 'OFT', 'VERA', "
+            r"'SHIRA'\]"
         ),
     ):
         load_config({"peft_type": "BOFT"})
@@ -420,7 +421,7 @@ CONSTRUCTOR_ERRORS = [
         AbstractAdapterConfig,
         dict(peft_type="LORA"),
         TypeError,
-        r"config \(LoraConfig, AdaLoraConfig, IA3Config, .*VeraConfig\); .* is abstract",
+        r"\(LoraConfig, AdaLoraConfig, GraloraConfig, IA3Config, .*ShiraConfig\); .* is abstract",
     ),
 ]
 
