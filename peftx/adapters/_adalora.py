@@ -25,9 +25,9 @@ from .._config import (
     field,
 )
 from .._kind import AbstractAdapter, AbstractTrainHook
-from ._layout import WeightProduct, weight_dot_handlers
+from ._layout import WeightProduct
 from ._lora import LORA_HARMLESS, LORA_KEYS, LORA_TARGET_MODULES, PEFT_ONLY_LORA
-from ._products import LayerKeys, add_update, cast_base_on_astype, dropout, low_rank, rescale
+from ._products import LayerKeys, dropout, low_rank, rescale, update_handlers
 from ._set import AdapterSet
 
 # PEFT divides by `ranknum + 1e-5`
@@ -139,9 +139,9 @@ class AdaLoraArray(AbstractAdapter):
         return merged - self.delta().astype(merged.dtype)
 
 
-def _adalora_terms(w: AdaLoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    """`(labels, update)`: the product's labels and `scaling · B·(E ⊙ A·x_dropped)` in
-    its output order; None when neither axis of the weight meets `x`."""
+def _adalora_update(w: AdaLoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    """`scaling · B·(E ⊙ A·x_dropped)` in the product's output order; None when neither
+    axis of the weight meets `x`."""
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
     s = w.stack_ndim
     stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
@@ -155,26 +155,10 @@ def _adalora_terms(w: AdaLoraArray, x: Array, w_is_lhs: bool, params: dict[str, 
         delta = low_rank(p, b_labels, a_labels, (*stack, "r"))(x_d, w.lora_B, w.lora_A, e)
     else:
         return None
-    return p, rescale(delta, p.along(w.scaling, stack, p.out))
+    return rescale(delta, p.along(w.scaling, stack, p.out))
 
 
-def _adalora_dot(w: AdaLoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    terms = _adalora_terms(w, x, w_is_lhs, params)
-    if terms is None:
-        return NotImplemented
-    p, delta = terms
-    return add_update(p.arrange(*p.contract(x, p.x, w.weight, p.w)), delta)
-
-
-def _adalora_update(
-    w: AdaLoraArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
-) -> Any:
-    terms = _adalora_terms(w, x, w_is_lhs, params)
-    return NotImplemented if terms is None else terms[1]
-
-
-weight_dot_handlers(AdaLoraArray, _adalora_dot, _adalora_update)
-cast_base_on_astype(AdaLoraArray)
+update_handlers(AdaLoraArray, _adalora_update)
 
 
 def adalora(

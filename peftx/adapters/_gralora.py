@@ -25,9 +25,9 @@ from .._config import (
     field,
 )
 from .._kind import AbstractAdapter
-from ._layout import Labels, WeightProduct, weight_dot_handlers
+from ._layout import Labels, WeightProduct
 from ._lora import LORA_TARGET_MODULES
-from ._products import LayerKeys, add_update, cast_base_on_astype, dropout, wider_dtype
+from ._products import LayerKeys, dropout, update_handlers, wider_dtype
 
 
 class GraloraArray(AbstractAdapter):
@@ -246,23 +246,7 @@ def _update(w: GraloraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -
     return jnp.asarray(w.scaling, dtype) * y
 
 
-def _gralora_dot(w: GraloraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    update = _update(w, x, w_is_lhs, params)
-    if update is None:
-        return NotImplemented
-    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
-    return add_update(p.arrange(*p.contract(x, p.x, w.weight, p.w)), update)
-
-
-def _gralora_update(
-    w: GraloraArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
-) -> Any:
-    update = _update(w, x, w_is_lhs, params)
-    return NotImplemented if update is None else update
-
-
-weight_dot_handlers(GraloraArray, _gralora_dot, _gralora_update)
-cast_base_on_astype(GraloraArray)
+update_handlers(GraloraArray, _update)
 
 
 def gralora(

@@ -30,9 +30,9 @@ from .._config import (
     field,
 )
 from .._kind import AbstractAdapter
-from ._layout import WeightProduct, weight_dot_handlers
+from ._layout import WeightProduct
 from ._lora import LORA_TARGET_MODULES
-from ._products import LayerKeys, add_update, cast_base_on_astype
+from ._products import LayerKeys, update_handlers
 
 
 class AbstractLycoris(AbstractAdapter):
@@ -126,27 +126,16 @@ def check_common(r: int, rank_dropout: float, module_dropout: float, weight: Any
             raise ValueError(f"{name} must be a probability in [0, 1), got {rate}.")
 
 
-def _product(w: AbstractLycoris, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+def _update(w: AbstractLycoris, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
-    base = p.arrange(*p.contract(x, p.x, w.weight, p.w))
-    delta = w.update(p, x, w.row_keep())
-    return NotImplemented if delta is None else add_update(base, delta)
-
-
-def _update(
-    w: AbstractLycoris, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
-) -> Any:
-    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
-    delta = w.update(p, x, w.row_keep())
-    return NotImplemented if delta is None else delta
+    return w.update(p, x, w.row_keep())
 
 
 def register(cls: type) -> None:
     """The `dot_general` handlers (`W·x + ΔW·x`, the base product in its own dtype and
     precision, the update in the adapter's dtype, summed in the wider one and rounded to
     the base's, as PEFT adds them) and the `astype` rule of a LyCORIS kind."""
-    weight_dot_handlers(cls, _product, _update)
-    cast_base_on_astype(cls)
+    update_handlers(cls, _update)
 
 
 # -- the config ------------------------------------------------------------------------------

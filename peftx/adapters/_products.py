@@ -14,7 +14,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Key, PRNGKeyArray, UInt32
 
 from ..implicit import primitive_handler
-from ._layout import Labels, WeightProduct
+from ._layout import Labels, WeightProduct, weight_dot_handlers
 
 # A stacked adapter's dropout keys: one per layer (a single key when it is not stacked).
 LayerKeys = Key[Array, "*layers"] | UInt32[Array, "*layers 2"] | UInt32[Array, "*layers 4"]
@@ -279,6 +279,29 @@ def fused_low_rank(p: WeightProduct, meet: int) -> Any:
 
     fused.defjvp(fused_jvp, symbolic_zeros=True)
     return fused
+
+
+def update_handlers(cls: type, update: Callable[[Any, Array, bool, dict], Array | None]) -> None:
+    """The `dot_general` handlers and `astype` rule of a kind whose product is its base
+    weight's own plus what `update(w, x, w_is_lhs, params)` adds (in the product's output
+    order; None where no handler applies): `weight_dot_handlers` with the base product
+    (its own dtype and precision) and the update summed by `add_update`, the bare update
+    for an `AdapterSet`, and `cast_base_on_astype`."""
+
+    def product(w: Any, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+        added = update(w, x, w_is_lhs, params)
+        if added is None:
+            return NotImplemented
+        p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+        return add_update(p.arrange(*p.contract(x, p.x, w.weight, p.w)), added)
+
+    def alone(w: Any, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array) -> Any:
+        added = update(w, x, w_is_lhs, params)
+        return NotImplemented if added is None else added
+
+    product.__qualname__, product.__module__ = update.__qualname__, update.__module__
+    weight_dot_handlers(cls, product, alone)
+    cast_base_on_astype(cls)
 
 
 def cast_base_on_astype(cls: type) -> None:

@@ -23,9 +23,9 @@ from .._config import (
     field,
 )
 from .._kind import AbstractAdapter
-from ._layout import Labels, WeightProduct, weight_dot_handlers
+from ._layout import Labels, WeightProduct
 from ._lora import LORA_TARGET_MODULES
-from ._products import add_update, cast_base_on_astype, wider_dtype
+from ._products import update_handlers, wider_dtype
 from ._vera import torch_cpu_words
 
 # the seed of a fresh `torch.Generator()` (c10's `default_rng_seed_val`): PEFT's random
@@ -206,23 +206,7 @@ def _gathered(
     return y, (*stack, *(to if lab == meet else lab for lab in rest))
 
 
-def _shira_dot(w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    update = _update(w, x, w_is_lhs, params)
-    if update is None:
-        return NotImplemented
-    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
-    return add_update(p.arrange(*p.contract(x, p.x, w.weight, p.w)), update)
-
-
-def _shira_update(
-    w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
-) -> Any:
-    update = _update(w, x, w_is_lhs, params)
-    return NotImplemented if update is None else update
-
-
-weight_dot_handlers(ShiraArray, _shira_dot, _shira_update)
-cast_base_on_astype(ShiraArray)
+update_handlers(ShiraArray, _update)
 
 
 def shira(
