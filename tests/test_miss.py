@@ -4,7 +4,6 @@ each variant, files both ways on a tiny Llama, gradients of every block, merging
 update in a training step (but for "bat", which PEFT builds dense too), forward mode, the
 stacked layout, and a `[miss]` job whose adapter PEFT reads."""
 
-import json
 import math
 
 import equinox as eqx
@@ -14,13 +13,13 @@ import numpy as np
 import peft
 import pytest
 import torch
-import transformers
-from helpers import close, run_cli
+from helpers import close
 from safetensors.numpy import load_file
 from test_peft_interop import (
     BUILDERS,
     WEIGHTS,
     _randomize_torch_base,
+    assert_job_adapter_reads_in_peft,
     assert_same,
     assert_same_files,
     batch,
@@ -526,38 +525,5 @@ def test_toml_table(tmp_path):
 def test_miss_job_trains_and_writes_what_peft_reads(llama, tmp_path, capsys):
     """A `[miss]` job trains and writes PEFT's adapter, which PEFT reads to peftx's
     logits."""
-    text = (llama / "job.toml").read_text().replace('"base"', f'"{llama / "base"}"')
-    for name in ("train.jsonl", "eval.jsonl"):
-        text = text.replace(f'"{name}"', f'"{llama / name}"')
-    lora = text[text.index("[lora]") : text.index("[train]")]
-    job = tmp_path / "job.toml"
-    job.write_text(
-        text.replace(lora, '[miss]\nr = 4\ntarget_modules = ["q_proj", "v_proj", "down_proj"]\n\n')
-    )
-    out_dir = tmp_path / "run"
-    code, out, err = run_cli(
-        capsys,
-        "finetune",
-        job,
-        "--set",
-        f"output.dir={out_dir}",
-        "--set",
-        "train.steps=3",
-        "--set",
-        "output.merged=false",
-    )
-    assert code == 0, (out, err)
-    adapter = out_dir / "adapter"
-    assert json.loads((adapter / "adapter_config.json").read_text())["peft_type"] == "MISS"
-    base = transformers.LlamaForCausalLM.from_pretrained(llama / "base").eval()
-    theirs = peft.PeftModel.from_pretrained(base, adapter).eval()
-    ids = np.array([[5, 7, 9, 11, 6], [5, 8, 6, 10, 12]])
-    mask = np.ones_like(ids)
-    with torch.no_grad():
-        want = theirs(input_ids=torch.from_numpy(ids)).logits.numpy()
-    ours = peftx.PeftModel.from_pretrained(pm.from_pretrained(llama / "base"), adapter)
-    got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask)).logits)
-    untrained = np.asarray(
-        pm.from_pretrained(llama / "base")(jnp.asarray(ids), jnp.asarray(mask)).logits
-    )
-    assert_same(got, want, mask, untrained)
+    table = '[miss]\nr = 4\ntarget_modules = ["q_proj", "v_proj", "down_proj"]'
+    assert_job_adapter_reads_in_peft(llama, tmp_path, capsys, table, "MISS")

@@ -305,6 +305,40 @@ def assert_torch_holds_file(theirs, directory, adapter_name="default"):
         assert np.abs(file[k]).max() > 0, k
 
 
+def assert_job_adapter_reads_in_peft(llama, tmp_path, capsys, table, peft_type):
+    """The `llama` fixture's job with its `[lora]` table replaced by `table` trains 3
+    steps and writes a `peft_type` adapter that PyTorch PEFT reads to peftx's logits, which
+    differ from the base model's."""
+    from helpers import run_cli
+
+    text = (llama / "job.toml").read_text().replace('"base"', f'"{llama / "base"}"')
+    for name in ("train.jsonl", "eval.jsonl"):
+        text = text.replace(f'"{name}"', f'"{llama / name}"')
+    lora = text[text.index("[lora]") : text.index("[train]")]
+    job = tmp_path / "job.toml"
+    job.write_text(text.replace(lora, table + "\n\n"))
+    out_dir = tmp_path / "run"
+    code, out, err = run_cli(
+        capsys, "finetune", job, "--set", f"output.dir={out_dir}",
+        "--set", "train.steps=3", "--set", "output.merged=false",
+    )  # fmt: skip
+    assert code == 0, (out, err)
+    adapter = out_dir / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["peft_type"] == peft_type
+    base = transformers.LlamaForCausalLM.from_pretrained(llama / "base").eval()
+    theirs = peft.PeftModel.from_pretrained(base, adapter).eval()
+    ids = np.array([[5, 7, 9, 11, 6], [5, 8, 6, 10, 12]])
+    mask = np.ones_like(ids)
+    with torch.no_grad():
+        want = theirs(input_ids=torch.from_numpy(ids)).logits.numpy()
+    ours = peftx.PeftModel.from_pretrained(pm.from_pretrained(llama / "base"), adapter)
+    got = np.asarray(ours(jnp.asarray(ids), jnp.asarray(mask)).logits)
+    untrained = np.asarray(
+        pm.from_pretrained(llama / "base")(jnp.asarray(ids), jnp.asarray(mask)).logits
+    )
+    assert_same(got, want, mask, untrained)
+
+
 def assert_same_files(a, b):
     """Two adapter weight files hold the same tensors (names, dtypes, values)."""
     x, y = load_file(str(a / WEIGHTS)), load_file(str(b / WEIGHTS))
