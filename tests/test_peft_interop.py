@@ -339,6 +339,52 @@ def assert_job_adapter_reads_in_peft(llama, tmp_path, capsys, table, peft_type):
     assert_same(got, want, mask, untrained)
 
 
+def assert_peft_file_gradients_and_merge(theirs, path, ours_base, tmp_path, trained, frozen=()):
+    """PyTorch PEFT's adapter `theirs` (on the llama checkpoint at `path`) saved and loaded
+    onto `ours_base` gives PEFT's logits and is written back exactly; the gradient of every
+    trained tensor (PEFT's parameters named with `trained`) for one loss is PEFT's, key for
+    key (the file's other tensors are the `frozen` names); merged logits are the unmerged
+    ones. Returns the first `AdapterSet` of peftx's model."""
+    theirs.save_pretrained(tmp_path / "peft")
+    ours = peftx.PeftModel.from_pretrained(ours_base, tmp_path / "peft", is_trainable=True)
+    ids, mask = batch("llama")
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "llama"), mask, reference)
+    ours.save_pretrained(tmp_path / "again")
+    assert_same_files(tmp_path / "peft", tmp_path / "again")
+
+    # gradients: loss = Σ logits · c over the real tokens
+    c = np.random.RandomState(2).standard_normal(reference.shape[-1])
+    weights = (mask[..., None] * c[None, None]).astype(np.float32)
+    kwargs = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
+    kwargs["position_ids"] = torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))
+    (theirs(**kwargs).logits * torch.tensor(weights)).sum().backward()
+    trainable, frozen_half = peftx.partition(ours)
+
+    @eqx.filter_jit
+    @eqx.filter_grad
+    def grads(trainable):
+        logits = eqx.combine(trainable, frozen_half)(jnp.asarray(ids), jnp.asarray(mask)).logits
+        return jnp.sum(logits * jnp.asarray(weights))
+
+    eqx.combine(grads(trainable), frozen_half).save_pretrained(tmp_path / "grads")
+    got = load_file(str(tmp_path / "grads" / WEIGHTS))
+    want = {
+        k.replace(".default", ""): p.grad.numpy()
+        for k, p in theirs.named_parameters()
+        if trained in k
+    }
+    assert sorted(k for k in got if not k.endswith(tuple(frozen))) == sorted(want)
+    for k, g in want.items():
+        np.testing.assert_allclose(got[k], g, atol=1e-4 * np.abs(g).max(), err_msg=k)
+        assert np.abs(g).max() > 0, k
+
+    merged = ours.merge_and_unload()
+    assert_same(jax_out(merged, ids, mask), jax_out(ours, ids, mask), mask, reference)
+    is_set = lambda x: isinstance(x, peftx.adapters.AdapterSet)  # noqa: E731
+    return next(x for x in jax.tree.leaves(ours, is_leaf=is_set) if is_set(x))
+
+
 def assert_same_files(a, b):
     """Two adapter weight files hold the same tensors (names, dtypes, values)."""
     x, y = load_file(str(a / WEIGHTS)), load_file(str(b / WEIGHTS))

@@ -22,8 +22,8 @@ from test_peft_interop import (
     WEIGHTS,
     _randomize_torch_base,
     assert_job_adapter_reads_in_peft,
+    assert_peft_file_gradients_and_merge,
     assert_same,
-    assert_same_files,
     batch,
     jax_out,
     randomized,
@@ -33,7 +33,7 @@ from test_peft_interop import (
 
 import peftx
 import peftx.models as pm
-from peftx.adapters import AdapterSet, ShiraArray, random_indices, shira, unmerge
+from peftx.adapters import ShiraArray, random_indices, shira, unmerge
 from peftx.implicit import assert_no_dense, strict, use_implicit_args
 
 EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
@@ -356,46 +356,8 @@ def test_peft_to_peftx_files_gradients_and_merge(layout, tiny_llama, tmp_path):
     # an index set of PEFT's own that the config's seed would not draw: read from the file
     q = theirs.base_model.model.model.layers[1].self_attn.q_proj
     q.shira_indices["default"] = torch.from_numpy(random_indices(32, 32, 2, 99))
-    theirs.save_pretrained(tmp_path / "peft")
-    ours = peftx.PeftModel.from_pretrained(base(layout), tmp_path / "peft", is_trainable=True)
-    ids, mask = batch("llama")
-    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
-    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask, "llama"), mask, reference)
-    ours.save_pretrained(tmp_path / "again")
-    assert_same_files(tmp_path / "peft", tmp_path / "again")
-
-    # gradients: loss = Σ logits · c over the real tokens
-    c = np.random.RandomState(2).standard_normal(reference.shape[-1])
-    weights = (mask[..., None] * c[None, None]).astype(np.float32)
-    kwargs = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask))
-    kwargs["position_ids"] = torch.tensor(np.maximum(np.cumsum(mask, -1) - 1, 0))
-    (theirs(**kwargs).logits * torch.tensor(weights)).sum().backward()
-    trainable, frozen = peftx.partition(ours)
-
-    @eqx.filter_jit
-    @eqx.filter_grad
-    def grads(trainable):
-        logits = eqx.combine(trainable, frozen)(jnp.asarray(ids), jnp.asarray(mask)).logits
-        return jnp.sum(logits * jnp.asarray(weights))
-
-    eqx.combine(grads(trainable), frozen).save_pretrained(tmp_path / "grads")
-    got = {k: v for k, v in load_file(str(tmp_path / "grads" / WEIGHTS)).items()}
-    want = {
-        k.replace(".default", ""): p.grad.numpy()
-        for k, p in theirs.named_parameters()
-        if "shira_weight" in k
-    }
-    assert sorted(k for k in got if k.endswith("shira_weight")) == sorted(want)
-    for k, g in want.items():
-        np.testing.assert_allclose(got[k], g, atol=1e-4 * np.abs(g).max(), err_msg=k)
-        assert np.abs(g).max() > 0, k
-
-    merged = ours.merge_and_unload()
-    assert_same(jax_out(merged, ids, mask), jax_out(ours, ids, mask), mask, reference)
-    s = next(
-        x
-        for x in jax.tree.leaves(ours, is_leaf=lambda x: isinstance(x, AdapterSet))
-        if isinstance(x, AdapterSet)
+    s = assert_peft_file_gradients_and_merge(
+        theirs, path, base(layout), tmp_path, "shira_weight", frozen=("shira_indices",)
     )
     adapter = s.adapter("default")
     close(unmerge(adapter.merged(s.weight), adapter).weight, s.weight, tol=1e-6)
