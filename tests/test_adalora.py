@@ -148,7 +148,9 @@ def test_merge_and_unmerge(checkpoint):  # noqa: F811
     np.testing.assert_allclose(adapter.unmerged(dense), layer.weight, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.variant_sweep)]
+)
 def test_gradients_match_peft(checkpoint, dtype, tmp_path):  # noqa: F811
     """Every factor's gradient equals PEFT's for the same loss of the logits; on a
     bfloat16 base the factors stay float32 on both sides and get float32 gradients."""

@@ -357,6 +357,7 @@ def test_saved_adapters_load_in_peft_with_equal_logits(zoo, tmp_path):
         )
 
 
+@pytest.mark.variant_sweep  # test_each_adapters_gradient_is_its_own_rows_alone at scale
 def test_a_large_bank_trains_many_adapters_in_one_step(zoo):
     base = peftx.from_pretrained(zoo / "base", layout="stacked")
     config = peftx.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
@@ -658,6 +659,7 @@ def test_the_active_adapter_is_data_too(zoo):
     np.testing.assert_allclose(base[0], _peft_logits(zoo, None, ids)[0], atol=1e-4)
 
 
+@pytest.mark.variant_sweep  # the step by another path: a loop written with optax
 def test_a_users_own_optax_loop_matches_the_step(zoo):
     """The recipe for your own optax loop (README, docs/selection.md): the whole bank's
     gradient, each adapter's own mean, `keep_untrained_slots` on parameters and optimizer

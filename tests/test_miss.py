@@ -22,6 +22,7 @@ from test_peft_interop import (
     assert_job_adapter_reads_in_peft,
     assert_peft_file_gradients_and_merge,
     assert_same,
+    assert_step_builds_no_dense_and_jvp,
     batch,
     jax_out,
     randomized,
@@ -31,7 +32,7 @@ from test_peft_interop import (
 
 import peftx
 import peftx.models as pm
-from peftx.adapters import MissArray, miss, unmerge, with_dropout
+from peftx.adapters import MissArray, miss, unmerge
 from peftx.implicit import DenseWeightError, assert_no_dense, strict, use_implicit_args
 
 EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
@@ -326,7 +327,7 @@ def test_peftx_to_peft(case, tiny_llama, tmp_path):
     [
         ("balance", "stacked"),
         ("balance", "unrolled"),
-        ("bat", "stacked"),
+        pytest.param("bat", "stacked", marks=pytest.mark.variant_sweep),
         # mini takes balance's path with a tiled result (its layer test runs in the fast tier)
         pytest.param("mini", "stacked", marks=pytest.mark.variant_sweep),
     ],
@@ -373,38 +374,8 @@ def test_training_step_builds_no_dense_update_and_jvp(tiny_llama):
     _, base = tiny_llama
     for case in ("balance", "mini"):
         config = peftx.MissConfig(**CASES[case], miss_dropout=0.1)
-        model = randomized(
-            peftx.get_peft_model(base(), config, key=jax.random.key(0)), jax.random.key(4)
-        )
-        trainable, frozen = peftx.partition(model)
-        ids = jnp.ones((3, 7), jnp.int32)
-
-        def loss(t, key):
-            m = with_dropout(eqx.combine(t, frozen), key)
-            return jnp.mean(m(ids).logits ** 2)
-
-        def step(t, frozen, key):
-            return jax.grad(loss)(t, key)
-
-        key = jax.random.key(1)
-        with strict():
-            assert_no_dense(step, trainable, frozen, key)
-            grads = eqx.filter_jit(step)(trainable, frozen, key)
-            tangent, _ = peftx.partition(randomized(model, jax.random.key(5)))
-            _, forward = eqx.filter_jit(lambda t, d: jax.jvp(lambda t: loss(t, key), (t,), (d,)))(
-                trainable, tangent
-            )
-        leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(tangent))
-        reverse = sum(jnp.vdot(g, d) for g, d in leaves)
-        np.testing.assert_allclose(forward, reverse, rtol=1e-4)
-        # dropout acts: without the keys the gradient differs
-        plain = eqx.filter_jit(
-            jax.grad(lambda t: jnp.mean(eqx.combine(t, frozen)(ids).logits ** 2))
-        )(trainable)
-        assert not all(
-            np.allclose(a, b, atol=1e-6)
-            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(plain))
-        )
+        model = peftx.get_peft_model(base(), config, key=jax.random.key(0))
+        assert_step_builds_no_dense_and_jvp(randomized(model, jax.random.key(4)), dropout=True)
 
 
 def test_bat_builds_the_weight_as_peft_does(tiny_llama):

@@ -29,6 +29,8 @@ from safetensors.numpy import load_file
 
 import peftx
 import peftx.models as pm
+from peftx.adapters import with_dropout
+from peftx.implicit import assert_no_dense, strict
 
 VOCAB = 97
 # fp32 forward passes of a few layers of width 32, logits of order one: the two
@@ -383,6 +385,40 @@ def assert_peft_file_gradients_and_merge(theirs, path, ours_base, tmp_path, trai
     assert_same(jax_out(merged, ids, mask), jax_out(ours, ids, mask), mask, reference)
     is_set = lambda x: isinstance(x, peftx.adapters.AdapterSet)  # noqa: E731
     return next(x for x in jax.tree.leaves(ours, is_leaf=is_set) if is_set(x))
+
+
+def assert_step_builds_no_dense_and_jvp(model, dropout=False):
+    """A training step (forward and backward) of the PEFT `model` builds no weight-sized
+    array; forward mode agrees with reverse mode; with `dropout`, a second key gives other
+    gradients (the same compiled step). Returns the gradients and the trainable half."""
+    trainable, frozen = peftx.partition(model)
+    ids = jnp.ones((3, 7), jnp.int32)
+
+    def loss(t, key):
+        m = eqx.combine(t, frozen)
+        return jnp.mean((with_dropout(m, key) if dropout else m)(ids).logits ** 2)
+
+    def step(t, frozen, key):
+        return jax.grad(loss)(t, key)
+
+    key = jax.random.key(1)
+    with strict():
+        assert_no_dense(step, trainable, frozen, key)
+        grads = eqx.filter_jit(step)(trainable, frozen, key)
+        tangent, _ = peftx.partition(randomized(model, jax.random.key(5)))
+        _, forward = eqx.filter_jit(lambda t, d: jax.jvp(lambda t: loss(t, key), (t,), (d,)))(
+            trainable, tangent
+        )
+    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(tangent))
+    reverse = sum(jnp.vdot(g, d) for g, d in leaves)
+    np.testing.assert_allclose(forward, reverse, rtol=1e-4)
+    if dropout:
+        other = eqx.filter_jit(step)(trainable, frozen, jax.random.key(2))
+        assert not all(
+            np.allclose(a, b, atol=1e-6)
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(other))
+        )
+    return grads, trainable
 
 
 def assert_same_files(a, b):

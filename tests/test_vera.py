@@ -164,7 +164,9 @@ def _grads(model, dtype_weights):
     return eqx.combine(grad(trainable), frozen)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.variant_sweep)]
+)
 def test_gradients_match_peft(checkpoint, dtype, tmp_path):
     """Every lambda's gradient equals PEFT's for the same loss; on a bfloat16 base the
     lambdas and projections stay float32 on both sides."""
