@@ -36,7 +36,7 @@ from test_peft_interop import (
 
 import peftx
 import peftx.models as pm
-from peftx.adapters import HiraArray, hira, unmerge, with_dropout
+from peftx.adapters import HiraArray, adapter_set, hira, unmerge, with_dropout
 from peftx.implicit import strict, use_implicit_args
 
 EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
@@ -131,6 +131,18 @@ def test_stacked_layers_under_scan_jvp_and_unmerge(getkey):
     assert not np.allclose(got, forward(weights, x), atol=1e-2)
     merged = layers.merged(weights)
     close(unmerge(merged, layers).weight, weights, tol=1e-5)
+
+
+def test_two_active_adapters_add_their_updates(getkey):
+    """Two HiRA adapters active on one weight (an `AdapterSet`) add `W ⊙ B_k·A_k` each to
+    the base product, as PEFT's forward loops over its active adapters."""
+    w = jax.random.normal(getkey(), (OUT, IN))
+    a, b = _random(getkey(), w), _random(getkey(), w)
+    both = adapter_set(w, {"a": a, "b": b}, ("a", "b"))
+    x = jax.random.normal(getkey(), (5, IN))
+    with strict():
+        got = jax.jit(use_implicit_args(lambda s, x: x @ s.T))(both, x)
+    close(got, x @ (w + _dense_delta(a, w) + _dense_delta(b, w)).T, tol=1e-4)
 
 
 # ---------------------------------------------------------------- one layer against PEFT

@@ -46,12 +46,12 @@ class HiraArray(AbstractAdapter):
     wider of the weight's and the factors' dtypes) and multiplies `x` by it, one product
     in place of the base's. Its gradient needs the cotangent of that weight, `gᵀ·x`, a
     second weight-sized array, from which `hira_A`'s and `hira_B`'s follow by products
-    with the factors. It is the only kind that builds dense updates in a train step, as
-    PEFT's HiRA does in every forward.
+    with the factors. PEFT's HiRA builds the same weight in every forward (LoHa and
+    MiSS's "bat" build theirs here too).
 
     With dropout (`hira_dropout` and a `dropout_key`, see `with_dropout`), the update
     sees a dropped-out `x` and the base the plain one, as in PEFT: the base product and
-    `drop(x)·(W ⊙ B·A)ᵀ` (in the factors' dtype) are computed apart and added.
+    `drop(x)·(W ⊙ B·A)ᵀ` (in the wider dtype) are computed apart and added.
     """
 
     weight: Any
