@@ -58,6 +58,7 @@ from ._version import __version__ as __version__
 from .adapters import (
     AdaLoraConfig as AdaLoraConfig,
     GraloraConfig as GraloraConfig,
+    HiraConfig as HiraConfig,
     IA3Config as IA3Config,
     LoHaConfig as LoHaConfig,
     LoKrConfig as LoKrConfig,

@@ -323,6 +323,11 @@ ADAPTERS = {
         peft.GraloraConfig(r=8, hybrid_r=2, gralora_k=4, target_modules=["query", "value"]),
         peftx.GraloraConfig(r=8, hybrid_r=2, gralora_k=4, target_modules=("query", "value")),
     ),
+    "hira": (
+        'r = 8\ninit_weights = "gaussian"\ntarget_modules = ["query", "value"]',
+        peft.HiraConfig(r=8, init_weights="gaussian", target_modules=["query", "value"]),
+        peftx.HiraConfig(r=8, init_weights="gaussian", target_modules=("query", "value")),
+    ),
     # total_step left out: a job takes its own number of steps
     "adalora": (
         'init_r = 6\ntarget_r = 2\ntarget_modules = ["query", "value"]',

@@ -353,8 +353,8 @@ def test_load_config_errors(tmp_path):
         ValueError,
         match=(
             r"'BOFT'; peftx supports "
-            r"\['LORA', 'ADALORA', 'GRALORA', 'IA3', 'LOHA', 'LOKR', 'MISS', 'OFT', 'VERA', "
-            r"'SHIRA'\]"
+            r"\['LORA', 'ADALORA', 'GRALORA', 'HIRA', 'IA3', 'LOHA', 'LOKR', 'MISS', 'OFT', "
+            r"'VERA', 'SHIRA'\]"
         ),
     ):
         load_config({"peft_type": "BOFT"})
@@ -421,7 +421,7 @@ CONSTRUCTOR_ERRORS = [
         AbstractAdapterConfig,
         dict(peft_type="LORA"),
         TypeError,
-        r"\(LoraConfig, AdaLoraConfig, GraloraConfig, IA3Config, .*ShiraConfig\); .* is abstract",
+        r"\(LoraConfig, AdaLoraConfig, GraloraConfig, HiraConfig, .*ShiraConfig\); .* is abstract",
     ),
 ]
 

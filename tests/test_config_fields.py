@@ -223,6 +223,18 @@ CASES = {
             "bias": ("all", "builds"),
         },
     ),
+    peftx.HiraConfig: (
+        {"r": 2, "target_modules": ("q", "v", "fc"), "init_weights": False},
+        {
+            **COMMON,
+            "peft_type": ("LORA", "refused"),
+            "r": (3, "builds"),
+            "hira_dropout": (0.1, "builds"),
+            "init_weights": ("gaussian", "builds"),
+            # PEFT 0.21.2's HiRA never reads it; peftx warns
+            "rank_pattern": ({"q": 3}, "warns"),
+        },
+    ),
     peftx.AdaLoraConfig: (
         {
             "init_r": 3,

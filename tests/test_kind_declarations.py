@@ -21,6 +21,7 @@ from peftx.adapters import (
     dora,
     expert_lora,
     gralora,
+    hira,
     ia3,
     loha,
     lokr,
@@ -59,7 +60,7 @@ def _random(adapter, key):
 def _kinds():
     """name -> (array, stacking axes, dense formula of `merged(W)`, PEFT's parameter count:
     an adapter's trained arrays and its base weight's count)."""
-    k = iter(jax.random.split(jax.random.key(0), 34))
+    k = iter(jax.random.split(jax.random.key(0), 36))
     w = _weight(next(k))
     low = _random(lora(w, r=R, lora_alpha=5, key=next(k)), next(k))
     conv_w = _weight(next(k), (OUT, IN, 3, 3))
@@ -153,6 +154,9 @@ def _kinds():
 
         return formula
 
+    # W ⊙ (B·A): full rank from rank-R factors
+    hadamard_low = _random(hira(w, r=R, key=next(k)), next(k))
+
     def low_rank(a):
         return a.scaling * a.lora_B @ a.lora_A
 
@@ -236,6 +240,12 @@ def _kinds():
             gralora_formula(hybrid),
             OUT * IN + 2 * 4 * 4 + 2 * 4 * 3 + R * (IN + OUT),
         ),
+        "hira": (
+            hadamard_low,
+            0,
+            lambda v: v + v * (hadamard_low.hira_B @ hadamard_low.hira_A),
+            OUT * IN + R * (IN + OUT),
+        ),
         "nf4": (quantize_nf4(w), 0, None, OUT * IN),
         "int8": (quantize_int8(w), 0, None, OUT * IN),
         "adapter set": (adapter_set(w, {"a": low}, ("a",)), 0, None, OUT * IN + R * (IN + OUT)),
@@ -261,6 +271,7 @@ KINDS = [
     "shira",
     "gralora",
     "gralora hybrid",
+    "hira",
     "nf4",
     "int8",
     "adapter set",
