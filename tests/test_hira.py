@@ -165,7 +165,9 @@ def _torch_factors(layer):
     return [layer.hira_A["default"], layer.hira_B["default"]]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16 base"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", pytest.param("bfloat16 base", marks=pytest.mark.variant_sweep)]
+)
 def test_layer_matches_peft(dtype):
     """The output and the gradients of both factors and of the input equal PEFT's for the
     same weights and loss; a bfloat16 base keeps float32 factors and float32 gradients
@@ -299,6 +301,7 @@ TARGETS = ["q_proj", "v_proj", "down_proj", "up_proj"]
 PLAIN = dict(r=4, target_modules=TARGETS)
 
 
+@pytest.mark.variant_sweep
 def test_rank_pattern_is_ignored_as_peft_does(tiny_llama, tmp_path):
     """PEFT 0.21.2's HiRA builds every layer at rank `r` whatever `rank_pattern` says
     (its dispatch reads `config.r`); peftx builds the same shapes, and warns."""
@@ -467,6 +470,7 @@ def test_training_step_builds_one_adapted_weight_and_its_cotangent(tiny_llama):
     np.testing.assert_allclose(forward, reverse, rtol=1e-4)
 
 
+@pytest.mark.variant_sweep
 def test_dropout_acts_on_the_update_only(tiny_llama):
     """With `hira_dropout` and keys, the update sees a dropped-out input and the base the
     plain one (the base product is then separate): logits differ from the keyless ones,
@@ -485,6 +489,7 @@ def test_dropout_acts_on_the_update_only(tiny_llama):
     close(logits(1e-9, True), plain, tol=1e-5)
 
 
+@pytest.mark.variant_sweep
 def test_two_adapters_switch_and_refuse_mixed_batches(tiny_llama):
     _, base = tiny_llama
     model = peftx.get_peft_model(
