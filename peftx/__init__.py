@@ -59,6 +59,7 @@ from .adapters import (
     AdaLoraConfig as AdaLoraConfig,
     GraloraConfig as GraloraConfig,
     IA3Config as IA3Config,
+    LilyConfig as LilyConfig,
     LoHaConfig as LoHaConfig,
     LoKrConfig as LoKrConfig,
     LoraConfig as LoraConfig,

@@ -25,6 +25,7 @@ from ._gralora import (
     gralora as gralora,
 )
 from ._ia3 import IA3Array as IA3Array, IA3Config as IA3Config, ia3 as ia3
+from ._lily import LilyArray as LilyArray, LilyConfig as LilyConfig, lily as lily
 from ._loha import LoHaArray as LoHaArray, LoHaConfig as LoHaConfig, loha as loha
 from ._lokr import (
     LoKrArray as LoKrArray,
