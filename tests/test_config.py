@@ -353,7 +353,7 @@ def test_load_config_errors(tmp_path):
         ValueError,
         match=(
             r"'BOFT'; peftx supports "
-            r"\['LORA', 'ADALORA', 'GRALORA', 'IA3', 'LOHA', 'LOKR', 'MISS', 'OFT', 'VERA', "
+            r"\['LORA', 'ADALORA', 'GRALORA', 'IA3', 'LILY', 'LOHA', 'LOKR', 'MISS', 'OFT', 'VERA', "
             r"'SHIRA'\]"
         ),
     ):
