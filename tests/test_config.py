@@ -353,8 +353,8 @@ def test_load_config_errors(tmp_path):
         ValueError,
         match=(
             r"'BOFT'; peftx supports "
-            r"\['LORA', 'ADALORA', 'GRALORA', 'IA3', 'LILY', 'LOHA', 'LOKR', 'MISS', 'OFT', 'VERA', "
-            r"'SHIRA'\]"
+            r"\['LORA', 'ADALORA', 'GRALORA', 'IA3', 'LILY', 'LOHA', 'LOKR', 'MISS', 'OFT', "
+            r"'VERA', 'SHIRA'\]"
         ),
     ):
         load_config({"peft_type": "BOFT"})
