@@ -60,6 +60,7 @@ from .adapters import (
     GraloraConfig as GraloraConfig,
     HiraConfig as HiraConfig,
     IA3Config as IA3Config,
+    LilyConfig as LilyConfig,
     LoHaConfig as LoHaConfig,
     LoKrConfig as LoKrConfig,
     LoraConfig as LoraConfig,

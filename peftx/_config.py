@@ -27,6 +27,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
+import equinox as eqx
+import jax
 from jaxtyping import PRNGKeyArray
 
 from ._files import read_json, read_toml, write_text
@@ -441,6 +443,19 @@ class AbstractAdapterConfig:
         """The adapter this config places on `layer`: an implicit array over `base`, the
         layer's weight (one layer's slice of it in a stack; dense or implicit)."""
         raise NotImplementedError
+
+    def build_stacked(
+        self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray, stack: int
+    ) -> AbstractAdapter:
+        """The adapter on a whole `LayerStack` segment: `base` has `stack` leading layer
+        axes. `build` on each layer's slice with a key of its own, unless a kind whose
+        layers share arrays (Lily) builds them once here."""
+        keys = jax.random.split(key, base.shape[0])
+        if stack == 1:
+            return eqx.filter_vmap(lambda b, k: self.build(b, layer, key=k))(base, keys)
+        return eqx.filter_vmap(lambda b, k: self.build_stacked(b, layer, key=k, stack=stack - 1))(
+            base, keys
+        )
 
     def expert_targets(self) -> tuple[str, ...]:
         """The expert stacks this config adapts directly, by parameter name (PEFT's

@@ -81,6 +81,20 @@ class AbstractAdapter(AbstractWeight):
     def materialize(self) -> Array:
         return self.merged(materialize(self.weight))
 
+    def for_layers(self) -> "AbstractAdapter":
+        """This adapter as a run of its stack's layers reads it: every array with one row
+        per layer along the leading axis, as `lax.scan` slices it. A kind whose layers
+        share a trained array (Lily) stores it once, one parameter with one gradient, and
+        spreads it here inside the traced step, so the rows' gradients sum into it.
+        Itself for most kinds."""
+        return self
+
+    def layer_rows(self, field: str) -> tuple[int, ...] | None:
+        """For a stacked adapter, the row of `field` that each layer's file key holds, in
+        layer order, where layers share rows (see `for_layers`); None for one row per
+        layer."""
+        return None
+
     def num_parameters(self) -> int:
         """The trained fields' sizes and the base weight's count (kept statistics, such
         as DoRA's base norms, are not parameters; PEFT has no such tensors)."""

@@ -77,6 +77,9 @@ class _Tensor:
     # `rank_pattern`), and those ranks for each key (None: all of them)
     rank_axis: int | None = None
     kept: tuple[tuple[int, ...] | None, ...] = ()
+    # the row of a stacked array each key holds, where layers share rows (Lily's
+    # `layer_rows`); None: one row per key
+    rows: tuple[int, ...] | None = None
 
     def file_key(self, key: str) -> str:
         return ("base_model." if self.shared else PREFIX) + key
@@ -159,6 +162,7 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
         flip: bool | None = None,
         shared: bool = False,
         rank_axis: int | None = None,
+        rows: tuple[int, ...] | None = None,
     ) -> None:
         """The tensor at key path `owner + below` of the PeftModel, saved under the module
         path `owner` names (`suffix` after it; a `shared` one has the key `suffix` for
@@ -182,6 +186,7 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
                 shared,
                 rank_axis,
                 kept,
+                rows,
             )
         )
 
@@ -201,6 +206,7 @@ def _tensors(peft_model: Any, name: str) -> list[_Tensor]:
                 getattr(adapter, field),
                 flip=field in kind.file_transposed,
                 rank_axis=kind.rank_axes.get(field),
+                rows=adapter.layer_rows(field),
             )
         for field, key in kind.index_keys.items():
             add(owner, key, in_set + (_ATTR(field),), getattr(adapter, field), flip=False)
@@ -377,6 +383,8 @@ def save_adapters(
             spread = spread or spread_over_processes(t.value)
             value = to_host(t.value)
             rows = value if t.stacked else [value]
+            if t.rows is not None:  # a row shared by several layers, under each one's key
+                rows = [value[j] for j in t.rows]
             for i, (key, row) in enumerate(zip(t.keys, rows, strict=True)):
                 row = t.to_file(i, np.asarray(row))
                 arrays[t.file_key(key)] = np.ascontiguousarray(row.T if t.transposed else row)
@@ -714,6 +722,8 @@ def _match(
                     f"adapter made for another model or config? {origin}"
                 )
             rows.append(t.from_file(i, value))
+        if t.rows is not None:
+            rows = _shared_rows(t, keys, rows, file)
         array = np.stack(rows) if t.stacked else rows[0]
         # placed as the skeleton's array is (split over a mesh, for a sharded model)
         value = jax.device_put(array.astype(t.value.dtype), t.value.sharding)
@@ -721,3 +731,21 @@ def _match(
             placed[tuple(keys)] = value
         out.append((t, value))
     return out
+
+
+def _shared_rows(
+    t: _Tensor, keys: list[str], rows: list[np.ndarray], file: pathlib.Path
+) -> list[np.ndarray]:
+    """The rows of a stacked array whose layers share rows (`t.rows`), from the file's
+    value under each layer's key (PEFT writes a shared tensor under every layer that
+    holds it); refuses a file whose layers disagree on a row they share."""
+    first: dict[int, int] = {}
+    for i, j in enumerate(t.rows):
+        leader = first.setdefault(j, i)
+        if not np.array_equal(rows[i], rows[leader]):
+            raise CheckpointError(
+                f"{file} holds different values under {PREFIX + keys[leader]!r} and "
+                f"{PREFIX + keys[i]!r}, which share one tensor; write the same tensor under "
+                "both (as PEFT saves it)."
+            )
+    return [rows[first[j]] for j in sorted(first)]

@@ -29,7 +29,7 @@ from ._targets import (
     targets,
     with_model_names,
 )
-from .adapters import AdapterSet, detach, merge
+from .adapters import AbstractAdapter, AdapterSet, detach, merge
 from .implicit import use_implicit_args
 from .sharding import placed_like
 
@@ -132,6 +132,7 @@ class PeftModel(eqx.Module):
             model = _map_sets(
                 model, lambda s: s if s.gate is not None else _gated_stack(s, gate, active, 3)
             )
+        model = _map_sets(model, _for_layers)
         return _map_layers(self._with_saved(model.base_model, active, gate), _scale_bias)
 
     def _with_saved(self, model: Any, active: tuple[str, ...], gate: Array | None) -> Any:
@@ -767,12 +768,12 @@ def _stack_axes(layer: Any, weight: Any) -> int:
 
 
 def _stacked(config: Any, target: AdaptedLayer, base: Any, key: PRNGKeyArray) -> Any:
-    """`config.build(base, target, key=key)` for each layer of a stack: layers made with
-    `eqx.filter_vmap` carry leading axes on their weights, each gets its own adapter."""
-    if _stack_axes(target.layer, base) == 0:
+    """The adapter on `target`: `config.build` on a layer, `config.build_stacked` on a
+    stack of layers (made with `eqx.filter_vmap`, their weights with leading axes)."""
+    stack = _stack_axes(target.layer, base)
+    if stack == 0:
         return config.build(base, target, key=key)
-    keys = jax.random.split(key, base.shape[0])
-    return eqx.filter_vmap(lambda b, k: _stacked(config, target, b, k))(base, keys)
+    return config.build_stacked(base, target, key=key, stack=stack)
 
 
 def _check_finite(layer: Any, path: str, adapter_name: str) -> None:
@@ -807,6 +808,18 @@ def _gated_stack(s: AdapterSet, gate: Array, active: tuple[str, ...], ndim: int)
     holds the whole gate."""
     stacked = s.weight.shape[: len(s.weight.shape) - ndim]
     return AdapterSet(s.weight, s.adapters, jnp.broadcast_to(gate, (*stacked, *gate.shape)), active)
+
+
+def _for_layers(s: AdapterSet) -> AdapterSet:
+    """`s` with each adapter as its stack's layers read it (`for_layers`: arrays that
+    layers share spread to one row per layer)."""
+    adapters = {
+        name: a.for_layers() if isinstance(a, AbstractAdapter) else a
+        for name, a in s.adapters.items()
+    }
+    if all(a is s.adapters[name] for name, a in adapters.items()):
+        return s
+    return AdapterSet(s.weight, adapters, s.gate, s.active)
 
 
 def _scale_bias(layer: Any) -> Any:

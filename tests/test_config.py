@@ -353,7 +353,8 @@ def test_load_config_errors(tmp_path):
         ValueError,
         match=(
             r"'BOFT'; peftx supports "
-            r"\['LORA', 'ADALORA', 'GRALORA', 'HIRA', 'IA3', 'LOHA', 'LOKR', 'MISS', 'OFT', "
+            r"\['LORA', 'ADALORA', 'GRALORA', 'HIRA', 'IA3', 'LILY', 'LOHA', 'LOKR', 'MISS', "
+            r"'OFT', "
             r"'VERA', 'SHIRA'\]"
         ),
     ):

@@ -26,6 +26,7 @@ from ._gralora import (
 )
 from ._hira import HiraArray as HiraArray, HiraConfig as HiraConfig, hira as hira
 from ._ia3 import IA3Array as IA3Array, IA3Config as IA3Config, ia3 as ia3
+from ._lily import LilyArray as LilyArray, LilyConfig as LilyConfig, lily as lily
 from ._loha import LoHaArray as LoHaArray, LoHaConfig as LoHaConfig, loha as loha
 from ._lokr import (
     LoKrArray as LoKrArray,
