@@ -1,7 +1,10 @@
 """LoRA initializations computed from the base weight, against PyTorch PEFT 0.21 on the
 same weights: OLoRA (QR; the residual replaces the weight), fast PiSSA
-(`"pissa_niter_K"`, randomized SVD) and orthogonal init (random factors with `B @ A = 0`);
-and adapter files naming them, loaded to the logits PEFT gives.
+(`"pissa_niter_K"`, randomized SVD), orthogonal init (random factors with `B @ A = 0`),
+MiCA (the smallest singular vectors, `lora_B` frozen) and LoftQ (an NF4 base and the SVD
+of what it lost; PEFT's runs on CUDA only, so its steps are written below with
+bitsandbytes' NF4 kernel in torch); adapter files naming them, loaded to the logits PEFT
+gives; and PEFT's conversion at saving for the inits that change the base.
 
 OLoRA is deterministic: factors and residual equal PEFT's up to float summation order.
 `pissa_niter_K` and `"orthogonal"` draw random numbers (torch's generator in PEFT, the
@@ -21,6 +24,9 @@ import peft
 import pytest
 import torch
 import transformers
+from safetensors.numpy import load_file
+from test_peft_interop import WEIGHTS, assert_peft_file_gradients_and_merge
+from test_quantized import torch_dequantize_nf4, torch_quantize_nf4
 
 import peftx
 import peftx.models as pm
@@ -353,3 +359,184 @@ def test_a_peft_file_naming_the_init_loads_to_peft_s_logits(init, checkpoint, tm
     ours.save_pretrained(tmp_path / "ours")
     back = peft.PeftModel.from_pretrained(torch_base(), tmp_path / "ours").eval()
     assert_same(jax_out(ours, ids, mask), torch_out(back, ids, mask), mask, reference)
+
+
+# ---------------------------------------------------------------- MiCA
+
+
+def aligned(ours_b, theirs_b):
+    """`ours_b`'s columns with the signs of `theirs_b`'s: a singular vector's sign is
+    arbitrary, and torch's and JAX's SVDs may pick either."""
+    signs = np.sign(np.sum(ours_b * theirs_b, axis=0))
+    assert np.all(signs != 0)
+    return ours_b * signs[None, :], signs
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mica_factors_are_peft_s(shape):
+    """`lora_B` is the left singular vectors of the `r` smallest singular values (up to
+    each one's sign, which SVD leaves open), `lora_A` zeros, the base unchanged; on a
+    bfloat16 base the factors are rounded to it, as PEFT stores them."""
+    weight = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    theirs = peft_init(weight, "mica")
+    ours = ours_init(weight, "mica")
+    np.testing.assert_array_equal(ours[0], weight)
+    np.testing.assert_array_equal(ours[1], theirs[1])
+    assert not ours[1].any() and ours[1].shape == (R, shape[1])
+    close(aligned(ours[2], theirs[2])[0], theirs[2])
+    u = np.linalg.svd(weight.astype(np.float64), full_matrices=False)[0]
+    close(np.abs(u[:, -R:].T @ ours[2]), np.eye(R))  # the smallest, not the largest
+    bf16 = lora(jnp.asarray(weight, jnp.bfloat16), r=R, init="mica", key=jax.random.key(0))
+    b = np.asarray(bf16.lora_B)
+    assert b.dtype == np.float32
+    np.testing.assert_array_equal(b, np.asarray(bf16.lora_B.astype(jnp.bfloat16), np.float32))
+    with pytest.raises(ValueError, match="MiCA takes r=5 singular vectors"):
+        ours_init(np.ones((4, 6), np.float32), "mica", r=5)
+
+
+def test_mica_trains_lora_A_only_with_peft_s_gradients_and_files(checkpoint, tmp_path):
+    """PEFT freezes MiCA's `lora_B`: peftx trains the same tensors (a PEFT file loaded for
+    training, and a fresh adapter), counts PEFT's trainable parameters, and gives PEFT's
+    gradient of `lora_A` for one loss; PEFT's file loads to its logits and is written back
+    exactly, peftx's loads in PEFT to peftx's logits."""
+    config = dict(**TARGETS, init_lora_weights="mica")
+    torch_base = lambda: transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()  # noqa: E731
+    theirs = peft.get_peft_model(torch_base(), peft.LoraConfig(**config))
+    their_trained = {
+        k.replace(".default", "") for k, p in theirs.named_parameters() if p.requires_grad
+    }
+    assert their_trained and all(".lora_A." in k for k in their_trained)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for k, p in theirs.named_parameters():
+            if ".lora_A." in k:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    base = pm.from_pretrained(checkpoint)
+    loaded = assert_peft_file_gradients_and_merge(
+        theirs, checkpoint, base, tmp_path, "lora_A", frozen=("lora_B.weight",)
+    )
+    assert loaded.adapter("default").frozen_keys() == {"lora_B"}
+
+    ours = peftx.get_peft_model(base, peftx.LoraConfig(**config), key=jax.random.key(0))
+    fresh = peft.get_peft_model(torch_base(), peft.LoraConfig(**config))
+    assert ours.get_nb_trainable_parameters() == fresh.get_nb_trainable_parameters()
+    trainable, frozen = peftx.partition(ours)
+    marked = eqx.combine(jax.tree.map(lambda x: jnp.full_like(x, 7.0), trainable), frozen)
+    marked.save_pretrained(tmp_path / "marked")
+    file = load_file(str(tmp_path / "marked" / WEIGHTS))
+    assert {k for k, v in file.items() if np.all(v == 7.0)} == their_trained
+    ids, mask = batch()
+    reference = torch_out(torch_base(), ids, mask)
+    assert_same(jax_out(ours, ids, mask), reference, mask)
+    ours = randomized(ours, seed=9)
+    ours.save_pretrained(tmp_path / "ours")
+    back = peft.PeftModel.from_pretrained(torch_base(), tmp_path / "ours").eval()
+    assert_same(jax_out(ours, ids, mask), torch_out(back, ids, mask), mask, reference)
+    with pytest.raises(ValueError, match="'mica' cannot be combined with use_dora"):
+        peftx.LoraConfig(**config, use_dora=True)
+
+
+# ---------------------------------------------------------------- LoftQ
+
+
+def reference_loftq(weight, num_bits, reduced_rank, num_iter=1):
+    """PEFT 0.21's `loftq_init` step for step, with bitsandbytes' CUDA NF4 kernel as
+    tests/test_quantized.py writes it in torch in place of `bnb.nn.Params4bit(...)
+    .to("cuda")` (PEFT's LoftQ runs on CUDA only): `(dequantized base in the weight's
+    dtype, lora_A, lora_B)`."""
+    assert num_bits == 4
+    w = weight.detach().to(torch.float32)
+    res = w.clone()
+    for i in range(num_iter):
+        packed, absmax = torch_quantize_nf4(res, 64)
+        dequantized = torch_dequantize_nf4(packed, absmax, 64, tuple(w.shape), torch.float32)
+        res = w - dequantized
+        u, s, vh = torch.linalg.svd(res, full_matrices=False)
+        lora_B = u @ torch.sqrt(torch.diag(s)[:, :reduced_rank])
+        lora_A = torch.sqrt(torch.diag(s)[:reduced_rank, :]) @ vh
+        if i + 1 == num_iter:
+            break
+        res = w - lora_B @ lora_A
+    return dequantized.to(weight.dtype), lora_A, lora_B
+
+
+@pytest.mark.parametrize(
+    "shape, iters, dtype",
+    [
+        ((24, 16), 1, jnp.float32),
+        ((16, 24), 3, jnp.float32),
+        pytest.param((24, 16), 2, jnp.bfloat16, marks=pytest.mark.variant_sweep),
+    ],
+)
+def test_loftq_base_and_factors_are_peft_s(shape, iters, dtype):
+    """The NF4 base (bitsandbytes' codes, an `NF4Array`) and the factors (up to each
+    singular pair's sign) equal PEFT's `loftq_init`'s, for one round and several, on a
+    float32 and a bfloat16 weight; and the rounds bring `base + B @ A` closer to `W`."""
+    weight = np.random.default_rng(11).standard_normal(shape).astype(np.float32)
+    w = jnp.asarray(weight, dtype)
+    theirs = reference_loftq(torch.tensor(np.asarray(w.astype(jnp.float32))), 4, R, iters)
+    theirs = [t.float().numpy() for t in theirs]
+    ours = lora(w, r=R, lora_alpha=ALPHA, init="loftq", loftq_iter=iters, key=jax.random.key(0))
+    assert isinstance(ours.weight, peftx.adapters.NF4Array) and ours.weight.dtype == dtype
+    base = np.asarray(ours.weight.materialize(), np.float32)
+    # the codes are bitsandbytes'; after a round, an absmax may differ by float order
+    close(base, theirs[0].astype(np.asarray(w).dtype).astype(np.float32))
+    lora_B, signs = aligned(np.asarray(ours.lora_B), theirs[2])
+    close(lora_B, theirs[2])
+    close(np.asarray(ours.lora_A) * signs[:, None], theirs[1])
+    assert ours.lora_A.dtype == jnp.float32
+    error = np.linalg.norm(base + np.asarray(ours.lora_B @ ours.lora_A) - weight)
+    assert error < np.linalg.norm(base - weight)
+
+
+def test_loftq_config_and_refusals():
+    config = peftx.LoraConfig(init_lora_weights="loftq", loftq_config={"loftq_bits": 4})
+    assert config.loftq_config == {"loftq_bits": 4, "loftq_iter": 1}  # whole, as PEFT reads it
+    with pytest.raises(ValueError, match="loftq_bits=8: peftx's LoftQ quantizes to NF4"):
+        lora(jnp.ones((8, 6)), r=2, init="loftq", loftq_bits=8, key=jax.random.key(0))
+    with pytest.raises(TypeError, match="LoftQ initialization needs a dense 2-D"):
+        lora(jnp.ones((8, 6, 3)), r=2, init="loftq", key=jax.random.key(0))
+    with pytest.raises(ValueError, match="init_lora_weights='loftq' and loftq_config go together"):
+        peftx.LoraConfig(init_lora_weights="loftq")
+    with pytest.raises(ValueError, match="init_lora_weights='loftq' and loftq_config go together"):
+        peftx.LoraConfig(loftq_config={"loftq_bits": 4})
+    with pytest.raises(ValueError, match=r"loftq_config holds \['bits'\]"):
+        peftx.LoraConfig(init_lora_weights="loftq", loftq_config={"bits": 4})
+
+
+def test_loftq_model_is_peft_s_and_its_file_reads_as_plain_lora(checkpoint, tmp_path, monkeypatch):
+    """peftx's LoftQ Llama (NF4 bases of the residuals) gives the logits of PEFT's (its
+    layers' LoftQ run by the reference above, on CPU); a file naming "loftq", PEFT's or
+    peftx's, is read with one warning as a plain LoRA on the base LoftQ left, to the
+    trained model's logits; and PEFT's conversion at saving is refused."""
+    monkeypatch.setattr(peft.tuners.lora.layer, "loftq_init", reference_loftq)
+    loftq_config = {"loftq_bits": 4, "loftq_iter": 1}
+    loftq = dict(**TARGETS, init_lora_weights="loftq", loftq_config=loftq_config)
+    ids, mask = batch()
+    torch_base = lambda: transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()  # noqa: E731
+    reference = torch_out(torch_base(), ids, mask)
+    theirs = peft.get_peft_model(torch_base(), peft.LoraConfig(**loftq)).eval()
+    base = pm.from_pretrained(checkpoint)
+    ours = peftx.get_peft_model(base, peftx.LoraConfig(**loftq), key=jax.random.key(0))
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask), mask, reference)
+    is_nf4 = lambda x: isinstance(x, peftx.adapters.NF4Array)  # noqa: E731
+    assert sum(map(is_nf4, jax.tree.leaves(ours, is_leaf=is_nf4))) == 2  # q_proj, v_proj stacks
+
+    randomize_torch_adapters(theirs, seed=12).save_pretrained(tmp_path / "peft")
+    their_trained = torch_out(theirs, ids, mask)
+    theirs.unload().save_pretrained(tmp_path / "peft_base")  # its dequantized NF4 residuals
+    ours = randomized(ours, seed=13)
+    ours.save_pretrained(tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / CONFIG).read_text())["loftq_config"] == loftq_config
+    for file, on, logits in (
+        ("peft", pm.from_pretrained(tmp_path / "peft_base"), their_trained),
+        ("ours", ours.unload(), jax_out(ours, ids, mask)),
+    ):
+        with pytest.warns(UserWarning, match="init_lora_weights='loftq'.* as a plain LoRA") as got:
+            loaded = peftx.PeftModel.from_pretrained(on, tmp_path / file)
+        assert sum("'loftq'" in str(w.message) for w in got) == 1
+        assert_same(jax_out(loaded, ids, mask), logits, mask, reference)
+    with pytest.raises(ValueError, match="initialized by LoftQ.*cannot be converted"):
+        ours.save_pretrained(
+            tmp_path / "refused", path_initial_model_for_weight_conversion=tmp_path / "ours"
+        )

@@ -217,7 +217,8 @@ class LoraConfig(AbstractAdapterConfig):
       naming `"loftq"` is read as a plain LoRA on the base given (PEFT re-runs LoftQ on
       CUDA only), with a warning; `path_initial_model_for_weight_conversion` refuses it.
     - `loftq_config`: PEFT's `LoftQConfig` as a dict, `{"loftq_bits": 4, "loftq_iter": 1}`
-      (the defaults of keys left out); only with `init_lora_weights="loftq"`.
+      (keys left out take these defaults, written out as PEFT needs them); only with
+      `init_lora_weights="loftq"`.
     - `layers_to_transform`: only these layer indices (the first numbered path segment, or
       the one after `layers_pattern`). Not allowed with a regex `target_modules`.
     - `layers_pattern`: the name of the layer list (`"layers"`, `"h"`); needs
@@ -256,6 +257,7 @@ class LoraConfig(AbstractAdapterConfig):
     loftq_config: dict[str, int] = field(
         default_factory=dict,
         range=_LOFTQ,
+        converter=lambda d: {**_LOFTQ_DEFAULTS, **d} if d else {},
         means="a dict of PEFT's LoftQConfig fields (loftq_bits, loftq_iter)",
     )
     target_parameters: list[str] | tuple[str, ...] | None = field(
@@ -396,7 +398,7 @@ class LoraConfig(AbstractAdapterConfig):
         init = {True: "default", False: "random"}.get(
             self.init_lora_weights, self.init_lora_weights
         )
-        loftq = {**_LOFTQ_DEFAULTS, **self.loftq_config}
+        loftq = self.loftq_config or _LOFTQ_DEFAULTS
         r, alpha = layer.rank, layer.alpha
         if isinstance(layer.layer, eqx.nn.Embedding):
             return lora_embedding(
