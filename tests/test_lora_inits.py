@@ -14,6 +14,7 @@ on a weight with a spectral gap, the randomized SVD's rank-`r` projection is wit
 weights below have `σ_{r+1}/σ_r < 0.05`, so with `K = 4` both frameworks land on exact
 PiSSA's residual and product up to fp32 rounding, and so on each other's."""
 
+import dataclasses
 import json
 
 import equinox as eqx
@@ -540,3 +541,50 @@ def test_loftq_model_is_peft_s_and_its_file_reads_as_plain_lora(checkpoint, tmp_
         ours.save_pretrained(
             tmp_path / "refused", path_initial_model_for_weight_conversion=tmp_path / "ours"
         )
+
+
+# ---------------------------------------------------------------- conversion at saving
+
+
+@pytest.mark.parametrize(
+    "init", ["olora", pytest.param("pissa_niter_4", marks=pytest.mark.variant_sweep)]
+)
+def test_conversion_at_saving_gives_the_trained_model_on_the_original_base(
+    init, checkpoint, tmp_path
+):
+    """`path_initial_model_for_weight_conversion` turns a trained adapter whose init
+    replaced the base into a plain LoRA of rank `2r` that, on the original base, gives the
+    trained model's logits: peftx's and PEFT's, each in peftx and in PEFT."""
+    ids, mask = batch()
+    torch_base = lambda: transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()  # noqa: E731
+    reference = torch_out(torch_base(), ids, mask)
+    config = peftx.LoraConfig(**TARGETS, init_lora_weights=init)
+    base = pm.from_pretrained(checkpoint)
+    ours = peftx.get_peft_model(base, config, key=jax.random.key(0))
+    initial = dataclasses.replace(config, init_lora_weights=True)
+    ours.with_config("default", initial).save_pretrained(tmp_path / "ours_init")
+    ours = randomized(ours, seed=14)
+    ours.save_pretrained(
+        tmp_path / "ours_lora", path_initial_model_for_weight_conversion=tmp_path / "ours_init"
+    )
+    trained = jax_out(ours, ids, mask)
+    saved = json.loads((tmp_path / "ours_lora" / CONFIG).read_text())
+    assert (saved["init_lora_weights"], saved["r"]) == (True, 2 * R)
+    converted = peftx.PeftModel.from_pretrained(base, tmp_path / "ours_lora")
+    assert_same(jax_out(converted, ids, mask), trained, mask, reference)
+    back = peft.PeftModel.from_pretrained(torch_base(), tmp_path / "ours_lora").eval()
+    assert_same(torch_out(back, ids, mask), trained, mask, reference)
+
+    theirs = peft.get_peft_model(torch_base(), peft.LoraConfig(**TARGETS, init_lora_weights=init))
+    theirs.peft_config["default"].init_lora_weights = True  # PEFT's recipe for conversion
+    theirs.save_pretrained(tmp_path / "peft_init")
+    theirs.peft_config["default"].init_lora_weights = init
+    theirs = randomize_torch_adapters(theirs.eval(), seed=15)
+    theirs.save_pretrained(
+        tmp_path / "peft_lora", path_initial_model_for_weight_conversion=tmp_path / "peft_init"
+    )
+    their_trained = torch_out(theirs, ids, mask)
+    converted = peftx.PeftModel.from_pretrained(base, tmp_path / "peft_lora")
+    assert_same(jax_out(converted, ids, mask), their_trained, mask, reference)
+    back = peft.PeftModel.from_pretrained(torch_base(), tmp_path / "peft_lora").eval()
+    assert_same(torch_out(back, ids, mask), their_trained, mask, reference)
