@@ -395,37 +395,54 @@ def test_mica_factors_are_peft_s(shape):
         ours_init(np.ones((4, 6), np.float32), "mica", r=5)
 
 
+FROZEN_MICA = ("lora_B.weight", "lora_embedding_B")
+
+
+def trained_keys(model, directory):
+    """The file keys of the tensors `partition` trains."""
+    trainable, frozen = peftx.partition(model)
+    marked = eqx.combine(jax.tree.map(lambda x: jnp.full_like(x, 7.0), trainable), frozen)
+    marked.save_pretrained(directory)
+    return {k for k, v in load_file(str(directory / WEIGHTS)).items() if np.all(v == 7.0)}
+
+
 def test_mica_trains_lora_A_only_with_peft_s_gradients_and_files(checkpoint, tmp_path):
-    """PEFT freezes MiCA's `lora_B`: peftx trains the same tensors (a PEFT file loaded for
-    training, and a fresh adapter), counts PEFT's trainable parameters, and gives PEFT's
-    gradient of `lora_A` for one loss; PEFT's file loads to its logits and is written back
+    """PEFT freezes MiCA's `lora_B` (`lora_embedding_B` on an embedding table): peftx
+    trains the same tensors (a PEFT file loaded for training, and a fresh adapter), counts
+    PEFT's trainable parameters, and gives PEFT's gradient of each `A` for one loss; the
+    table's factors are PEFT's; PEFT's file loads to its logits and is written back
     exactly, peftx's loads in PEFT to peftx's logits."""
-    config = dict(**TARGETS, init_lora_weights="mica")
+    targets = [*TARGETS["target_modules"], "embed_tokens"]
+    config = dict(r=R, lora_alpha=ALPHA, target_modules=targets, init_lora_weights="mica")
     torch_base = lambda: transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()  # noqa: E731
     theirs = peft.get_peft_model(torch_base(), peft.LoraConfig(**config))
     their_trained = {
         k.replace(".default", "") for k, p in theirs.named_parameters() if p.requires_grad
     }
-    assert their_trained and all(".lora_A." in k for k in their_trained)
+    assert their_trained and all(k.endswith(("lora_A.weight", "_A")) for k in their_trained)
+    assert any("lora_embedding_A" in k for k in their_trained)
     gen = torch.Generator().manual_seed(8)
     with torch.no_grad():
         for k, p in theirs.named_parameters():
-            if ".lora_A." in k:
+            if p.requires_grad:
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
     base = pm.from_pretrained(checkpoint)
-    loaded = assert_peft_file_gradients_and_merge(
-        theirs, checkpoint, base, tmp_path, "lora_A", frozen=("lora_B.weight",)
+    assert_peft_file_gradients_and_merge(
+        theirs, checkpoint, base, tmp_path, "_A", frozen=(*FROZEN_MICA, "base_layer.weight")
     )
-    assert loaded.adapter("default").frozen_keys() == {"lora_B"}
+    loaded = peftx.PeftModel.from_pretrained(base, tmp_path / "peft", is_trainable=True)
+    assert trained_keys(loaded, tmp_path / "loaded") == their_trained
 
     ours = peftx.get_peft_model(base, peftx.LoraConfig(**config), key=jax.random.key(0))
     fresh = peft.get_peft_model(torch_base(), peft.LoraConfig(**config))
     assert ours.get_nb_trainable_parameters() == fresh.get_nb_trainable_parameters()
-    trainable, frozen = peftx.partition(ours)
-    marked = eqx.combine(jax.tree.map(lambda x: jnp.full_like(x, 7.0), trainable), frozen)
-    marked.save_pretrained(tmp_path / "marked")
-    file = load_file(str(tmp_path / "marked" / WEIGHTS))
-    assert {k for k, v in file.items() if np.all(v == 7.0)} == their_trained
+    ours.save_pretrained(tmp_path / "fresh")
+    table = "base_model.model.model.embed_tokens.lora_embedding_"
+    mine = load_file(str(tmp_path / "fresh" / WEIGHTS))
+    state = {k: v.numpy() for k, v in peft.utils.get_peft_model_state_dict(fresh).items()}
+    np.testing.assert_array_equal(mine[table + "A"], state[table + "A"])
+    close(aligned(mine[table + "B"], state[table + "B"])[0], state[table + "B"], tol=1e-4)
+    assert trained_keys(ours, tmp_path / "marked") == their_trained
     ids, mask = batch()
     reference = torch_out(torch_base(), ids, mask)
     assert_same(jax_out(ours, ids, mask), reference, mask)

@@ -210,7 +210,8 @@ class LoraConfig(AbstractAdapterConfig):
       matrix; `r` even; the base is left as it is). These last four are for Linear layers,
       as in PEFT; a file saved with one loads as PEFT loads it (the residual re-derived).
       `"mica"`: `lora_B` the left singular vectors of the `r` smallest singular values,
-      frozen (only `lora_A` trains, as in PEFT), `lora_A` zeros. `"loftq"`: with
+      frozen (only `lora_A` trains, as in PEFT), `lora_A` zeros; on Linear layers and
+      embedding tables, as in PEFT. `"loftq"`: with
       `loftq_config`, the base is quantized to NF4 (an `NF4Array`, QLoRA's format) and the
       factors take the SVD of what quantization lost, alternately (PEFT's `loftq_init`;
       4 bits; as in PEFT the factors ignore `scaling`, so take `lora_alpha = r`). A file

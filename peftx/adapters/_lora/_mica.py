@@ -7,12 +7,15 @@ from jaxtyping import Array
 from ._weight import dense_2d
 
 
-def mica(weight: Array, r: int, dtype: object) -> tuple[Array, Array]:
+def mica(weight: Array, r: int, dtype: object, *, table: bool = False) -> tuple[Array, Array]:
     """PEFT's `mica_init`: `(lora_A, lora_B)` with `lora_B` the last `r` left singular
     vectors of `weight (out, in)` and `lora_A` zeros (so `B @ A = 0` and the base stays as
     it is), both rounded to the weight's dtype, as PEFT stores them, then cast to
-    `dtype`. The weight's smallest singular directions are what training may change."""
+    `dtype`. The weight's smallest singular directions are what training may change.
+    `table`: `weight` is an embedding table `(num, dim)`, whose projection is its
+    transpose."""
     w = dense_2d(weight, r, "MiCA")
+    w = w.T if table else w
     u = jnp.linalg.svd(w, full_matrices=False)[0]
     lora_B = u[:, -r:].astype(weight.dtype).astype(dtype)
     lora_A = jnp.zeros((r, w.shape[1]), dtype)
