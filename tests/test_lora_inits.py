@@ -510,6 +510,7 @@ def test_loftq_base_and_factors_are_peft_s(shape, iters, dtype):
 def test_loftq_config_and_refusals():
     config = peftx.LoraConfig(init_lora_weights="loftq", loftq_config={"loftq_bits": 4})
     assert config.loftq_config == {"loftq_bits": 4, "loftq_iter": 1}  # whole, as PEFT reads it
+    assert peftx.LoraConfig.from_dict(config.to_dict()) == config and hash(config)
     with pytest.raises(ValueError, match="loftq_bits=8: peftx's LoftQ quantizes to NF4"):
         lora(jnp.ones((8, 6)), r=2, init="loftq", loftq_bits=8, key=jax.random.key(0))
     with pytest.raises(TypeError, match="LoftQ initialization needs a dense 2-D"):

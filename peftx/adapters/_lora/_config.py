@@ -173,9 +173,9 @@ _LOFTQ = Range(
     lambda v: type(v) is int and 1 <= v <= 64,
     "`{name}` holds loftq_bits (4, or PEFT's 8) and loftq_iter, positive integers",
 )
-# Inits PEFT cannot re-run on loading a file on CPU (LoftQ quantizes with bitsandbytes
-# on CUDA): peftx reads such a file's tensors as a plain LoRA, with a warning
-_READ_AS_PLAIN = ("loftq",)
+# Inits PEFT cannot re-run on loading a file on CPU, and why: peftx reads such a file's
+# tensors as a plain LoRA, with a warning
+_READ_AS_PLAIN = {"loftq": "PEFT re-runs LoftQ on loading, with bitsandbytes on CUDA only"}
 _LORA_RANK = Range(
     RANK.holds, f"`r` (the LoRA rank) must be a positive integer (at most {MAX_RANK})"
 )
@@ -258,7 +258,8 @@ class LoraConfig(AbstractAdapterConfig):
     loftq_config: dict[str, int] = field(
         default_factory=dict,
         range=_LOFTQ,
-        converter=lambda d: {**_LOFTQ_DEFAULTS, **d} if d else {},
+        # the defaults filled in, in the frozen dict the config holds (`type(d)`)
+        converter=lambda d: type(d)({**_LOFTQ_DEFAULTS, **d}) if d else d,
         means="a dict of PEFT's LoftQConfig fields (loftq_bits, loftq_iter)",
     )
     target_parameters: list[str] | tuple[str, ...] | None = field(
@@ -381,15 +382,15 @@ class LoraConfig(AbstractAdapterConfig):
 
     def for_reading(self) -> "LoraConfig":
         """The config whose adapters a file's tensors are read into: this one, or for an
-        init PEFT cannot re-run on loading on CPU (`"loftq"`), a plain LoRA (with a
-        warning), so that the file's factors apply to the base as given."""
+        init PEFT cannot re-run on loading on CPU (`_READ_AS_PLAIN`), a plain LoRA (with
+        a warning), so that the file's factors apply to the base as given."""
         if self.init_lora_weights not in _READ_AS_PLAIN:
             return self
         warnings.warn(
-            f"the adapter's config says init_lora_weights={self.init_lora_weights!r}, which "
-            "PEFT re-runs on loading with bitsandbytes on CUDA only; peftx reads its tensors as "
-            "a plain LoRA on the base model as given (load the base its init left, e.g. "
-            "LoftQ's quantized model).",
+            f"the adapter's config says init_lora_weights={self.init_lora_weights!r} "
+            f"({_READ_AS_PLAIN[self.init_lora_weights]}); peftx reads its tensors as a plain "
+            "LoRA on the base model as given (load the base its init left, e.g. LoftQ's "
+            "quantized model).",
             UserWarning,
             stacklevel=4,
         )
