@@ -515,6 +515,9 @@ def test_loftq_config_and_refusals():
         lora(jnp.ones((8, 6)), r=2, init="loftq", loftq_bits=8, key=jax.random.key(0))
     with pytest.raises(TypeError, match="LoftQ initialization needs a dense 2-D"):
         lora(jnp.ones((8, 6, 3)), r=2, init="loftq", key=jax.random.key(0))
+    nf4 = peftx.adapters.quantize_nf4(jnp.ones((8, 6)))
+    with pytest.raises(TypeError, match="load the model unquantized.*NF4Array of shape"):
+        lora(nf4, r=2, init="loftq", key=jax.random.key(0))
     with pytest.raises(ValueError, match="init_lora_weights='loftq' and loftq_config go together"):
         peftx.LoraConfig(init_lora_weights="loftq")
     with pytest.raises(ValueError, match="init_lora_weights='loftq' and loftq_config go together"):

@@ -2,6 +2,8 @@
 factors chosen together, alternating quantization of `W` less the low-rank part with an
 SVD of what quantization lost."""
 
+from typing import Any
+
 import jax.numpy as jnp
 from jaxtyping import Array
 
@@ -12,7 +14,7 @@ LOFTQ_BITS = (4,)
 
 
 def loftq(
-    weight: Array, r: int, *, bits: int, iters: int, dtype: object
+    weight: Any, r: int, *, bits: int, iters: int, dtype: Any
 ) -> tuple[NF4Array, Array, Array]:
     """PEFT's `loftq_init`: `(base, lora_A, lora_B)` with `base` the NF4 (bitsandbytes'
     blocks of 64, no double quantization, the weight's dtype) of `W − B₀A₀` and

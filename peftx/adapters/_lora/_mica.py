@@ -1,13 +1,15 @@
 """MiCA (Minor Component Adaptation, arXiv 2604.01694): `lora_B` from the left singular
 vectors of the weight's smallest singular values, held fixed; `lora_A` zeros, trained."""
 
+from typing import Any
+
 import jax.numpy as jnp
 from jaxtyping import Array
 
 from ._weight import dense_2d
 
 
-def mica(weight: Array, r: int, dtype: object, *, table: bool = False) -> tuple[Array, Array]:
+def mica(weight: Any, r: int, dtype: Any, *, table: bool = False) -> tuple[Array, Array]:
     """PEFT's `mica_init`: `(lora_A, lora_B)` with `lora_B` the last `r` left singular
     vectors of `weight (out, in)` and `lora_A` zeros (so `B @ A = 0` and the base stays as
     it is), both rounded to the weight's dtype, as PEFT stores them, then cast to
