@@ -566,6 +566,12 @@ class AbstractAdapterConfig:
             self, target_modules=_united([c.target_modules for c in configs])
         )
 
+    def for_reading(self) -> "AbstractAdapterConfig":
+        """The config whose adapters a saved file's tensors are read into (the kind's own
+        init run first, as PEFT's `from_pretrained` does): this one, unless the kind
+        says an init cannot be re-run on loading."""
+        return self
+
     @property
     def changes_base(self) -> bool:
         """Whether `build` replaces the layer's base weight (PiSSA's residual); the new

@@ -48,7 +48,7 @@ class AbstractAdapter(AbstractWeight):
       (`"lora_A" -> "lora_A.weight"`); the fields `partition` trains and `save_pretrained`
       writes, in this order. A field may be None in an adapter whose layout lacks it
       (LoKr's `lokr_w1` when the factor is itself factored): it is neither trained nor
-      written;
+      written. One an instance holds fixed is named by its `frozen_keys()`;
     - `file_transposed`: the trained fields PEFT stores transposed relative to ours (none
       of the kinds here: their layouts are PEFT's);
     - `shared_keys`: frozen fields that every layer of one adapter holds alike (VeRA's
@@ -94,6 +94,11 @@ class AbstractAdapter(AbstractWeight):
         layer order, where layers share rows (see `for_layers`); None for one row per
         layer."""
         return None
+
+    def frozen_keys(self) -> frozenset[str]:
+        """The `peft_keys` fields this adapter saves but does not train (PEFT's
+        `frozen_peft_weight_names`: MiCA's `lora_B`); none by default."""
+        return frozenset()
 
     def num_parameters(self) -> int:
         """The trained fields' sizes and the base weight's count (kept statistics, such
@@ -167,5 +172,9 @@ def count_parameters(tree: Any) -> int:
 
 
 def trained_fields(adapter: AbstractAdapter) -> tuple[str, ...]:
-    """The fields of `adapter` that train, as its class declares them (those it holds)."""
-    return tuple(f for f in type(adapter).peft_keys if getattr(adapter, f) is not None)
+    """The fields of `adapter` that train, as its class declares them (those it holds and
+    does not keep frozen)."""
+    frozen = adapter.frozen_keys()
+    return tuple(
+        f for f in type(adapter).peft_keys if getattr(adapter, f) is not None and f not in frozen
+    )

@@ -426,6 +426,14 @@ def _converted(
             "path_initial_model_for_weight_conversion does not support use_rslora with "
             f"rank_pattern or alpha_pattern (as in PEFT); adapter {name!r} has both."
         )
+    if config.get("init_lora_weights") == "loftq":
+        raise ValueError(
+            f"adapter {name!r} was initialized by LoftQ, whose base is the NF4 of W less the "
+            "initial factors, not W less them: the difference of the factors would not give the "
+            "trained model on the original base, so it cannot be converted (PEFT converts "
+            "PiSSA, CorDA, OLoRA and LoRA-GA only). Save it without "
+            "path_initial_model_for_weight_conversion and ship the quantized base with it."
+        )
     start = load_config(initial)
     if getattr(start, "init_lora_weights", True) is not True:
         raise ValueError(
@@ -536,7 +544,7 @@ def load_adapter_into(
     as `adapter_name`; see `PeftModel.load_adapter`."""
     peft_model._check_new_name(adapter_name)
     folder = _adapter_folder(pathlib.Path(directory), adapter_name)
-    config = load_config(folder)
+    config = load_config(folder).for_reading()
     config = dataclasses.replace(config, inference_mode=not is_trainable)
     file = folder / WEIGHTS_NAME
     if not file.is_file() and (folder / TORCH_WEIGHTS_NAME).is_file():

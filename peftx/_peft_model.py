@@ -330,9 +330,11 @@ class PeftModel(eqx.Module):
         `<!-- peftx model card`) is rewritten by each save; a `README.md` that peftx did
         not write is kept as it is, and no card is written (with a warning).
 
-        `path_initial_model_for_weight_conversion`: PEFT's conversion of a PiSSA adapter
-        into a plain LoRA on the original base: the directory of the adapter as it was
-        initialized (saved with `init_lora_weights=True`); each adapter is written as
+        `path_initial_model_for_weight_conversion`: PEFT's conversion of a PiSSA (or
+        OLoRA) adapter into a plain LoRA on the original base (a LoftQ adapter is refused:
+        its base is quantized, so the difference of factors would not restore it): the
+        directory of the adapter as it was initialized (saved with
+        `init_lora_weights=True`); each adapter is written as
         `ΔW = s·(B·A − B₀·A₀)`, factors `[A; A₀]` and `[B, −B₀]` of rank `2r` at the same
         scaling (`lora_alpha` doubled, or times √2 with `use_rslora`, patterns doubled).
         """

@@ -456,11 +456,12 @@ FROM_DICT_ERRORS = [
     ),
     (
         LoraConfig,
-        dict(init_lora_weights="loftq"),
+        dict(init_lora_weights="eva"),
         ValueError,
         (
             r"`init_lora_weights` must be True, False, 'gaussian', 'pissa', 'pissa_niter_K' "
-            r"\(K an int\), 'olora' or 'orthogonal' \(peftx does not do PEFT's 'loftq'.*got 'loftq'"
+            r"\(K an int\), 'olora', 'orthogonal', 'mica' or 'loftq' \(peftx does not do "
+            r"PEFT's 'eva'.*got 'eva'"
         ),
     ),
     (

@@ -87,6 +87,8 @@ STARTS = {
     "layers_pattern": {"layers_to_transform": (0,)},  # group 0 vs layer 0 of each group
     "eps": {"coft": True},  # COFT's radius
     "decompose_both": {"decompose_factor": 4},
+    # LoftQ's rounds, from one to two
+    "loftq_config": {"init_lora_weights": "loftq", "loftq_config": {"loftq_iter": 1}},
     "mini_r": {
         "init_weights": "mini"
     },  # MiSS's block width, used by "mini" only  # 4 = 4·1: w1 (4, 4), w2 (1, 1)
@@ -106,6 +108,7 @@ CASES = {
             "rank_pattern": ({"q": 3}, "builds"),
             "alpha_pattern": ({"q": 8}, "builds"),
             "use_dora": (True, "builds"),
+            "loftq_config": ({"loftq_iter": 2}, "builds"),
             "target_parameters": (("experts.gate_up_proj",), "builds"),
         },
     ),

@@ -457,7 +457,7 @@ def test_rslora_scaling(getkey):
     [
         ({"r": 0}, ValueError, r"rank r=0 for a weight of shape \(6, 5\) must be at least 1"),
         ({"r": 6, "init": "pissa"}, ValueError, r"PiSSA takes r=6 .* has only 5; use r <= 5"),
-        ({"init": "loftq"}, ValueError, r"loftq"),
+        ({"init": "eva"}, ValueError, r"unknown LoRA init 'eva'"),
         ({"lora_dropout": 1.0}, ValueError, r"lora_dropout must be in \[0, 1\)"),
     ],
 )

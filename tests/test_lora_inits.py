@@ -1,7 +1,10 @@
 """LoRA initializations computed from the base weight, against PyTorch PEFT 0.21 on the
 same weights: OLoRA (QR; the residual replaces the weight), fast PiSSA
-(`"pissa_niter_K"`, randomized SVD) and orthogonal init (random factors with `B @ A = 0`);
-and adapter files naming them, loaded to the logits PEFT gives.
+(`"pissa_niter_K"`, randomized SVD), orthogonal init (random factors with `B @ A = 0`),
+MiCA (the smallest singular vectors, `lora_B` frozen) and LoftQ (an NF4 base and the SVD
+of what it lost; PEFT's runs on CUDA only, so its steps are written below with
+bitsandbytes' NF4 kernel in torch); adapter files naming them, loaded to the logits PEFT
+gives; and PEFT's conversion at saving for the inits that change the base.
 
 OLoRA is deterministic: factors and residual equal PEFT's up to float summation order.
 `pissa_niter_K` and `"orthogonal"` draw random numbers (torch's generator in PEFT, the
@@ -11,6 +14,7 @@ on a weight with a spectral gap, the randomized SVD's rank-`r` projection is wit
 weights below have `σ_{r+1}/σ_r < 0.05`, so with `K = 4` both frameworks land on exact
 PiSSA's residual and product up to fp32 rounding, and so on each other's."""
 
+import dataclasses
 import json
 
 import equinox as eqx
@@ -21,6 +25,9 @@ import peft
 import pytest
 import torch
 import transformers
+from safetensors.numpy import load_file
+from test_peft_interop import WEIGHTS, assert_peft_file_gradients_and_merge
+from test_quantized import torch_dequantize_nf4, torch_quantize_nf4
 
 import peftx
 import peftx.models as pm
@@ -214,14 +221,15 @@ def test_orthogonal_factors_round_to_a_bfloat16_base_as_peft_s_do():
 
 
 def test_config_takes_peft_s_init_names():
-    for init in ("olora", "orthogonal", "pissa_niter_4", "pissa_niter_0", "pissa"):
+    for init in ("olora", "orthogonal", "pissa_niter_4", "pissa_niter_0", "pissa", "mica"):
         config = peftx.LoraConfig(init_lora_weights=init)
         assert config.init_lora_weights == init
     assert peftx.LoraConfig(init_lora_weights="olora").changes_base
     assert peftx.LoraConfig(init_lora_weights="pissa_niter_16").changes_base
     assert not peftx.LoraConfig(init_lora_weights="orthogonal").changes_base
     assert not peftx.LoraConfig(init_lora_weights="gaussian").changes_base
-    for init in ("loftq", "eva", "corda", "mica", "lora_ga", "pissa_niter_", "OLoRA", 1):
+    assert not peftx.LoraConfig(init_lora_weights="mica").changes_base
+    for init in ("eva", "corda", "lora_ga", "pissa_niter_", "OLoRA", 1):
         with pytest.raises((ValueError, TypeError), match="init_lora_weights"):
             peftx.LoraConfig(init_lora_weights=init)
     with pytest.raises(ValueError, match="init from the weight"):
@@ -352,3 +360,252 @@ def test_a_peft_file_naming_the_init_loads_to_peft_s_logits(init, checkpoint, tm
     ours.save_pretrained(tmp_path / "ours")
     back = peft.PeftModel.from_pretrained(torch_base(), tmp_path / "ours").eval()
     assert_same(jax_out(ours, ids, mask), torch_out(back, ids, mask), mask, reference)
+
+
+# ---------------------------------------------------------------- MiCA
+
+
+def aligned(ours_b, theirs_b):
+    """`ours_b`'s columns with the signs of `theirs_b`'s: a singular vector's sign is
+    arbitrary, and torch's and JAX's SVDs may pick either."""
+    signs = np.sign(np.sum(ours_b * theirs_b, axis=0))
+    assert np.all(signs != 0)
+    return ours_b * signs[None, :], signs
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mica_factors_are_peft_s(shape):
+    """`lora_B` is the left singular vectors of the `r` smallest singular values (up to
+    each one's sign, which SVD leaves open), `lora_A` zeros, the base unchanged; on a
+    bfloat16 base the factors are rounded to it, as PEFT stores them."""
+    weight = np.random.default_rng(7).standard_normal(shape).astype(np.float32)
+    theirs = peft_init(weight, "mica")
+    ours = ours_init(weight, "mica")
+    np.testing.assert_array_equal(ours[0], weight)
+    np.testing.assert_array_equal(ours[1], theirs[1])
+    assert not ours[1].any() and ours[1].shape == (R, shape[1])
+    close(aligned(ours[2], theirs[2])[0], theirs[2])
+    u = np.linalg.svd(weight.astype(np.float64), full_matrices=False)[0]
+    close(np.abs(u[:, -R:].T @ ours[2]), np.eye(R))  # the smallest, not the largest
+    bf16 = lora(jnp.asarray(weight, jnp.bfloat16), r=R, init="mica", key=jax.random.key(0))
+    b = np.asarray(bf16.lora_B)
+    assert b.dtype == np.float32
+    np.testing.assert_array_equal(b, np.asarray(bf16.lora_B.astype(jnp.bfloat16), np.float32))
+    with pytest.raises(ValueError, match="MiCA takes r=5 singular vectors"):
+        ours_init(np.ones((4, 6), np.float32), "mica", r=5)
+
+
+FROZEN_MICA = ("lora_B.weight", "lora_embedding_B")
+
+
+def trained_keys(model, directory):
+    """The file keys of the tensors `partition` trains."""
+    trainable, frozen = peftx.partition(model)
+    marked = eqx.combine(jax.tree.map(lambda x: jnp.full_like(x, 7.0), trainable), frozen)
+    marked.save_pretrained(directory)
+    return {k for k, v in load_file(str(directory / WEIGHTS)).items() if np.all(v == 7.0)}
+
+
+def test_mica_trains_lora_A_only_with_peft_s_gradients_and_files(checkpoint, tmp_path):
+    """PEFT freezes MiCA's `lora_B` (`lora_embedding_B` on an embedding table): peftx
+    trains the same tensors (a PEFT file loaded for training, and a fresh adapter), counts
+    PEFT's trainable parameters, and gives PEFT's gradient of each `A` for one loss; the
+    table's factors are PEFT's; PEFT's file loads to its logits and is written back
+    exactly, peftx's loads in PEFT to peftx's logits."""
+    targets = [*TARGETS["target_modules"], "embed_tokens"]
+    config = dict(r=R, lora_alpha=ALPHA, target_modules=targets, init_lora_weights="mica")
+    torch_base = lambda: transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()  # noqa: E731
+    theirs = peft.get_peft_model(torch_base(), peft.LoraConfig(**config))
+    their_trained = {
+        k.replace(".default", "") for k, p in theirs.named_parameters() if p.requires_grad
+    }
+    assert their_trained and all(k.endswith(("lora_A.weight", "_A")) for k in their_trained)
+    assert any("lora_embedding_A" in k for k in their_trained)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for k, p in theirs.named_parameters():
+            if p.requires_grad:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    base = pm.from_pretrained(checkpoint)
+    assert_peft_file_gradients_and_merge(
+        theirs, checkpoint, base, tmp_path, "_A", frozen=(*FROZEN_MICA, "base_layer.weight")
+    )
+    loaded = peftx.PeftModel.from_pretrained(base, tmp_path / "peft", is_trainable=True)
+    assert trained_keys(loaded, tmp_path / "loaded") == their_trained
+
+    ours = peftx.get_peft_model(base, peftx.LoraConfig(**config), key=jax.random.key(0))
+    fresh = peft.get_peft_model(torch_base(), peft.LoraConfig(**config))
+    assert ours.get_nb_trainable_parameters() == fresh.get_nb_trainable_parameters()
+    ours.save_pretrained(tmp_path / "fresh")
+    table = "base_model.model.model.embed_tokens.lora_embedding_"
+    mine = load_file(str(tmp_path / "fresh" / WEIGHTS))
+    state = {k: v.numpy() for k, v in peft.utils.get_peft_model_state_dict(fresh).items()}
+    np.testing.assert_array_equal(mine[table + "A"], state[table + "A"])
+    close(aligned(mine[table + "B"], state[table + "B"])[0], state[table + "B"], tol=1e-4)
+    assert trained_keys(ours, tmp_path / "marked") == their_trained
+    ids, mask = batch()
+    reference = torch_out(torch_base(), ids, mask)
+    assert_same(jax_out(ours, ids, mask), reference, mask)
+    ours = randomized(ours, seed=9)
+    ours.save_pretrained(tmp_path / "ours")
+    back = peft.PeftModel.from_pretrained(torch_base(), tmp_path / "ours").eval()
+    assert_same(jax_out(ours, ids, mask), torch_out(back, ids, mask), mask, reference)
+    with pytest.raises(ValueError, match="'mica' cannot be combined with use_dora"):
+        peftx.LoraConfig(**config, use_dora=True)
+
+
+# ---------------------------------------------------------------- LoftQ
+
+
+def reference_loftq(weight, num_bits, reduced_rank, num_iter=1):
+    """PEFT 0.21's `loftq_init` step for step, with bitsandbytes' CUDA NF4 kernel as
+    tests/test_quantized.py writes it in torch in place of `bnb.nn.Params4bit(...)
+    .to("cuda")` (PEFT's LoftQ runs on CUDA only): `(dequantized base in the weight's
+    dtype, lora_A, lora_B)`."""
+    assert num_bits == 4
+    w = weight.detach().to(torch.float32)
+    res = w.clone()
+    for i in range(num_iter):
+        packed, absmax = torch_quantize_nf4(res, 64)
+        dequantized = torch_dequantize_nf4(packed, absmax, 64, tuple(w.shape), torch.float32)
+        res = w - dequantized
+        u, s, vh = torch.linalg.svd(res, full_matrices=False)
+        lora_B = u @ torch.sqrt(torch.diag(s)[:, :reduced_rank])
+        lora_A = torch.sqrt(torch.diag(s)[:reduced_rank, :]) @ vh
+        if i + 1 == num_iter:
+            break
+        res = w - lora_B @ lora_A
+    return dequantized.to(weight.dtype), lora_A, lora_B
+
+
+@pytest.mark.parametrize(
+    "shape, iters, dtype",
+    [
+        ((24, 16), 1, jnp.float32),
+        ((16, 24), 3, jnp.float32),
+        pytest.param((24, 16), 2, jnp.bfloat16, marks=pytest.mark.variant_sweep),
+    ],
+)
+def test_loftq_base_and_factors_are_peft_s(shape, iters, dtype):
+    """The NF4 base (bitsandbytes' codes, an `NF4Array`) and the factors (up to each
+    singular pair's sign) equal PEFT's `loftq_init`'s, for one round and several, on a
+    float32 and a bfloat16 weight; and the rounds bring `base + B @ A` closer to `W`."""
+    weight = np.random.default_rng(11).standard_normal(shape).astype(np.float32)
+    w = jnp.asarray(weight, dtype)
+    theirs = reference_loftq(torch.tensor(np.asarray(w.astype(jnp.float32))), 4, R, iters)
+    theirs = [t.float().numpy() for t in theirs]
+    ours = lora(w, r=R, lora_alpha=ALPHA, init="loftq", loftq_iter=iters, key=jax.random.key(0))
+    assert isinstance(ours.weight, peftx.adapters.NF4Array) and ours.weight.dtype == dtype
+    base = np.asarray(ours.weight.materialize(), np.float32)
+    # the codes are bitsandbytes'; after a round, an absmax may differ by float order
+    close(base, theirs[0].astype(np.asarray(w).dtype).astype(np.float32))
+    lora_B, signs = aligned(np.asarray(ours.lora_B), theirs[2])
+    close(lora_B, theirs[2])
+    close(np.asarray(ours.lora_A) * signs[:, None], theirs[1])
+    assert ours.lora_A.dtype == jnp.float32
+    error = np.linalg.norm(base + np.asarray(ours.lora_B @ ours.lora_A) - weight)
+    assert error < np.linalg.norm(base - weight)
+
+
+def test_loftq_config_and_refusals():
+    config = peftx.LoraConfig(init_lora_weights="loftq", loftq_config={"loftq_bits": 4})
+    assert config.loftq_config == {"loftq_bits": 4, "loftq_iter": 1}  # whole, as PEFT reads it
+    assert peftx.LoraConfig.from_dict(config.to_dict()) == config and hash(config)
+    with pytest.raises(ValueError, match="loftq_bits=8: peftx's LoftQ quantizes to NF4"):
+        lora(jnp.ones((8, 6)), r=2, init="loftq", loftq_bits=8, key=jax.random.key(0))
+    with pytest.raises(TypeError, match="LoftQ initialization needs a dense 2-D"):
+        lora(jnp.ones((8, 6, 3)), r=2, init="loftq", key=jax.random.key(0))
+    nf4 = peftx.adapters.quantize_nf4(jnp.ones((8, 6)))
+    with pytest.raises(TypeError, match="load the model unquantized.*NF4Array of shape"):
+        lora(nf4, r=2, init="loftq", key=jax.random.key(0))
+    with pytest.raises(ValueError, match="init_lora_weights='loftq' and loftq_config go together"):
+        peftx.LoraConfig(init_lora_weights="loftq")
+    with pytest.raises(ValueError, match="init_lora_weights='loftq' and loftq_config go together"):
+        peftx.LoraConfig(loftq_config={"loftq_bits": 4})
+    with pytest.raises(ValueError, match=r"loftq_config holds \['bits'\]"):
+        peftx.LoraConfig(init_lora_weights="loftq", loftq_config={"bits": 4})
+
+
+def test_loftq_model_is_peft_s_and_its_file_reads_as_plain_lora(checkpoint, tmp_path, monkeypatch):
+    """peftx's LoftQ Llama (NF4 bases of the residuals) gives the logits of PEFT's (its
+    layers' LoftQ run by the reference above, on CPU); a file naming "loftq", PEFT's or
+    peftx's, is read with one warning as a plain LoRA on the base LoftQ left, to the
+    trained model's logits; and PEFT's conversion at saving is refused."""
+    monkeypatch.setattr(peft.tuners.lora.layer, "loftq_init", reference_loftq)
+    loftq_config = {"loftq_bits": 4, "loftq_iter": 1}
+    loftq = dict(**TARGETS, init_lora_weights="loftq", loftq_config=loftq_config)
+    ids, mask = batch()
+    torch_base = lambda: transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()  # noqa: E731
+    reference = torch_out(torch_base(), ids, mask)
+    theirs = peft.get_peft_model(torch_base(), peft.LoraConfig(**loftq)).eval()
+    base = pm.from_pretrained(checkpoint)
+    ours = peftx.get_peft_model(base, peftx.LoraConfig(**loftq), key=jax.random.key(0))
+    assert_same(jax_out(ours, ids, mask), torch_out(theirs, ids, mask), mask, reference)
+    is_nf4 = lambda x: isinstance(x, peftx.adapters.NF4Array)  # noqa: E731
+    assert sum(map(is_nf4, jax.tree.leaves(ours, is_leaf=is_nf4))) == 2  # q_proj, v_proj stacks
+
+    randomize_torch_adapters(theirs, seed=12).save_pretrained(tmp_path / "peft")
+    their_trained = torch_out(theirs, ids, mask)
+    theirs.unload().save_pretrained(tmp_path / "peft_base")  # its dequantized NF4 residuals
+    ours = randomized(ours, seed=13)
+    ours.save_pretrained(tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / CONFIG).read_text())["loftq_config"] == loftq_config
+    for file, on, logits in (
+        ("peft", pm.from_pretrained(tmp_path / "peft_base"), their_trained),
+        ("ours", ours.unload(), jax_out(ours, ids, mask)),
+    ):
+        with pytest.warns(UserWarning, match="init_lora_weights='loftq'.* as a plain LoRA") as got:
+            loaded = peftx.PeftModel.from_pretrained(on, tmp_path / file)
+        assert sum("'loftq'" in str(w.message) for w in got) == 1
+        assert_same(jax_out(loaded, ids, mask), logits, mask, reference)
+    with pytest.raises(ValueError, match="initialized by LoftQ.*cannot be converted"):
+        ours.save_pretrained(
+            tmp_path / "refused", path_initial_model_for_weight_conversion=tmp_path / "ours"
+        )
+
+
+# ---------------------------------------------------------------- conversion at saving
+
+
+@pytest.mark.parametrize(
+    "init", ["olora", pytest.param("pissa_niter_4", marks=pytest.mark.variant_sweep)]
+)
+def test_conversion_at_saving_gives_the_trained_model_on_the_original_base(
+    init, checkpoint, tmp_path
+):
+    """`path_initial_model_for_weight_conversion` turns a trained adapter whose init
+    replaced the base into a plain LoRA of rank `2r` that, on the original base, gives the
+    trained model's logits: peftx's and PEFT's, each in peftx and in PEFT."""
+    ids, mask = batch()
+    torch_base = lambda: transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()  # noqa: E731
+    reference = torch_out(torch_base(), ids, mask)
+    config = peftx.LoraConfig(**TARGETS, init_lora_weights=init)
+    base = pm.from_pretrained(checkpoint)
+    ours = peftx.get_peft_model(base, config, key=jax.random.key(0))
+    initial = dataclasses.replace(config, init_lora_weights=True)
+    ours.with_config("default", initial).save_pretrained(tmp_path / "ours_init")
+    ours = randomized(ours, seed=14)
+    ours.save_pretrained(
+        tmp_path / "ours_lora", path_initial_model_for_weight_conversion=tmp_path / "ours_init"
+    )
+    trained = jax_out(ours, ids, mask)
+    saved = json.loads((tmp_path / "ours_lora" / CONFIG).read_text())
+    assert (saved["init_lora_weights"], saved["r"]) == (True, 2 * R)
+    converted = peftx.PeftModel.from_pretrained(base, tmp_path / "ours_lora")
+    assert_same(jax_out(converted, ids, mask), trained, mask, reference)
+    back = peft.PeftModel.from_pretrained(torch_base(), tmp_path / "ours_lora").eval()
+    assert_same(torch_out(back, ids, mask), trained, mask, reference)
+
+    theirs = peft.get_peft_model(torch_base(), peft.LoraConfig(**TARGETS, init_lora_weights=init))
+    theirs.peft_config["default"].init_lora_weights = True  # PEFT's recipe for conversion
+    theirs.save_pretrained(tmp_path / "peft_init")
+    theirs.peft_config["default"].init_lora_weights = init
+    theirs = randomize_torch_adapters(theirs.eval(), seed=15)
+    theirs.save_pretrained(
+        tmp_path / "peft_lora", path_initial_model_for_weight_conversion=tmp_path / "peft_init"
+    )
+    their_trained = torch_out(theirs, ids, mask)
+    converted = peftx.PeftModel.from_pretrained(base, tmp_path / "peft_lora")
+    assert_same(jax_out(converted, ids, mask), their_trained, mask, reference)
+    back = peft.PeftModel.from_pretrained(torch_base(), tmp_path / "peft_lora").eval()
+    assert_same(torch_out(back, ids, mask), their_trained, mask, reference)

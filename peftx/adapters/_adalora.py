@@ -507,10 +507,16 @@ class AdaLoraConfig(AbstractAdapterConfig):
         "use_rslora": False,
         "alpha_pattern": {},
         "use_dora": False,
+        "loftq_config": {},
         "target_parameters": None,
     }
     # LoraConfig's fields that AdaLoRA's layers never read (PEFT warns of `r`)
-    _HARMLESS: ClassVar[frozenset[str]] = LORA_HARMLESS | {"r", "use_rslora", "alpha_pattern"}
+    _HARMLESS: ClassVar[frozenset[str]] = LORA_HARMLESS | {
+        "r",
+        "use_rslora",
+        "alpha_pattern",
+        "loftq_config",
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -3,6 +3,7 @@ adapter it builds on each layer (`LoraArray`, `DoraArray`, `LoraEmbeddingArray`,
 `ExpertLoraArray` on an expert stack)."""
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
@@ -87,7 +88,6 @@ PEFT_ONLY_LORA: dict[str, Any] = {
     "megatron_config": None,
     "megatron_core": "megatron.core",
     "trainable_token_indices": None,
-    "loftq_config": {},
     "eva_config": None,
     "corda_config": None,
     "lora_ga_config": None,
@@ -148,7 +148,6 @@ LORA_HARMLESS = frozenset(
     {
         "megatron_config",
         "megatron_core",
-        "loftq_config",
         "eva_config",
         "corda_config",
         "lora_ga_config",
@@ -159,15 +158,24 @@ LORA_HARMLESS = frozenset(
 )
 
 
-_LORA_INITS = (True, False, "gaussian", "pissa", "olora", "orthogonal")
+_LORA_INITS = (True, False, "gaussian", "pissa", "olora", "orthogonal", "mica", "loftq")
 _LORA_INIT_MEANS = (
-    "True, False, 'gaussian', 'pissa', 'pissa_niter_K' (K an int), 'olora' or 'orthogonal'"
+    "True, False, 'gaussian', 'pissa', 'pissa_niter_K' (K an int), 'olora', 'orthogonal', "
+    "'mica' or 'loftq'"
 )
 _LORA_INIT = Range(
     lambda v: any(type(v) is type(c) and v == c for c in _LORA_INITS) or pissa_niter(v) is not None,
-    f"`{{name}}` must be {_LORA_INIT_MEANS} (peftx does not do PEFT's 'loftq', 'eva', "
-    "'corda', 'lora_ga' or 'mica')",
+    f"`{{name}}` must be {_LORA_INIT_MEANS} (peftx does not do PEFT's 'eva', 'corda' or 'lora_ga')",
 )
+# PEFT's `LoftQConfig`, as `LoraConfig.loftq_config` holds it (a dict), with its defaults
+_LOFTQ_DEFAULTS = {"loftq_bits": 4, "loftq_iter": 1}
+_LOFTQ = Range(
+    lambda v: type(v) is int and 1 <= v <= 64,
+    "`{name}` holds loftq_bits (4, or PEFT's 8) and loftq_iter, positive integers",
+)
+# Inits PEFT cannot re-run on loading a file on CPU, and why: peftx reads such a file's
+# tensors as a plain LoRA, with a warning
+_READ_AS_PLAIN = {"loftq": "PEFT re-runs LoftQ on loading, with bitsandbytes on CUDA only"}
 _LORA_RANK = Range(
     RANK.holds, f"`r` (the LoRA rank) must be a positive integer (at most {MAX_RANK})"
 )
@@ -201,6 +209,17 @@ class LoraConfig(AbstractAdapterConfig):
       `W`), `"orthogonal"` (random factors with `B @ A = 0`, from a random orthogonal
       matrix; `r` even; the base is left as it is). These last four are for Linear layers,
       as in PEFT; a file saved with one loads as PEFT loads it (the residual re-derived).
+      `"mica"`: `lora_B` the left singular vectors of the `r` smallest singular values,
+      frozen (only `lora_A` trains, as in PEFT), `lora_A` zeros; on Linear layers and
+      embedding tables, as in PEFT. `"loftq"`: with
+      `loftq_config`, the base is quantized to NF4 (an `NF4Array`, QLoRA's format) and the
+      factors take the SVD of what quantization lost, alternately (PEFT's `loftq_init`;
+      4 bits; as in PEFT the factors ignore `scaling`, so take `lora_alpha = r`). A file
+      naming `"loftq"` is read as a plain LoRA on the base given (PEFT re-runs LoftQ on
+      CUDA only), with a warning; `path_initial_model_for_weight_conversion` refuses it.
+    - `loftq_config`: PEFT's `LoftQConfig` as a dict, `{"loftq_bits": 4, "loftq_iter": 1}`
+      (keys left out take these defaults, written out as PEFT needs them); only with
+      `init_lora_weights="loftq"`.
     - `layers_to_transform`: only these layer indices (the first numbered path segment, or
       the one after `layers_pattern`). Not allowed with a regex `target_modules`.
     - `layers_pattern`: the name of the layer list (`"layers"`, `"h"`); needs
@@ -236,6 +255,13 @@ class LoraConfig(AbstractAdapterConfig):
         default_factory=dict, range=SCALES, means=SCALES_TYPE
     )
     use_dora: bool = False
+    loftq_config: dict[str, int] = field(
+        default_factory=dict,
+        range=_LOFTQ,
+        # the defaults filled in, in the frozen dict the config holds (`type(d)`)
+        converter=lambda d: type(d)({**_LOFTQ_DEFAULTS, **d}) if d else d,
+        means="a dict of PEFT's LoftQConfig fields (loftq_bits, loftq_iter)",
+    )
     target_parameters: list[str] | tuple[str, ...] | None = field(
         default=None,
         means="None or a list of parameter names (e.g. ['mlp.experts.gate_up_proj'])",
@@ -250,6 +276,23 @@ class LoraConfig(AbstractAdapterConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        unknown = sorted(set(self.loftq_config) - set(_LOFTQ_DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"loftq_config holds {unknown}; PEFT's LoftQConfig has loftq_bits and loftq_iter."
+            )
+        if (self.init_lora_weights == "loftq") != bool(self.loftq_config):
+            raise ValueError(
+                "init_lora_weights='loftq' and loftq_config go together (as PEFT requires): got "
+                f"init_lora_weights={self.init_lora_weights!r} and loftq_config="
+                f"{dict(self.loftq_config)!r}. Pass loftq_config={{'loftq_bits': 4, "
+                "'loftq_iter': 1}} with 'loftq', or neither."
+            )
+        if self.use_dora and self.init_lora_weights == "mica":
+            raise ValueError(
+                "init_lora_weights='mica' cannot be combined with use_dora=True (PEFT has no "
+                "such variant): MiCA freezes lora_B, DoRA rescales it. Drop one of them."
+            )
         if self.target_parameters:
             # PEFT's `ParamWrapper` refuses the same
             refused = {
@@ -337,10 +380,27 @@ class LoraConfig(AbstractAdapterConfig):
             key=key,
         )
 
+    def for_reading(self) -> "LoraConfig":
+        """The config whose adapters a file's tensors are read into: this one, or for an
+        init PEFT cannot re-run on loading on CPU (`_READ_AS_PLAIN`), a plain LoRA (with
+        a warning), so that the file's factors apply to the base as given."""
+        if self.init_lora_weights not in _READ_AS_PLAIN:
+            return self
+        warnings.warn(
+            f"the adapter's config says init_lora_weights={self.init_lora_weights!r} "
+            f"({_READ_AS_PLAIN[self.init_lora_weights]}); peftx reads its tensors as a plain "
+            "LoRA on the base model as given (load the base its init left, e.g. LoftQ's "
+            "quantized model).",
+            UserWarning,
+            stacklevel=4,
+        )
+        return dataclasses.replace(self, init_lora_weights=True, loftq_config={})
+
     def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
         init = {True: "default", False: "random"}.get(
             self.init_lora_weights, self.init_lora_weights
         )
+        loftq = self.loftq_config or _LOFTQ_DEFAULTS
         r, alpha = layer.rank, layer.alpha
         if isinstance(layer.layer, eqx.nn.Embedding):
             return lora_embedding(
@@ -353,6 +413,8 @@ class LoraConfig(AbstractAdapterConfig):
             init=init,
             use_rslora=self.use_rslora,
             lora_dropout=self.lora_dropout,
+            loftq_bits=loftq["loftq_bits"],
+            loftq_iter=loftq["loftq_iter"],
             key=key,
         )
         return dora(adapter) if self.use_dora else adapter
@@ -376,7 +438,7 @@ class LoraConfig(AbstractAdapterConfig):
     @property
     def changes_base(self) -> bool:
         init = self.init_lora_weights
-        return init in ("pissa", "olora") or pissa_niter(init) is not None
+        return init in ("pissa", "olora", "loftq") or pissa_niter(init) is not None
 
     def combined(
         self,

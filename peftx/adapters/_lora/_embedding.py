@@ -1,7 +1,7 @@
 """LoRA for embedding tables, with HF PEFT's names, shapes and inits (`lora.Embedding`)."""
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import equinox as eqx
@@ -15,6 +15,7 @@ from ...implicit import primitive_handler
 from .._layout import weight_dot_handlers
 from .._products import cast_base_on_astype, check_rank
 from ._lora import LoraArray, LoraInit, lora_dot, lora_update, weighted_factors
+from ._mica import mica
 
 
 class LoraEmbeddingArray(AbstractAdapter):
@@ -37,6 +38,7 @@ class LoraEmbeddingArray(AbstractAdapter):
     lora_embedding_B: Array
     lora_alpha: float = eqx.field(static=True)
     use_rslora: bool = eqx.field(static=True)
+    frozen: frozenset[str] = eqx.field(static=True)
 
     peft_keys: ClassVar[Mapping[str, str]] = {
         "lora_embedding_A": "lora_embedding_A",
@@ -56,7 +58,14 @@ class LoraEmbeddingArray(AbstractAdapter):
         *,
         lora_alpha: float | int,
         use_rslora: bool = False,
+        frozen: Collection[str] = (),
     ):
+        if not set(frozen) <= set(self.peft_keys):
+            raise ValueError(
+                f"frozen names factors of an embedding LoRA ({sorted(self.peft_keys)}); got "
+                f"{sorted(frozen)}."
+            )
+        self.frozen = frozenset(frozen)
         self.weight = weight
         self.lora_embedding_A = lora_embedding_A
         self.lora_embedding_B = lora_embedding_B
@@ -120,6 +129,9 @@ class LoraEmbeddingArray(AbstractAdapter):
         return LoraEmbeddingArray(
             present[0][0].weight, lora_A, lora_B, lora_alpha=config.r, use_rslora=config.use_rslora
         )
+
+    def frozen_keys(self) -> frozenset[str]:
+        return self.frozen
 
     def as_lora(self) -> LoraArray:
         """The same table as a `LoraArray` on the `(num_embeddings, embedding_dim)` weight:
@@ -222,8 +234,10 @@ def lora_embedding(
     - `init`: PEFT's `init_lora_weights`. `"default"` (`True`) and `"gaussian"` (which PEFT
       treats the same way for embeddings): `lora_embedding_A` zeros and `lora_embedding_B`
       standard normal, so the output equals the base table's. `"random"` (`False`): both
-      standard normal, for tests. `"pissa"` is refused: PEFT silently falls back to the
-      default init for embeddings.
+      standard normal, for tests. `"mica"`: `lora_embedding_B` the left singular vectors
+      of the `r` smallest singular values of the table's transpose, frozen, and
+      `lora_embedding_A` zeros (PEFT's MiCA for embeddings). `"pissa"` is refused: PEFT
+      silently falls back to the default init for embeddings.
     - `dtype`: the factors' dtype (PEFT keeps adapters in float32).
     - `key`: a JAX PRNG key.
 
@@ -240,6 +254,16 @@ def lora_embedding(
     check_rank(r, shape, "an embedding table")
     num, dim = shape
     a_key, b_key = jax.random.split(key)
+    if init == "mica":
+        lora_embedding_A, lora_embedding_B = mica(weight, r, dtype, table=True)
+        return LoraEmbeddingArray(
+            weight,
+            lora_embedding_A,
+            lora_embedding_B,
+            lora_alpha=lora_alpha,
+            use_rslora=use_rslora,
+            frozen=("lora_embedding_B",),
+        )
     if init in ("default", "gaussian"):
         lora_embedding_A = jnp.zeros((r, num), dtype)
     elif init == "random":
@@ -247,7 +271,8 @@ def lora_embedding(
     else:
         raise ValueError(
             f"LoRA init {init!r} is not supported for embedding tables (HF PEFT silently "
-            "uses its default init there); expected one of 'default', 'gaussian', 'random'."
+            "uses its default init there); expected one of 'default', 'gaussian', 'random', "
+            "'mica'."
         )
     lora_embedding_B = jax.random.normal(b_key, (dim, r), dtype)
     return LoraEmbeddingArray(

@@ -4,7 +4,7 @@ import abc
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import equinox as eqx
@@ -16,7 +16,6 @@ from jaxtyping import Array, PRNGKeyArray
 from ..._dtypes import float_dtype
 from ..._kind import AbstractAdapter
 from ...implicit import (
-    ImplicitArray,
     Transposed,
     dense_base,
     outer_vmap_size,
@@ -33,9 +32,12 @@ from .._products import (
     fused_low_rank,
     low_rank,
 )
+from ._loftq import loftq
+from ._mica import mica
+from ._weight import dense_2d
 
 # and "pissa_niter_K" (K a non-negative int): PiSSA by randomized SVD
-LoraInit = Literal["default", "gaussian", "pissa", "olora", "orthogonal", "random"]
+LoraInit = Literal["default", "gaussian", "pissa", "olora", "orthogonal", "mica", "loftq", "random"]
 
 
 class AbstractLowRank(AbstractAdapter):
@@ -112,6 +114,8 @@ class LoraArray(AbstractLowRank):
     Dropout (`lora_dropout > 0`) applies to the input of `lora_A` and only when
     `dropout_key` is set, see `with_dropout`.
 
+    `frozen` names factors saved but not trained (`"lora_B"` for MiCA, as PEFT freezes it).
+
     Mixed precision follows PEFT: the base product keeps its own dtype and precision; the
     adapter branch casts the input to `compute_dtype` (default: the factors' dtype), and
     its output is added to the base output in the wider dtype and rounded once to the
@@ -127,6 +131,7 @@ class LoraArray(AbstractLowRank):
         "lora_A": (None, 1),
         "lora_B": (0, None),
     }
+    frozen: frozenset[str] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -139,7 +144,13 @@ class LoraArray(AbstractLowRank):
         lora_dropout: float | int = 0.0,
         dropout_key: LayerKeys | None = None,
         compute_dtype: Any = None,
+        frozen: Collection[str] = (),
     ):
+        if not set(frozen) <= set(self.peft_keys):
+            raise ValueError(
+                f"frozen names factors of a LoRA ({sorted(self.peft_keys)}); got {sorted(frozen)}."
+            )
+        self.frozen = frozenset(frozen)
         init_low_rank(
             self,
             weight,
@@ -158,6 +169,9 @@ class LoraArray(AbstractLowRank):
     def unmerged(self, merged: Array) -> Array:
         base = merged - self.delta().astype(merged.dtype)
         return base.astype(merged.dtype)
+
+    def frozen_keys(self) -> frozenset[str]:
+        return self.frozen
 
     @classmethod
     def weighted(
@@ -458,6 +472,8 @@ def lora(
     init: LoraInit | str = "default",
     use_rslora: bool = False,
     lora_dropout: float | int = 0.0,
+    loftq_bits: int = 4,
+    loftq_iter: int = 1,
     dtype: Any = jnp.float32,
     key: PRNGKeyArray,
 ) -> LoraArray:
@@ -477,7 +493,13 @@ def lora(
       decomposition `W = QR` gives `lora_B = Q[:, :r]`, `lora_A = R[:r]`, and `W` is
       replaced by the residual. `"orthogonal"`: `lora_A` and `lora_B` random, built from the
       odd and even rows of a random orthogonal `r × r` matrix, so that `B @ A = 0` (`r` must
-      be even); `W` is left as it is. `"random"` (`False`): both factors random, for tests.
+      be even); `W` is left as it is. `"mica"`: `lora_B` the left singular vectors of the
+      `r` smallest singular values of `W`, held fixed (`frozen`), `lora_A` zeros and
+      trained; `W` is left as it is. `"loftq"`: `W` is replaced by its NF4 quantization
+      less the factors (an `NF4Array`), the factors by the SVD of what quantization lost,
+      over `loftq_iter` rounds (PEFT's `loftq_init`, 4 bits). `"random"` (`False`): both
+      factors random, for tests.
+    - `loftq_bits`, `loftq_iter`: PEFT's `LoftQConfig`, for `init="loftq"`.
     - `dtype`: the factors' dtype (PEFT keeps adapters in float32).
     - `key`: a JAX PRNG key.
 
@@ -496,12 +518,18 @@ def lora(
     a_bound = 1.0 / math.sqrt(in_ * math.prod(kernel))
     scaling = lora_alpha / (math.sqrt(r) if use_rslora else r)
     niter = pissa_niter(init)
+    frozen = ()
     if init == "pissa" or niter is not None:
         weight, lora_A, lora_B = _pissa(weight, r, scaling, dtype, niter, a_key)
     elif init == "olora":
         weight, lora_A, lora_B = _olora(weight, r, scaling, dtype)
     elif init == "orthogonal":
         lora_A, lora_B = _orthogonal(weight, r, dtype, key)
+    elif init == "mica":
+        lora_A, lora_B = mica(weight, r, dtype)
+        frozen = ("lora_B",)
+    elif init == "loftq":
+        weight, lora_A, lora_B = loftq(weight, r, bits=loftq_bits, iters=loftq_iter, dtype=dtype)
     elif init in ("default", "gaussian", "random"):
         if init == "gaussian":
             lora_A = jax.random.normal(a_key, a_shape, dtype) / r
@@ -515,7 +543,7 @@ def lora(
     else:
         raise ValueError(
             f"unknown LoRA init {init!r}; expected one of 'default', 'gaussian', 'pissa', "
-            "'pissa_niter_K' (K an int), 'olora', 'orthogonal', 'random'."
+            "'pissa_niter_K' (K an int), 'olora', 'orthogonal', 'mica', 'loftq', 'random'."
         )
     return LoraArray(
         weight,
@@ -524,6 +552,7 @@ def lora(
         lora_alpha=lora_alpha,
         use_rslora=use_rslora,
         lora_dropout=lora_dropout,
+        frozen=frozen,
     )
 
 
@@ -533,30 +562,12 @@ def pissa_niter(init: Any) -> int | None:
     return None if found is None else int(found.group(1))
 
 
-def _dense_2d(weight: Any, r: int, what: str) -> Array:
-    """`weight` as a float32 array, if it is a dense 2-D floating-point one with at least
-    `r` singular vectors."""
-    if isinstance(weight, ImplicitArray) or weight.ndim != 2:
-        raise TypeError(
-            f"{what} initialization needs a dense 2-D floating-point weight; quantize the "
-            f"residual afterwards. Got {type(weight).__name__} of shape {tuple(weight.shape)}."
-        )
-    if not jnp.issubdtype(weight.dtype, jnp.floating):
-        raise TypeError(f"{what} needs a floating-point weight, got dtype {weight.dtype}.")
-    if r > min(weight.shape):
-        raise ValueError(
-            f"{what} takes r={r} singular vectors of a weight of shape {tuple(weight.shape)}, "
-            f"which has only {min(weight.shape)}; use r <= {min(weight.shape)}."
-        )
-    return weight.astype(jnp.float32)
-
-
 def _pissa(
     weight: Any, r: int, scaling: float, dtype: Any, niter: int | None, key: PRNGKeyArray
 ) -> tuple[Array, Array, Array]:
     """PEFT's `pissa_init`: the top-`r` singular triplets (exact, or by `svd_lowrank` with
     `niter` subspace iterations) split evenly between the factors; `W` less their product."""
-    w = _dense_2d(weight, r, "PiSSA")
+    w = dense_2d(weight, r, "PiSSA")
     if niter is None:
         u, s, vh = jnp.linalg.svd(w, full_matrices=False)
         u, s, vh = u[:, :r], s[:r], vh[:r]
@@ -595,7 +606,7 @@ def svd_lowrank(
 def _olora(weight: Any, r: int, scaling: float, dtype: Any) -> tuple[Array, Array, Array]:
     """PEFT's `olora_init`: `W = QR`, `lora_B = Q[:, :r]`, `lora_A = R[:r]`, and `W` less
     `scaling · B @ A`."""
-    w = _dense_2d(weight, r, "OLoRA")
+    w = dense_2d(weight, r, "OLoRA")
     q, rr = jnp.linalg.qr(w)
     lora_B, lora_A = q[:, :r], rr[:r]
     residual = w - scaling * lora_B @ lora_A
