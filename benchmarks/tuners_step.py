@@ -5,8 +5,8 @@ The model is `benchmarks/suite.py`'s Llama (`--size full`: hidden 512, 4 layers,
 intermediate 1376, vocab 2048, batch 8x128; float32), every method on the same seven
 projections of each block, AdamW, next-token cross-entropy, `eqx.filter_jit`. The methods
 use their PEFT defaults except the size: LoRA r=8; OFT blocks of 32; LoHa and LoKr r=8,
-alpha=16; VeRA r=256; HiRA r=8; MiSS r=64, SHiRA r=32 and Lily r=32 (PEFT's defaults); GraLoRA
-r=8 in 2x2 blocks (LoRA r=8's parameter count); AdaLoRA init_r=12, target_r=8, allocating at every step (PEFT's
+alpha=16; VeRA r=256; HiRA r=8; the new kinds at LoRA r=8's trainable count: SHiRA r=8, GraLoRA r=8 in
+2x2 blocks, MiSS r=16, Lily r=16 (its A per layer, two B per projection); AdaLoRA init_r=12, target_r=8, allocating at every step (PEFT's
 defaults; its step is `peftx.train`'s, which runs the allocator and adds the orthogonality
 penalty, against PEFT's step with `update_and_allocate`). PyTorch: transformers'
 `LlamaForCausalLM` with the same config and PEFT's config of the same method. Reported:
@@ -32,10 +32,11 @@ METHODS = {
     "lokr": ("LoKrConfig", dict(r=8, alpha=16)),
     "vera": ("VeraConfig", dict(r=256)),
     "hira": ("HiraConfig", dict(r=8)),
-    "miss": ("MissConfig", dict(r=64)),
-    "shira": ("ShiraConfig", dict(r=32)),
+    # at LoRA r=8's trainable count (square weights); Lily's B shared by the 4 layers
+    "miss": ("MissConfig", dict(r=16)),
+    "shira": ("ShiraConfig", dict(r=8)),
     "gralora": ("GraloraConfig", dict(r=8, gralora_k=2)),
-    "lily": ("LilyConfig", dict(r=32, stride_A=1, num_B=2)),
+    "lily": ("LilyConfig", dict(r=16, stride_A=1, num_B=2)),
     # PEFT's defaults: no warm-up, allocation at every step while the budget shrinks
     "adalora": ("AdaLoraConfig", dict(init_r=12, target_r=8, total_step=1000)),
 }
