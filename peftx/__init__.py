@@ -22,6 +22,7 @@ from ._errors import (
     UnknownAdapterError as UnknownAdapterError,
     UnsupportedTargetError as UnsupportedTargetError,
 )
+from ._initialize import initialize_lora as initialize_lora
 from ._peft_model import (
     BASE as BASE,
     PeftModel as PeftModel,
@@ -57,6 +58,7 @@ from ._targets import (
 from ._version import __version__ as __version__
 from .adapters import (
     AdaLoraConfig as AdaLoraConfig,
+    EvaConfig as EvaConfig,
     GraloraConfig as GraloraConfig,
     IA3Config as IA3Config,
     LoHaConfig as LoHaConfig,

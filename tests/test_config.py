@@ -459,7 +459,8 @@ FROM_DICT_ERRORS = [
         ValueError,
         (
             r"`init_lora_weights` must be True, False, 'gaussian', 'pissa', 'pissa_niter_K' "
-            r"\(K an int\), 'olora' or 'orthogonal' \(peftx does not do PEFT's 'loftq'.*got 'loftq'"
+            r"\(K an int\), 'olora', 'orthogonal' or 'eva' "
+            r"\(peftx does not do PEFT's 'loftq'.*got 'loftq'"
         ),
     ),
     (

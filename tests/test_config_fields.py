@@ -106,6 +106,8 @@ CASES = {
             "rank_pattern": ({"q": 3}, "builds"),
             "alpha_pattern": ({"q": 8}, "builds"),
             "use_dora": (True, "builds"),
+            # read by `peftx.initialize_lora` (tests/test_lora_data_inits.py), not by building
+            "eva_config": (dataclasses.asdict(peftx.EvaConfig(rho=1.5)), "file"),
             "target_parameters": (("experts.gate_up_proj",), "builds"),
         },
     ),

@@ -35,6 +35,7 @@ from ._lokr import (
 )
 from ._lora import (
     DoraArray as DoraArray,
+    EvaConfig as EvaConfig,
     ExpertLoraArray as ExpertLoraArray,
     ExpertLoraInit as ExpertLoraInit,
     LoraArray as LoraArray,
@@ -42,6 +43,7 @@ from ._lora import (
     LoraEmbeddingArray as LoraEmbeddingArray,
     LoraInit as LoraInit,
     dora as dora,
+    eva_components as eva_components,
     expert_lora as expert_lora,
     lora as lora,
     lora_embedding as lora_embedding,

@@ -13,6 +13,7 @@ from ._embedding import (
     LoraEmbeddingArray as LoraEmbeddingArray,
     lora_embedding as lora_embedding,
 )
+from ._eva import EvaConfig as EvaConfig, eva_components as eva_components
 from ._experts import (
     ExpertLoraArray as ExpertLoraArray,
     ExpertLoraInit as ExpertLoraInit,

@@ -1,0 +1,209 @@
+"""`initialize_lora`: the LoRA inits that read data (PEFT's `"eva"`), run on a `PeftModel`
+and a few batches. Each layer's inputs are collected in the model's own forward pass: its
+weight is wrapped in a `Recorded` array whose product hands the activations to the host."""
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, PRNGKeyArray
+
+from ._peft_model import PeftModel, get_peft_model
+from ._select import Predicate, select
+from ._targets import layer_paths
+from .adapters import AdapterSet, EvaConfig, LoraConfig, eva_components
+from .implicit import ImplicitArray, materialize, primitive_handler, use_implicit_args
+
+DATA_INITS = ("eva",)
+
+
+class Recorded(ImplicitArray):
+    """A layer's `weight` whose products report their activations to the host: `(layer,
+    tokens × in)` for each layer of a stack (`layer`, one index per layer)."""
+
+    weight: Any
+    layer: Array
+
+    def aval(self) -> jax.core.ShapedArray:
+        return jax.core.ShapedArray(self.weight.shape, self.weight.dtype)
+
+    def materialize(self) -> Array:
+        return materialize(self.weight)
+
+
+_SINK: dict[int, list[np.ndarray]] = {}
+
+
+def _received(layer: Any, x: Any) -> None:
+    _SINK.setdefault(int(layer), []).append(np.asarray(x))
+
+
+def _recorded_product(w: Recorded, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    (wc, xc), wb = ((lc, rc), lb) if w_is_lhs else ((rc, lc), rb)
+    if tuple(wc) != (1,) or wb:  # not a Linear layer's `x @ W.T`
+        return NotImplemented
+    jax.debug.callback(_received, w.layer, jnp.moveaxis(x, xc[0], -1).reshape(-1, x.shape[xc[0]]))
+    operands = (w.weight, x) if w_is_lhs else (x, w.weight)
+    return use_implicit_args(lambda a, b: lax.dot_general_p.bind(a, b, **params))(*operands)
+
+
+@primitive_handler("dot_general")
+def _recorded_lhs(primitive: Any, w: Recorded, x: Array, **params: Any) -> Any:
+    return _recorded_product(w, x, True, params)
+
+
+@primitive_handler("dot_general")
+def _recorded_rhs(primitive: Any, x: Array, w: Recorded, **params: Any) -> Any:
+    return _recorded_product(w, x, False, params)
+
+
+@eqx.filter_jit
+def _forward(model: Any, ids: Array, mask: Array) -> Any:
+    return use_implicit_args(model)(ids, mask)
+
+
+def _adapted(tree: Any, name: str) -> Any:
+    return select(tree).at(
+        Predicate(
+            lambda p, n: (
+                isinstance(getattr(n, "weight", None), AdapterSet) and name in n.weight.adapters
+            ),
+            f"layers with adapter {name!r}",
+        )
+    )
+
+
+def _token_mask(batch: Mapping[str, Any], config: EvaConfig) -> np.ndarray:
+    """PEFT's tokens for EVA: those of `attention_mask` (all without one), less those whose
+    label is `label_mask_value` when `use_label_mask`."""
+    ids = np.asarray(batch["input_ids"])
+    mask = np.asarray(batch.get("attention_mask", np.ones_like(ids))).astype(bool)
+    if config.use_label_mask and "labels" in batch:
+        mask &= np.asarray(batch["labels"]) != config.label_mask_value
+    return mask.reshape(-1)
+
+
+def initialize_lora(
+    model: PeftModel,
+    batches: Sequence[Mapping[str, Any]],
+    *,
+    key: PRNGKeyArray,
+    max_batches: int = 1000,
+) -> PeftModel:
+    """The model with its LoRA initialized from data, as PEFT's `initialize_lora_eva_weights`
+    does for a config of `init_lora_weights="eva"`.
+
+    **Arguments:**
+
+    - `model`: a `PeftModel` with one LoRA adapter whose config says `"eva"` (its
+      `eva_config`, or `EvaConfig()`'s defaults).
+    - `batches`: a few batches as `peftx.train` takes them (`input_ids`,
+      `attention_mask`, optionally `labels`), run through the base model (cycled until
+      EVA's components converge).
+    - `key`: draws the init of layers EVA cannot reach (not a Linear's `x @ W.T`), which
+      keep PEFT's default init, as in PEFT.
+    - `max_batches`: EVA stops with an error after this many batches without converging.
+
+    **Returns:**
+
+    A new `PeftModel`: each layer's `lora_A` holds the top right-singular vectors of its
+    inputs (`lora_B` zero, so the output is the base model's), at the rank EVA gives it
+    (`eva_config.rho`); its config records the ranks and alphas in `rank_pattern` and
+    `alpha_pattern`, and drops from `target_modules` the layers given rank 0, as PEFT's.
+    """
+    if not isinstance(model, PeftModel):
+        raise TypeError(f"initialize_lora takes a PeftModel; got {type(model).__name__}.")
+    if len(model.adapter_names) != 1:
+        raise ValueError(
+            f"initialize_lora initializes a model of one adapter; this one has "
+            f"{list(model.adapter_names)}. Initialize before adding others."
+        )
+    name = model.active_adapter
+    config = model.peft_config[name]
+    init = getattr(config, "init_lora_weights", None)
+    if not isinstance(config, LoraConfig) or init not in DATA_INITS:
+        raise ValueError(
+            f"initialize_lora needs a LoraConfig with init_lora_weights in {list(DATA_INITS)}; "
+            f"adapter {name!r} has a {type(config).__name__} with init_lora_weights={init!r}."
+        )
+    batches = list(batches)
+    if not batches:
+        raise ValueError("initialize_lora needs at least one batch; got none.")
+    eva = config.eva_config or EvaConfig()
+
+    chosen = _adapted(model.base_model, name)
+    names: list[str] = []
+    probed = []
+    for path, layer in zip(chosen.paths(), chosen.get()):
+        if isinstance(layer, eqx.nn.Linear):  # PEFT's EVA leaves embeddings at their init
+            base = layer.weight.weight
+            index = jnp.arange(len(names), len(names) + len(layer_paths(path)))
+            names += layer_paths(path)
+            layer = eqx.tree_at(
+                lambda m: m.weight, layer, Recorded(base, index.reshape(base.shape[:-2]))
+            )
+        probed.append(layer)
+    if not names:
+        raise ValueError(f"adapter {name!r} has no Linear layer for EVA to initialize.")
+    probe_model = chosen.set(probed)
+
+    def layer_inputs(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        _SINK.clear()
+        ids = jnp.asarray(batch["input_ids"])
+        mask = jnp.asarray(batch.get("attention_mask", jnp.ones_like(ids)))
+        jax.block_until_ready(_forward(probe_model, ids, mask))
+        jax.effects_barrier()
+        keep = _token_mask(batch, eva)
+        out = {}
+        for i, layer in enumerate(names):
+            x = np.concatenate([a[keep] for a in _SINK.get(i, [])] or [np.zeros((0, 0))])
+            if not np.isfinite(x).all():
+                raise ValueError(
+                    f"the inputs of {layer} hold NaN or infinite values on a batch; EVA needs "
+                    "finite activations (check the base model and the batches)."
+                )
+            out[layer] = x
+        return out
+
+    ranks = {n: config.rank_and_alpha(n)[0] for n in names}
+    components = eva_components(layer_inputs, batches, ranks, eva, max_batches=max_batches)
+
+    rank_pattern, alpha_pattern = {}, {}
+    for n in names:
+        r, alpha = config.rank_and_alpha(n)
+        new = components[n].shape[0]
+        if new and new != r and eva.adjust_scaling_factors:
+            alpha = alpha * new / r
+        if new and new != config.r:
+            rank_pattern[n] = new
+        if new and alpha != config.lora_alpha:
+            alpha_pattern[n] = alpha
+    kept = [n for n in names if components[n].shape[0]]
+    others = [q for p in _adapted(model.base_model, name).paths() for q in layer_paths(p)]
+    targets = kept + [q for q in others if q not in names]
+    new_config = dataclasses.replace(
+        config,
+        target_modules=targets,
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+        eva_config=eva,
+    )
+    rebuilt = get_peft_model(model.unload(), new_config, key=key, adapter_name=name)
+
+    def with_components(path: str, layer: Any) -> Any:
+        per_layer = [components.get(q) for q in layer_paths(path)]
+        if any(a is None for a in per_layer):
+            return layer
+        lora_A = layer.weight.adapters[name].lora_A
+        a = jnp.asarray(np.stack(per_layer).reshape(lora_A.shape), lora_A.dtype)
+        return eqx.tree_at(lambda m: m.weight.adapters[name].lora_A, layer, a)
+
+    placed = _adapted(rebuilt.base_model, name)
+    fresh = placed.set([with_components(p, m) for p, m in zip(placed.paths(), placed.get())])
+    return dataclasses.replace(rebuilt, base_model=fresh)

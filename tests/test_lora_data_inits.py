@@ -1,0 +1,152 @@
+"""The data-driven LoRA inits (`peftx.initialize_lora`) against PyTorch PEFT 0.21 on the
+same tiny Llama and the same batches.
+
+EVA: PEFT's incremental PCA draws a randomized SVD (`torch.svd_lowrank`, `q = 2k`, 4
+subspace iterations) at each batch, peftx takes an exact one. With PEFT's PCA made exact
+(its own full-SVD path), the ranks, alphas and every `lora_A` are PEFT's within fp32
+rounding; with PEFT's randomized one, the ranks and alphas are the same and `lora_A`
+within 1e-3 (the draws' error on these inputs, whose spectra decay slowly)."""
+
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+from peft.utils.incremental_pca import IncrementalPCA as PeftIncrementalPCA
+from safetensors.numpy import load_file
+from test_peft_interop import (
+    BUILDERS,
+    CONFIG,
+    VOCAB,
+    WEIGHTS,
+    _randomize_torch_base,
+    assert_same,
+    jax_out,
+    randomized,
+    torch_base,
+    torch_out,
+)
+
+import peftx
+import peftx.models as pm
+
+FP32_TOL = 1e-5  # one fp32 SVD per batch of a (tokens × 64) matrix, in two libraries
+RANDOMIZED_TOL = 1e-3
+EVA = dict(
+    r=4,
+    lora_alpha=8,
+    target_modules=["q_proj", "v_proj", "o_proj", "down_proj"],  # q and v share inputs
+    init_lora_weights="eva",
+)
+
+
+def _batches():
+    """Three batches of four rows, some right-padded, some labels -100 (left out)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(3):
+        ids = rng.integers(3, VOCAB, (4, 8))
+        mask = np.ones_like(ids)
+        mask[0, 5:] = mask[2, 6:] = 0
+        labels = np.where(mask == 1, ids, -100)
+        labels[1, :2] = -100
+        out.append(dict(input_ids=np.where(mask == 1, ids, 0), attention_mask=mask, labels=labels))
+    return out
+
+
+@pytest.fixture(scope="module")
+def eva(tmp_path_factory):
+    """The tiny Llama's directory, and peftx's EVA adapter on it saved to a directory."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("llama")
+    _randomize_torch_base(BUILDERS["llama"]().eval(), seed=7).save_pretrained(path)
+    config = peftx.LoraConfig(**EVA, eva_config=dict(tau=0.9))
+    start = peftx.get_peft_model(pm.from_pretrained(path), config, key=jax.random.key(0))
+    ours = peftx.initialize_lora(start, _batches(), key=jax.random.key(1))
+    saved = tmp_path_factory.mktemp("ours")
+    ours.save_pretrained(saved)
+    return path, ours, saved
+
+
+def _peft_eva(path, tmp_path):
+    theirs = peft.get_peft_model(
+        torch_base(path, "llama"), peft.LoraConfig(**EVA, eva_config=peft.EvaConfig(tau=0.9))
+    )
+    torch_batches = [{k: torch.tensor(v) for k, v in b.items()} for b in _batches()]
+    peft.initialize_lora_eva_weights(theirs, torch_batches, show_progress_bar=False)
+    theirs.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _assert_eva_files_match(ours, theirs, tol):
+    a, b = load_file(str(ours / WEIGHTS)), load_file(str(theirs / WEIGHTS))
+    assert sorted(a) == sorted(b)
+    for k in b:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, k
+        np.testing.assert_allclose(a[k], b[k], rtol=0, atol=tol, err_msg=k)
+        if ".lora_B." in k:
+            assert not a[k].any()
+    ranks = {a[k].shape[0] for k in a if ".lora_A." in k}
+    assert len(ranks) > 1  # EVA moved rank between layers
+    mine, peft_s = (json.loads((d / CONFIG).read_text()) for d in (ours, theirs))
+    for key in ("rank_pattern", "alpha_pattern", "eva_config", "init_lora_weights"):
+        assert mine[key] == peft_s[key], key
+    assert sorted(mine["target_modules"]) == sorted(peft_s["target_modules"])
+
+
+def test_eva_is_peft_s_with_an_exact_pca(eva, tmp_path, monkeypatch):
+    """PEFT's EVA with its PCA's exact SVD: the same file (ranks, alphas, `lora_A`, zero
+    `lora_B`) and config; the model's logits are the base model's, and once trained
+    (random factors) PEFT reads the file to peftx's logits."""
+    path, ours, saved = eva
+    monkeypatch.setattr(
+        PeftIncrementalPCA, "_svd_fn_lowrank", PeftIncrementalPCA._svd_fn_full, raising=True
+    )
+    _assert_eva_files_match(saved, _peft_eva(path, tmp_path / "peft"), FP32_TOL)
+    batch = _batches()[0]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), reference, mask)
+    trained = randomized(ours, jax.random.key(2))
+    trained.save_pretrained(tmp_path / "trained")
+    back = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path / "trained")
+    assert_same(
+        jax_out(trained, ids, mask), torch_out(back.eval(), ids, mask, "llama"), mask, reference
+    )
+
+
+@pytest.mark.variant_sweep
+def test_eva_is_peft_s_within_its_randomized_svd(eva, tmp_path):
+    path, _, saved = eva
+    _assert_eva_files_match(saved, _peft_eva(path, tmp_path), RANDOMIZED_TOL)
+
+
+def test_initialize_lora_refuses_bad_input(eva):
+    path, ours, _ = eva
+    base = pm.from_pretrained(path)
+    plain = peftx.get_peft_model(base, peftx.LoraConfig(r=4), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="init_lora_weights in \\['eva'\\]; adapter 'default'"):
+        peftx.initialize_lora(plain, _batches(), key=jax.random.key(0))
+    start = peftx.get_peft_model(base, peftx.LoraConfig(**EVA), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="at least one batch"):
+        peftx.initialize_lora(start, [], key=jax.random.key(0))
+    embed = start.base_model.model.embed_tokens.weight
+    broken = eqx.tree_at(
+        lambda m: m.base_model.model.embed_tokens.weight, start, embed.at[5:].set(jnp.nan)
+    )
+    with pytest.raises(ValueError, match="inputs of model.layers.0.self_attn.q_proj hold NaN"):
+        peftx.initialize_lora(broken, _batches(), key=jax.random.key(0))
+    with pytest.raises(ValueError, match="`rho` must be >= 1.0"):
+        peftx.LoraConfig(init_lora_weights="eva", eva_config=dict(rho=0.5))
+    with pytest.raises(ValueError, match="unknown keys \\['rh'\\]"):
+        peftx.LoraConfig(init_lora_weights="eva", eva_config=dict(rh=2.0))
+    with pytest.raises(ValueError, match="round\\(r \\* rho\\) = 40 components"):
+        peftx.initialize_lora(
+            peftx.get_peft_model(base, peftx.LoraConfig(**{**EVA, "r": 20}), key=jax.random.key(0)),
+            _batches(),
+            key=jax.random.key(0),
+        )
