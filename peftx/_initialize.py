@@ -64,8 +64,8 @@ def _recorded_rhs(primitive: Any, x: Array, w: Recorded, **params: Any) -> Any:
 
 
 @eqx.filter_jit
-def _forward(model: Any, ids: Array, mask: Array) -> Any:
-    return use_implicit_args(model)(ids, mask)
+def _forward(model: Any, ids: Array, mask: Array | None, extra: dict[str, Array]) -> Any:
+    return use_implicit_args(model)(ids, mask, **extra)
 
 
 def _adapted(tree: Any, name: str) -> Any:
@@ -81,11 +81,12 @@ def _adapted(tree: Any, name: str) -> Any:
 
 def _token_mask(batch: Mapping[str, Any], config: EvaConfig) -> np.ndarray:
     """PEFT's tokens for EVA: those of `attention_mask` (all without one), less those whose
-    label is `label_mask_value` when `use_label_mask`."""
+    label is `label_mask_value` when `use_label_mask` (and a batch has a label per token)."""
     ids = np.asarray(batch["input_ids"])
     mask = np.asarray(batch.get("attention_mask", np.ones_like(ids))).astype(bool)
-    if config.use_label_mask and "labels" in batch:
-        mask &= np.asarray(batch["labels"]) != config.label_mask_value
+    labels = np.asarray(batch.get("labels", ()))
+    if config.use_label_mask and labels.shape == ids.shape:  # a label per token
+        mask &= labels != config.label_mask_value
     return mask.reshape(-1)
 
 
@@ -104,8 +105,9 @@ def initialize_lora(
     - `model`: a `PeftModel` with one LoRA adapter whose config says `"eva"` (its
       `eva_config`, or `EvaConfig()`'s defaults).
     - `batches`: a few batches as `peftx.train` takes them (`input_ids`,
-      `attention_mask`, optionally `labels`), run through the base model (cycled until
-      EVA's components converge).
+      `attention_mask`, optionally `labels` and packing's `position_ids`), run through the
+      base model (cycled until EVA's components converge). EVA reads the tokens of
+      `attention_mask`, less those labelled `eva_config.label_mask_value`.
     - `key`: draws the init of layers EVA cannot reach (not a Linear's `x @ W.T`), which
       keep PEFT's default init, as in PEFT.
     - `max_batches`: EVA stops with an error after this many batches without converging.
@@ -157,7 +159,11 @@ def initialize_lora(
         _SINK.clear()
         ids = jnp.asarray(batch["input_ids"])
         mask = jnp.asarray(batch.get("attention_mask", jnp.ones_like(ids)))
-        jax.block_until_ready(_forward(probe_model, ids, mask))
+        # packed rows run on their positions, as `peftx.train` runs them
+        extra = (
+            {"position_ids": jnp.asarray(batch["position_ids"])} if "position_ids" in batch else {}
+        )
+        jax.block_until_ready(_forward(probe_model, ids, None if extra else mask, extra))
         jax.effects_barrier()
         keep = _token_mask(batch, eva)
         out = {}
