@@ -58,6 +58,7 @@ from ._targets import (
 from ._version import __version__ as __version__
 from .adapters import (
     AdaLoraConfig as AdaLoraConfig,
+    CordaConfig as CordaConfig,
     EvaConfig as EvaConfig,
     GraloraConfig as GraloraConfig,
     IA3Config as IA3Config,

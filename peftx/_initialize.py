@@ -1,6 +1,7 @@
-"""`initialize_lora`: the LoRA inits that read data (PEFT's `"eva"`), run on a `PeftModel`
-and a few batches. Each layer's inputs are collected in the model's own forward pass: its
-weight is wrapped in a `Recorded` array whose product hands the activations to the host."""
+"""`initialize_lora`: the LoRA inits that read data (PEFT's `"eva"` and `"corda"`), run on
+a `PeftModel` and a few batches. Each layer's inputs are collected in the model's own
+forward pass: its weight is wrapped in a `Recorded` array whose product hands the
+activations to the host."""
 
 import dataclasses
 from collections.abc import Mapping, Sequence
@@ -16,10 +17,18 @@ from jaxtyping import Array, PRNGKeyArray
 from ._peft_model import PeftModel, get_peft_model
 from ._select import Predicate, select
 from ._targets import layer_paths
-from .adapters import AdapterSet, EvaConfig, LoraConfig, eva_components
+from .adapters import (
+    AdapterSet,
+    CordaConfig,
+    EvaConfig,
+    LoraConfig,
+    corda_factors,
+    eva_components,
+    sample_covariance,
+)
 from .implicit import ImplicitArray, materialize, primitive_handler, use_implicit_args
 
-DATA_INITS = ("eva",)
+DATA_INITS = ("eva", "corda")
 
 
 class Recorded(ImplicitArray):
@@ -98,26 +107,32 @@ def initialize_lora(
     max_batches: int = 1000,
 ) -> PeftModel:
     """The model with its LoRA initialized from data, as PEFT's `initialize_lora_eva_weights`
-    does for a config of `init_lora_weights="eva"`.
+    does for `init_lora_weights="eva"`, and `preprocess_corda` then `get_peft_model` for
+    `"corda"`.
 
     **Arguments:**
 
-    - `model`: a `PeftModel` with one LoRA adapter whose config says `"eva"` (its
-      `eva_config`, or `EvaConfig()`'s defaults).
+    - `model`: a `PeftModel` with one LoRA adapter whose config says `"eva"` or `"corda"`
+      (its `eva_config` or `corda_config`, or their defaults).
     - `batches`: a few batches as `peftx.train` takes them (`input_ids`,
       `attention_mask`, optionally `labels` and packing's `position_ids`), run through the
       base model (cycled until EVA's components converge). EVA reads the tokens of
-      `attention_mask`, less those labelled `eva_config.label_mask_value`.
+      `attention_mask`, less those labelled `eva_config.label_mask_value`; CorDA takes
+      each row's tokens of `attention_mask` as one sample (PEFT's hook reads one sample per
+      forward pass).
     - `key`: draws the init of layers EVA cannot reach (not a Linear's `x @ W.T`), which
       keep PEFT's default init, as in PEFT.
     - `max_batches`: EVA stops with an error after this many batches without converging.
 
     **Returns:**
 
-    A new `PeftModel`: each layer's `lora_A` holds the top right-singular vectors of its
-    inputs (`lora_B` zero, so the output is the base model's), at the rank EVA gives it
+    A new `PeftModel`. EVA: each layer's `lora_A` holds the top right-singular vectors of
+    its inputs (`lora_B` zero, so the output is the base model's), at the rank EVA gives it
     (`eva_config.rho`); its config records the ranks and alphas in `rank_pattern` and
     `alpha_pattern`, and drops from `target_modules` the layers given rank 0, as PEFT's.
+    CorDA: each layer's factors are `r` singular triplets of its weight times its inputs'
+    covariance, and its base weight the residual (the output is the base model's); save
+    with `path_initial_model_for_weight_conversion` for a LoRA of the original base.
     """
     if not isinstance(model, PeftModel):
         raise TypeError(f"initialize_lora takes a PeftModel; got {type(model).__name__}.")
@@ -137,9 +152,16 @@ def initialize_lora(
     batches = list(batches)
     if not batches:
         raise ValueError("initialize_lora needs at least one batch; got none.")
-    eva = config.eva_config or EvaConfig()
+    names, probe_model = _probe(model.base_model, name)
+    if init == "corda":
+        return _corda(model, name, config, names, probe_model, batches)
+    return _eva(model, name, config, names, probe_model, batches, key, max_batches)
 
-    chosen = _adapted(model.base_model, name)
+
+def _probe(base_model: Any, name: str) -> tuple[list[str], Any]:
+    """The names of the Linear layers carrying adapter `name` (a stack's one by one), and
+    the base model with their weights `Recorded` (numbered in that order)."""
+    chosen = _adapted(base_model, name)
     names: list[str] = []
     probed = []
     for path, layer in zip(chosen.paths(), chosen.get()):
@@ -152,30 +174,55 @@ def initialize_lora(
             )
         probed.append(layer)
     if not names:
-        raise ValueError(f"adapter {name!r} has no Linear layer for EVA to initialize.")
-    probe_model = chosen.set(probed)
+        raise ValueError(f"adapter {name!r} has no Linear layer to initialize from data.")
+    return names, chosen.set(probed)
+
+
+def _activations(
+    probe_model: Any, names: list[str], batch: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
+    """Each layer's inputs `(rows, tokens, in)` on `batch`, run as `peftx.train` runs it
+    (packed rows on their `position_ids`)."""
+    _SINK.clear()
+    ids = jnp.asarray(batch["input_ids"])
+    mask = jnp.asarray(batch.get("attention_mask", jnp.ones_like(ids)))
+    extra = {"position_ids": jnp.asarray(batch["position_ids"])} if "position_ids" in batch else {}
+    jax.block_until_ready(_forward(probe_model, ids, None if extra else mask, extra))
+    jax.effects_barrier()
+    out = {}
+    for i, layer in enumerate(names):
+        calls = _SINK.get(i, [])
+        if len(calls) != 1:
+            raise ValueError(
+                f"{layer} ran {len(calls)} times in one forward pass; a data-driven init reads "
+                "the inputs of layers that run once."
+            )
+        x = calls[0].reshape(*ids.shape, -1)
+        if not np.isfinite(x).all():
+            raise ValueError(
+                f"the inputs of {layer} hold NaN or infinite values on a batch; a data-driven "
+                "init needs finite activations (check the base model and the batches)."
+            )
+        out[layer] = x
+    return out
+
+
+def _eva(
+    model: PeftModel,
+    name: str,
+    config: LoraConfig,
+    names: list[str],
+    probe_model: Any,
+    batches: list[Mapping[str, Any]],
+    key: PRNGKeyArray,
+    max_batches: int,
+) -> PeftModel:
+    eva = config.eva_config or EvaConfig()
 
     def layer_inputs(batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        _SINK.clear()
-        ids = jnp.asarray(batch["input_ids"])
-        mask = jnp.asarray(batch.get("attention_mask", jnp.ones_like(ids)))
-        # packed rows run on their positions, as `peftx.train` runs them
-        extra = (
-            {"position_ids": jnp.asarray(batch["position_ids"])} if "position_ids" in batch else {}
-        )
-        jax.block_until_ready(_forward(probe_model, ids, None if extra else mask, extra))
-        jax.effects_barrier()
         keep = _token_mask(batch, eva)
-        out = {}
-        for i, layer in enumerate(names):
-            x = np.concatenate([a[keep] for a in _SINK.get(i, [])] or [np.zeros((0, 0))])
-            if not np.isfinite(x).all():
-                raise ValueError(
-                    f"the inputs of {layer} hold NaN or infinite values on a batch; EVA needs "
-                    "finite activations (check the base model and the batches)."
-                )
-            out[layer] = x
-        return out
+        found = _activations(probe_model, names, batch)
+        return {n: x.reshape(-1, x.shape[-1])[keep] for n, x in found.items()}
 
     ranks = {n: config.rank_and_alpha(n)[0] for n in names}
     components = eva_components(layer_inputs, batches, ranks, eva, max_batches=max_batches)
@@ -213,3 +260,64 @@ def initialize_lora(
     placed = _adapted(rebuilt.base_model, name)
     fresh = placed.set([with_components(p, m) for p, m in zip(placed.paths(), placed.get())])
     return dataclasses.replace(rebuilt, base_model=fresh)
+
+
+def _corda(
+    model: PeftModel,
+    name: str,
+    config: LoraConfig,
+    names: list[str],
+    probe_model: Any,
+    batches: list[Mapping[str, Any]],
+) -> PeftModel:
+    corda = config.corda_config or CordaConfig()
+    if corda.cache_file is not None or corda.covariance_file is not None:
+        raise ValueError(
+            "corda_config's cache_file and covariance_file are PEFT's torch files, which peftx "
+            "neither reads nor writes; set them to None."
+        )
+    samples: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    for batch in batches:
+        ids = np.asarray(batch["input_ids"])
+        mask = np.asarray(batch.get("attention_mask", np.ones_like(ids))).astype(bool)
+        for n, x in _activations(probe_model, names, batch).items():
+            samples[n] += [row[keep] for row, keep in zip(x, mask) if keep.any()]
+    covariance = {n: sample_covariance(samples[n], corda.use_float16_for_covariance) for n in names}
+
+    def initialized(path: str, layer: Any) -> Any:
+        s = layer.weight
+        adapter = s.adapters[name]
+        stack = s.weight.shape[:-2]
+        per_layer = [
+            corda_factors(w, covariance[q], adapter.r, adapter.scaling, corda.corda_method)
+            for w, q in zip(
+                np.asarray(s.weight, np.float32).reshape(-1, *s.weight.shape[-2:]),
+                layer_paths(path),
+            )
+        ]
+        residual, lora_A, lora_B = (
+            jnp.asarray(np.stack(part).reshape(*stack, *part[0].shape), dtype)
+            for part, dtype in zip(
+                zip(*per_layer), (s.weight.dtype, adapter.lora_A.dtype, adapter.lora_B.dtype)
+            )
+        )
+        return eqx.tree_at(
+            lambda m: (
+                m.weight.weight,
+                m.weight.adapters[name].lora_A,
+                m.weight.adapters[name].lora_B,
+            ),
+            layer,
+            (residual, lora_A, lora_B),
+        )
+
+    chosen = _adapted(model.base_model, name)
+    fresh = chosen.set(
+        [
+            initialized(p, m) if isinstance(m, eqx.nn.Linear) else m
+            for p, m in zip(chosen.paths(), chosen.get())
+        ]
+    )
+    return dataclasses.replace(
+        model.with_config(name, dataclasses.replace(config, corda_config=corda)), base_model=fresh
+    )

@@ -108,6 +108,7 @@ CASES = {
             "use_dora": (True, "builds"),
             # read by `peftx.initialize_lora` (tests/test_lora_data_inits.py), not by building
             "eva_config": (dataclasses.asdict(peftx.EvaConfig(rho=1.5)), "file"),
+            "corda_config": (dataclasses.asdict(peftx.CordaConfig(corda_method="kpm")), "file"),
             "target_parameters": (("experts.gate_up_proj",), "builds"),
         },
     ),

@@ -7,7 +7,11 @@ subspace iterations) at each batch, peftx takes an exact one. With PEFT's PCA ma
 rounding; with PEFT's randomized one, the ranks and alphas are the same and `lora_A`
 within 1e-3 (the draws' error on these inputs, whose spectra decay slowly)."""
 
+import dataclasses
 import json
+import sys
+import types
+from unittest import mock
 
 import equinox as eqx
 import jax
@@ -16,6 +20,7 @@ import numpy as np
 import peft
 import pytest
 import torch
+from peft.tuners.lora.config import CordaConfig as PeftCordaConfig
 from peft.utils.incremental_pca import IncrementalPCA as PeftIncrementalPCA
 from safetensors.numpy import load_file
 from test_peft_interop import (
@@ -129,7 +134,9 @@ def test_initialize_lora_refuses_bad_input(eva):
     path, ours, _ = eva
     base = pm.from_pretrained(path)
     plain = peftx.get_peft_model(base, peftx.LoraConfig(r=4), key=jax.random.key(0))
-    with pytest.raises(ValueError, match="init_lora_weights in \\['eva'\\]; adapter 'default'"):
+    with pytest.raises(
+        ValueError, match="init_lora_weights in \\['eva', 'corda'\\]; adapter 'default'"
+    ):
         peftx.initialize_lora(plain, _batches(), key=jax.random.key(0))
     start = peftx.get_peft_model(base, peftx.LoraConfig(**EVA), key=jax.random.key(0))
     with pytest.raises(ValueError, match="at least one batch"):
@@ -140,6 +147,15 @@ def test_initialize_lora_refuses_bad_input(eva):
     )
     with pytest.raises(ValueError, match="inputs of model.layers.0.self_attn.q_proj hold NaN"):
         peftx.initialize_lora(broken, _batches(), key=jax.random.key(0))
+    cached = peftx.LoraConfig(**EVA, corda_config=dict(cache_file="c.pt"))
+    cached = peftx.get_peft_model(
+        base, dataclasses.replace(cached, init_lora_weights="corda"), key=jax.random.key(0)
+    )
+    with pytest.raises(ValueError, match="cache_file and covariance_file are PEFT's torch files"):
+        peftx.initialize_lora(cached, _batches(), key=jax.random.key(0))
+    # (the type checker of the test run refuses it first, with a TypeError naming the field)
+    with pytest.raises((ValueError, TypeError), match="corda_method"):
+        peftx.LoraConfig(init_lora_weights="corda", corda_config=dict(corda_method="x"))
     with pytest.raises(ValueError, match="`rho` must be >= 1.0"):
         peftx.LoraConfig(init_lora_weights="eva", eva_config=dict(rho=0.5))
     with pytest.raises(ValueError, match="unknown keys \\['rh'\\]"):
@@ -150,3 +166,111 @@ def test_initialize_lora_refuses_bad_input(eva):
             _batches(),
             key=jax.random.key(0),
         )
+
+
+# ---------------------------------------------------------------- CorDA
+
+CORDA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def _peft_corda(path, method):
+    """PEFT's CorDA on the same samples: each row of each batch, its real tokens alone
+    (PEFT's hook reads one sample per forward)."""
+    base = torch_base(path, "llama")
+    config = peft.LoraConfig(
+        **CORDA, init_lora_weights="corda", corda_config=PeftCordaConfig(corda_method=method)
+    )
+
+    def run_model():
+        for b in _batches():
+            for ids, mask in zip(b["input_ids"], b["attention_mask"]):
+                base(input_ids=torch.tensor(ids[mask == 1][None]))
+
+    # PEFT's corda module takes `dataclass` from attrs, not installed here: the standard
+    # library's does the same for its one record class
+    with mock.patch.dict(
+        sys.modules, {"attr": types.SimpleNamespace(dataclass=dataclasses.dataclass)}
+    ):
+        from peft.tuners.lora.corda import preprocess_corda
+
+    preprocess_corda(base, config, run_model=run_model)
+    return peft.get_peft_model(base, config)
+
+
+@pytest.fixture(scope="module")
+def corda(eva):
+    path = eva[0]
+    config = peftx.LoraConfig(**CORDA, init_lora_weights="corda")
+    start = peftx.get_peft_model(pm.from_pretrained(path), config, key=jax.random.key(0))
+    return path, peftx.initialize_lora(start, _batches(), key=jax.random.key(1))
+
+
+@pytest.mark.parametrize("method", ["ipm", pytest.param("kpm", marks=pytest.mark.variant_sweep)])
+def test_corda_factors_and_residual_are_peft_s(method, corda, tmp_path):
+    """Each layer's `lora_A`, `lora_B` (up to the sign of each singular pair) and residual
+    base weight are PEFT's within fp32 rounding (the covariance of the same samples, one
+    damped inverse and one SVD); the model's logits are the base model's."""
+    path, ours = corda
+    if method != "ipm":
+        config = peftx.LoraConfig(
+            **CORDA, init_lora_weights="corda", corda_config=dict(corda_method=method)
+        )
+        start = peftx.get_peft_model(pm.from_pretrained(path), config, key=jax.random.key(0))
+        ours = peftx.initialize_lora(start, _batches(), key=jax.random.key(1))
+    theirs = _peft_corda(path, method)
+    state = {k: v.detach().numpy() for k, v in theirs.state_dict().items()}
+    ours.save_pretrained(tmp_path)
+    file = load_file(str(tmp_path / WEIGHTS))
+    for key_a in (k for k in file if ".lora_A." in k):
+        key_b = key_a.replace(".lora_A.", ".lora_B.")
+        a, b = file[key_a], file[key_b]
+        want_a, want_b = (state[k.replace(".weight", ".default.weight")] for k in (key_a, key_b))
+        # each singular pair's sign is the SVD routine's choice (LAPACK's, torch's)
+        sign = np.sign(np.sum(a * want_a, axis=1))
+        for got, want in ((a * sign[:, None], want_a), (b * sign[None, :], want_b)):
+            scale = max(1.0, float(np.abs(want).max()))
+            np.testing.assert_allclose(got, want, rtol=0, atol=FP32_TOL * scale, err_msg=key_a)
+    residual = dict(zip(ours.layer_paths("default"), _residuals(ours)))
+    for name, weight in residual.items():
+        want = state[f"base_model.model.{name}.base_layer.weight"]
+        np.testing.assert_allclose(weight, want, rtol=0, atol=FP32_TOL, err_msg=name)
+    batch = _batches()[0]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), reference, mask)
+    assert np.abs(jax_out(ours.disable_adapters(), ids, mask) - reference).max() > 1e-2
+
+
+def _residuals(model):
+    chosen = peftx.select(model.base_model).at(
+        peftx.where(lambda n: isinstance(getattr(n, "weight", None), peftx.adapters.AdapterSet))
+    )
+    out = []
+    for layer in chosen.get():
+        w = np.asarray(layer.weight.weight)
+        out += list(w.reshape(-1, *w.shape[-2:]))
+    return out
+
+
+def test_corda_converted_file_applies_to_the_original_base(corda, tmp_path):
+    """Trained (random factors) and saved with PEFT's conversion against its initial state:
+    the plain LoRA file on the original base gives the trained model's logits, in peftx
+    and in PEFT."""
+    path, ours = corda
+    name = "default"
+    initial = ours.with_config(
+        name, dataclasses.replace(ours.peft_config[name], init_lora_weights=True)
+    )
+    initial.save_pretrained(tmp_path / "initial")
+    trained = randomized(ours, jax.random.key(3))
+    trained.save_pretrained(
+        tmp_path / "converted", path_initial_model_for_weight_conversion=tmp_path / "initial"
+    )
+    batch = _batches()[1]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    want = jax_out(trained, ids, mask)
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    theirs = peft.PeftModel.from_pretrained(torch_base(path, "llama"), tmp_path / "converted")
+    assert_same(torch_out(theirs.eval(), ids, mask, "llama"), want, mask, reference)
+    back = peftx.PeftModel.from_pretrained(pm.from_pretrained(path), tmp_path / "converted")
+    assert_same(jax_out(back, ids, mask), want, mask)

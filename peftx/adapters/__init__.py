@@ -34,6 +34,7 @@ from ._lokr import (
     lokr as lokr,
 )
 from ._lora import (
+    CordaConfig as CordaConfig,
     DoraArray as DoraArray,
     EvaConfig as EvaConfig,
     ExpertLoraArray as ExpertLoraArray,
@@ -42,11 +43,13 @@ from ._lora import (
     LoraConfig as LoraConfig,
     LoraEmbeddingArray as LoraEmbeddingArray,
     LoraInit as LoraInit,
+    corda_factors as corda_factors,
     dora as dora,
     eva_components as eva_components,
     expert_lora as expert_lora,
     lora as lora,
     lora_embedding as lora_embedding,
+    sample_covariance as sample_covariance,
     with_compute_dtype as with_compute_dtype,
 )
 from ._merge import merge as merge, unmerge as unmerge

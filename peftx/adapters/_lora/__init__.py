@@ -8,6 +8,11 @@ from ._config import (
     PEFT_ONLY_LORA as PEFT_ONLY_LORA,
     LoraConfig as LoraConfig,
 )
+from ._corda import (
+    CordaConfig as CordaConfig,
+    corda_factors as corda_factors,
+    sample_covariance as sample_covariance,
+)
 from ._dora import DoraArray as DoraArray, dora as dora
 from ._embedding import (
     LoraEmbeddingArray as LoraEmbeddingArray,

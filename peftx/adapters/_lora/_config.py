@@ -29,6 +29,7 @@ from ..._config import (
 )
 from ..._kind import AbstractAdapter
 from ..._select import Predicate
+from ._corda import CordaConfig
 from ._dora import dora
 from ._embedding import lora_embedding
 from ._eva import EvaConfig
@@ -89,7 +90,7 @@ PEFT_ONLY_LORA: dict[str, Any] = {
     "megatron_core": "megatron.core",
     "trainable_token_indices": None,
     "loftq_config": {},
-    "eva_config": None,  # a LoraConfig field; AdaLoRA's config reads this table
+    "eva_config": None,  # this and corda_config are LoraConfig fields; AdaLoRA reads this table
     "corda_config": None,
     "lora_ga_config": None,
     "velora_config": None,
@@ -160,14 +161,15 @@ LORA_HARMLESS = frozenset(
 )
 
 
-_LORA_INITS = (True, False, "gaussian", "pissa", "olora", "orthogonal", "eva")
+_LORA_INITS = (True, False, "gaussian", "pissa", "olora", "orthogonal", "eva", "corda")
 _LORA_INIT_MEANS = (
-    "True, False, 'gaussian', 'pissa', 'pissa_niter_K' (K an int), 'olora', 'orthogonal' or 'eva'"
+    "True, False, 'gaussian', 'pissa', 'pissa_niter_K' (K an int), 'olora', 'orthogonal', "
+    "'eva' or 'corda'"
 )
 _LORA_INIT = Range(
     lambda v: any(type(v) is type(c) and v == c for c in _LORA_INITS) or pissa_niter(v) is not None,
     f"`{{name}}` must be {_LORA_INIT_MEANS} (peftx does not do PEFT's 'loftq', "
-    "'corda', 'lora_ga' or 'mica')",
+    "'lora_ga' or 'mica')",
 )
 _LORA_RANK = Range(
     RANK.holds, f"`r` (the LoRA rank) must be a positive integer (at most {MAX_RANK})"
@@ -202,15 +204,17 @@ class LoraConfig(AbstractAdapterConfig):
       `W`), `"orthogonal"` (random factors with `B @ A = 0`, from a random orthogonal
       matrix; `r` even; the base is left as it is). These last four are for Linear layers,
       as in PEFT; a file saved with one loads as PEFT loads it (the residual re-derived).
-      `"eva"`: the default init, until `peftx.initialize_lora` sets `lora_A` from the
-      layers' inputs on a few batches (see `eva_config`).
+      `"eva"`, `"corda"`: the default init, until `peftx.initialize_lora` sets the factors
+      from the layers' inputs on a few batches (see `eva_config`, `corda_config`); CorDA
+      replaces the weight by a residual, as PiSSA does.
     - `layers_to_transform`: only these layer indices (the first numbered path segment, or
       the one after `layers_pattern`). Not allowed with a regex `target_modules`.
     - `layers_pattern`: the name of the layer list (`"layers"`, `"h"`); needs
       `layers_to_transform`.
     - `rank_pattern`, `alpha_pattern`: per-module `r`/`lora_alpha`, keyed by regex.
     - `use_dora`: weight-decomposed LoRA (a learned magnitude vector).
-    - `eva_config`: EVA's settings (`EvaConfig`), for `init_lora_weights="eva"`.
+    - `eva_config`, `corda_config`: EVA's and CorDA's settings (`EvaConfig`,
+      `CordaConfig`), for `init_lora_weights="eva"` or `"corda"`.
     - `target_parameters`: stacks of expert weights to adapt directly, by parameter name
       (`["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`: a path equal to an entry or
       ending in `"." + entry`), each expert with its own rank-`r` update
@@ -244,6 +248,11 @@ class LoraConfig(AbstractAdapterConfig):
         default=None,
         converter=EvaConfig.of,
         means="None, an EvaConfig or a dict of its fields",
+    )
+    corda_config: CordaConfig | dict[str, Any] | None = field(
+        default=None,
+        converter=CordaConfig.of,
+        means="None, a CordaConfig or a dict of its fields",
     )
     target_parameters: list[str] | tuple[str, ...] | None = field(
         default=None,
@@ -347,7 +356,7 @@ class LoraConfig(AbstractAdapterConfig):
         )
 
     def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
-        init = {True: "default", False: "random", "eva": "default"}.get(
+        init = {True: "default", False: "random", "eva": "default", "corda": "default"}.get(
             self.init_lora_weights, self.init_lora_weights
         )
         r, alpha = layer.rank, layer.alpha
