@@ -65,6 +65,7 @@ from .adapters import (
     LoHaConfig as LoHaConfig,
     LoKrConfig as LoKrConfig,
     LoraConfig as LoraConfig,
+    LoraGAConfig as LoraGAConfig,
     MissConfig as MissConfig,
     OFTConfig as OFTConfig,
     ShiraConfig as ShiraConfig,

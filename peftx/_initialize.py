@@ -1,10 +1,10 @@
-"""`initialize_lora`: the LoRA inits that read data (PEFT's `"eva"` and `"corda"`), run on
-a `PeftModel` and a few batches. Each layer's inputs are collected in the model's own
-forward pass: its weight is wrapped in a `Recorded` array whose product hands the
-activations to the host."""
+"""`initialize_lora`: the LoRA inits that read data (PEFT's `"eva"`, `"corda"` and
+`"lora_ga"`), run on a `PeftModel` and a few batches. Each layer's inputs are collected in
+the model's own forward pass: its weight is wrapped in a `Recorded` array whose product
+hands the activations to the host; LoRA-GA's gradients come from `jax.grad`."""
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -22,13 +22,16 @@ from .adapters import (
     CordaConfig,
     EvaConfig,
     LoraConfig,
+    LoraGAConfig,
     corda_factors,
     eva_components,
+    lora_ga_factors,
     sample_covariance,
 )
 from .implicit import ImplicitArray, materialize, primitive_handler, use_implicit_args
+from .train import causal_lm_loss
 
-DATA_INITS = ("eva", "corda")
+DATA_INITS = ("eva", "corda", "lora_ga")
 
 
 class Recorded(ImplicitArray):
@@ -104,16 +107,17 @@ def initialize_lora(
     batches: Sequence[Mapping[str, Any]],
     *,
     key: PRNGKeyArray,
+    loss_fn: Callable[..., tuple[Array, dict[str, Array]]] = causal_lm_loss,
     max_batches: int = 1000,
 ) -> PeftModel:
     """The model with its LoRA initialized from data, as PEFT's `initialize_lora_eva_weights`
-    does for `init_lora_weights="eva"`, and `preprocess_corda` then `get_peft_model` for
-    `"corda"`.
+    does for `init_lora_weights="eva"`, and `preprocess_corda` (`preprocess_loraga`) then
+    `get_peft_model` for `"corda"` (`"lora_ga"`).
 
     **Arguments:**
 
-    - `model`: a `PeftModel` with one LoRA adapter whose config says `"eva"` or `"corda"`
-      (its `eva_config` or `corda_config`, or their defaults).
+    - `model`: a `PeftModel` with one LoRA adapter whose config says `"eva"`, `"corda"` or
+      `"lora_ga"` (its `eva_config`, `corda_config` or `lora_ga_config`, or their defaults).
     - `batches`: a few batches as `peftx.train` takes them (`input_ids`,
       `attention_mask`, optionally `labels` and packing's `position_ids`), run through the
       base model (cycled until EVA's components converge). EVA reads the tokens of
@@ -121,7 +125,10 @@ def initialize_lora(
       each row's tokens of `attention_mask` as one sample (PEFT's hook reads one sample per
       forward pass).
     - `key`: draws the init of layers EVA cannot reach (not a Linear's `x @ W.T`), which
-      keep PEFT's default init, as in PEFT.
+      keep PEFT's default init, as in PEFT; and LoRA-GA's `direction="random"`.
+    - `loss_fn`: LoRA-GA's loss, `loss_fn(model, batch) -> (sum, {"count": n, ...})` as
+      `peftx.train` takes it (default: next-token cross-entropy); the gradient is that of
+      `sum / count`, the batch's mean, as transformers' `loss`.
     - `max_batches`: EVA stops with an error after this many batches without converging.
 
     **Returns:**
@@ -133,6 +140,8 @@ def initialize_lora(
     CorDA: each layer's factors are `r` singular triplets of its weight times its inputs'
     covariance, and its base weight the residual (the output is the base model's); save
     with `path_initial_model_for_weight_conversion` for a LoRA of the original base.
+    LoRA-GA: each layer's factors are singular vectors of the mean gradient of the loss
+    with respect to its weight (`lora_ga_config`), and its base weight the residual.
     """
     if not isinstance(model, PeftModel):
         raise TypeError(f"initialize_lora takes a PeftModel; got {type(model).__name__}.")
@@ -153,6 +162,8 @@ def initialize_lora(
     if not batches:
         raise ValueError("initialize_lora needs at least one batch; got none.")
     names, probe_model = _probe(model.base_model, name)
+    if init == "lora_ga":
+        return _lora_ga(model, name, config, names, batches, key, loss_fn)
     if init == "corda":
         return _corda(model, name, config, names, probe_model, batches)
     return _eva(model, name, config, names, probe_model, batches, key, max_batches)
@@ -284,16 +295,80 @@ def _corda(
             samples[n] += [row[keep] for row, keep in zip(x, mask) if keep.any()]
     covariance = {n: sample_covariance(samples[n], corda.use_float16_for_covariance) for n in names}
 
+    def factors(layer: str, weight: np.ndarray, r: int, scaling: float) -> tuple:
+        return corda_factors(weight, covariance[layer], r, scaling, corda.corda_method)
+
+    with_corda = dataclasses.replace(config, corda_config=corda)
+    return _with_factors(model.with_config(name, with_corda), name, factors)
+
+
+def _lora_ga(
+    model: PeftModel,
+    name: str,
+    config: LoraConfig,
+    names: list[str],
+    batches: list[Mapping[str, Any]],
+    key: PRNGKeyArray,
+    loss_fn: Callable[..., tuple[Array, dict[str, Array]]],
+) -> PeftModel:
+    """PEFT's `preprocess_loraga` (the mean over batches of the gradient of the batch's
+    mean loss, with respect to each adapted Linear weight) then its `lora_ga_init`."""
+    ga = config.lora_ga_config or LoraGAConfig()
+    base = model.disable_adapters()
+    paths = set(_adapted(model.base_model, name).paths())
+    adapted = Predicate(lambda p, n: p in paths and isinstance(n, eqx.nn.Linear), "adapted")
+    weights = select(jax.tree.map(lambda _: False, base)).at(adapted)
+    spec = weights.set([eqx.tree_at(lambda m: m.weight, m, True) for m in weights.get()])
+    diff, static = eqx.partition(base, spec)
+    total = None
+    for batch in batches:
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        grad = _mean_loss_grad(diff, static, batch, loss_fn)
+        total = grad if total is None else jax.tree.map(jnp.add, total, grad)
+    grads = {}
+    for path, layer in zip(weights.paths(), weights.where_fn()(total)):
+        g = np.asarray(layer.weight, np.float32) / len(batches)
+        grads.update(zip(layer_paths(path), g.reshape(-1, *g.shape[-2:])))
+    for layer, g in grads.items():
+        if not np.isfinite(g).all():
+            raise ValueError(
+                f"the gradient of {layer} holds NaN or infinite values; LoRA-GA needs finite "
+                "gradients (check the base model and the batches)."
+            )
+    draws = iter(jax.random.split(key, len(grads)))
+
+    def factors(layer: str, weight: np.ndarray, r: int, scaling: float) -> tuple:
+        drawn = np.asarray(jax.random.permutation(next(draws), 2 * r)[:r])
+        return lora_ga_factors(weight, grads[layer], r, scaling, ga, drawn)
+
+    with_ga = dataclasses.replace(config, lora_ga_config=ga)
+    return _with_factors(model.with_config(name, with_ga), name, factors)
+
+
+@eqx.filter_jit
+def _mean_loss_grad(diff: Any, static: Any, batch: dict[str, Array], loss_fn: Callable) -> Any:
+    def mean_loss(diff: Any) -> Array:
+        total, aux = loss_fn(eqx.combine(diff, static), batch)
+        return total / aux["count"]
+
+    return jax.grad(mean_loss)(diff)
+
+
+def _with_factors(
+    model: PeftModel,
+    name: str,
+    factors: Callable[[str, np.ndarray, int, float], tuple[np.ndarray, np.ndarray, np.ndarray]],
+) -> PeftModel:
+    """`model` with each adapted Linear layer's base weight, `lora_A` and `lora_B` from
+    `factors(layer name, weight, r, scaling)` (per layer of a stack), in their dtypes."""
+
     def initialized(path: str, layer: Any) -> Any:
         s = layer.weight
         adapter = s.adapters[name]
         stack = s.weight.shape[:-2]
+        weights = np.asarray(s.weight).reshape(-1, *s.weight.shape[-2:])
         per_layer = [
-            corda_factors(w, covariance[q], adapter.r, adapter.scaling, corda.corda_method)
-            for w, q in zip(
-                np.asarray(s.weight, np.float32).reshape(-1, *s.weight.shape[-2:]),
-                layer_paths(path),
-            )
+            factors(q, w, adapter.r, adapter.scaling) for w, q in zip(weights, layer_paths(path))
         ]
         residual, lora_A, lora_B = (
             jnp.asarray(np.stack(part).reshape(*stack, *part[0].shape), dtype)
@@ -318,6 +393,4 @@ def _corda(
             for p, m in zip(chosen.paths(), chosen.get())
         ]
     )
-    return dataclasses.replace(
-        model.with_config(name, dataclasses.replace(config, corda_config=corda)), base_model=fresh
-    )
+    return dataclasses.replace(model, base_model=fresh)

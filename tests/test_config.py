@@ -459,7 +459,7 @@ FROM_DICT_ERRORS = [
         ValueError,
         (
             r"`init_lora_weights` must be True, False, 'gaussian', 'pissa', 'pissa_niter_K' "
-            r"\(K an int\), 'olora', 'orthogonal', 'eva' or 'corda' "
+            r"\(K an int\), 'olora', 'orthogonal', 'eva', 'corda' or 'lora_ga' "
             r"\(peftx does not do PEFT's 'loftq'.*got 'loftq'"
         ),
     ),

@@ -357,6 +357,10 @@ def test_init_table_schema(llama, tmp_path):
     ]:
         with pytest.raises(UsageError, match=re.escape(message)):
             Job(job, list(sets))
+    text = job.read_text().replace('text_column = "answer"', 'chosen_column = "answer"')
+    job.write_text(text.replace("pack = true", 'rejected_column = "answer"'))
+    with pytest.raises(UsageError, match="train.objective 'dpo' has preference pairs"):
+        Job(job, [*eva, "train.objective=dpo"])
 
 
 def test_errors(bert, tmp_path, capsys):

@@ -20,7 +20,8 @@ import numpy as np
 import peft
 import pytest
 import torch
-from peft.tuners.lora.config import CordaConfig as PeftCordaConfig
+from peft.tuners.lora.config import CordaConfig as PeftCordaConfig, LoraGAConfig as PeftLoraGAConfig
+from peft.tuners.lora.loraga import preprocess_loraga
 from peft.utils.incremental_pca import IncrementalPCA as PeftIncrementalPCA
 from safetensors.numpy import load_file
 from test_peft_interop import (
@@ -41,6 +42,9 @@ import peftx.models as pm
 
 FP32_TOL = 1e-5  # one fp32 SVD per batch of a (tokens × 64) matrix, in two libraries
 RANDOMIZED_TOL = 1e-3
+# LoRA-GA's singular vectors of two fp32 gradients (torch's and JAX's autodiff, ~1e-6 apart):
+# each vector moves by that over its singular value's relative gap to the next
+GRADIENT_SVD_TOL = 1e-4
 EVA = dict(
     r=4,
     lora_alpha=8,
@@ -135,7 +139,7 @@ def test_initialize_lora_refuses_bad_input(eva):
     base = pm.from_pretrained(path)
     plain = peftx.get_peft_model(base, peftx.LoraConfig(r=4), key=jax.random.key(0))
     with pytest.raises(
-        ValueError, match="init_lora_weights in \\['eva', 'corda'\\]; adapter 'default'"
+        ValueError, match="init_lora_weights in \\['eva', 'corda', 'lora_ga'\\]; adapter 'default'"
     ):
         peftx.initialize_lora(plain, _batches(), key=jax.random.key(0))
     start = peftx.get_peft_model(base, peftx.LoraConfig(**EVA), key=jax.random.key(0))
@@ -252,11 +256,14 @@ def _residuals(model):
     return out
 
 
-def test_corda_converted_file_applies_to_the_original_base(corda, tmp_path):
-    """Trained (random factors) and saved with PEFT's conversion against its initial state:
-    the plain LoRA file on the original base gives the trained model's logits, in peftx
-    and in PEFT."""
-    path, ours = corda
+@pytest.mark.parametrize(
+    "init", ["corda", pytest.param("lora_ga", marks=pytest.mark.variant_sweep)]
+)
+def test_converted_file_applies_to_the_original_base(init, corda, lora_ga, tmp_path):
+    """CorDA's and LoRA-GA's adapters (on a residual base), trained (random factors) and
+    saved with PEFT's conversion against their initial state: the plain LoRA file on the
+    original base gives the trained model's logits, in peftx and in PEFT."""
+    path, ours = corda if init == "corda" else (lora_ga[0], lora_ga[1]("ArB2r, stable"))
     name = "default"
     initial = ours.with_config(
         name, dataclasses.replace(ours.peft_config[name], init_lora_weights=True)
@@ -274,3 +281,91 @@ def test_corda_converted_file_applies_to_the_original_base(corda, tmp_path):
     assert_same(torch_out(theirs.eval(), ids, mask, "llama"), want, mask, reference)
     back = peftx.PeftModel.from_pretrained(pm.from_pretrained(path), tmp_path / "converted")
     assert_same(jax_out(back, ids, mask), want, mask)
+
+
+# ---------------------------------------------------------------- LoRA-GA
+
+GA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+GA_CASES = {
+    "ArB2r, stable": dict(),
+    "ArBr, weight_svd": dict(direction="ArBr", scale="weight_svd"),
+    "A2rBr, gd_scale": dict(direction="A2rBr", scale="gd_scale"),
+}
+
+
+def _exact_svd_lowrank(a, q, niter):
+    """`torch.svd_lowrank`'s result from an exact SVD (the top `q` triplets)."""
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)
+    return u[:, :q], s[:q], vh[:q].T
+
+
+def _peft_lora_ga(path, case, monkeypatch):
+    """PEFT's LoRA-GA with its randomized SVDs made exact: the gradient of each batch's
+    mean loss (transformers' `loss`), accumulated and averaged, as its `train_step` runs."""
+    monkeypatch.setattr(torch, "svd_lowrank", _exact_svd_lowrank)
+    base = torch_base(path, "llama")
+    config = peft.LoraConfig(
+        **GA, init_lora_weights="lora_ga", lora_ga_config=PeftLoraGAConfig(**GA_CASES[case])
+    )
+
+    def train_step():
+        for b in _batches():
+            out = base(**{k: torch.tensor(v) for k, v in b.items()})
+            out.loss.backward()
+
+    preprocess_loraga(base, config, train_step)
+    return peft.get_peft_model(base, config)
+
+
+@pytest.fixture(scope="module")
+def lora_ga(eva):
+    path = eva[0]
+    models = {}
+
+    def get(case):
+        if case not in models:
+            config = peftx.LoraConfig(
+                **GA, init_lora_weights="lora_ga", lora_ga_config=GA_CASES[case]
+            )
+            start = peftx.get_peft_model(pm.from_pretrained(path), config, key=jax.random.key(0))
+            models[case] = peftx.initialize_lora(start, _batches(), key=jax.random.key(1))
+        return models[case]
+
+    return path, get
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.variant_sweep) if i else c for i, c in enumerate(GA_CASES)],
+)
+def test_lora_ga_factors_and_residual_are_peft_s(case, lora_ga, tmp_path, monkeypatch):
+    """Each layer's `lora_A` rows and `lora_B` columns are PEFT's (its SVDs exact) within
+    fp32 rounding, up to each singular vector's sign (the SVD routine's choice, which the
+    residual follows: each side's residual is its weight less `s·B·A` of its own factors);
+    the model's logits are the base model's."""
+    path, get = lora_ga
+    ours = get(case)
+    theirs = _peft_lora_ga(path, case, monkeypatch)
+    state = {k: v.detach().numpy() for k, v in theirs.state_dict().items()}
+    ours.save_pretrained(tmp_path)
+    file = load_file(str(tmp_path / WEIGHTS))
+    original = {k: v.detach().numpy() for k, v in torch_base(path, "llama").state_dict().items()}
+    residuals = dict(zip(ours.layer_paths("default"), _residuals(ours)))
+    scaling = GA["lora_alpha"] / GA["r"]
+    for name, residual in residuals.items():
+        a, b = (file[f"base_model.model.{name}.lora_{x}.weight"] for x in "AB")
+        want_a, want_b = (state[f"base_model.model.{name}.lora_{x}.default.weight"] for x in "AB")
+        for got, want in ((a, want_a), (b.T, want_b.T)):
+            sign = np.sign(np.sum(got * want, axis=1))[:, None]
+            tol = GRADIENT_SVD_TOL * max(1.0, float(np.abs(want).max()))
+            np.testing.assert_allclose(got * sign, want, rtol=0, atol=tol, err_msg=name)
+        weight = original[f"{name}.weight"]
+        close = dict(rtol=0, atol=FP32_TOL * max(1.0, float(np.abs(weight).max())))
+        np.testing.assert_allclose(residual, weight - scaling * b @ a, **close, err_msg=name)
+        their_residual = state[f"base_model.model.{name}.base_layer.weight"]
+        np.testing.assert_allclose(their_residual, weight - scaling * want_b @ want_a, **close)
+        assert np.abs(residual - weight).max() > 2 * close["atol"]  # the base moved
+    batch = _batches()[0]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    reference = torch_out(torch_base(path, "llama"), ids, mask, "llama")
+    assert_same(jax_out(ours, ids, mask), reference, mask)

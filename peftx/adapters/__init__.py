@@ -42,6 +42,7 @@ from ._lora import (
     LoraArray as LoraArray,
     LoraConfig as LoraConfig,
     LoraEmbeddingArray as LoraEmbeddingArray,
+    LoraGAConfig as LoraGAConfig,
     LoraInit as LoraInit,
     corda_factors as corda_factors,
     dora as dora,
@@ -49,6 +50,7 @@ from ._lora import (
     expert_lora as expert_lora,
     lora as lora,
     lora_embedding as lora_embedding,
+    lora_ga_factors as lora_ga_factors,
     sample_covariance as sample_covariance,
     with_compute_dtype as with_compute_dtype,
 )

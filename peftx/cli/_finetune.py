@@ -358,7 +358,9 @@ def _run(
     if job.initializes:
         batches = job.init_batches(*pairs[0])
         print(f"initializing the adapter from {len(batches)} {job.init['split']} batches")
-        peft_model = initialize_lora(peft_model, batches, key=jax.random.fold_in(model_key, 1))
+        peft_model = initialize_lora(
+            peft_model, batches, key=jax.random.fold_in(model_key, 1), loss_fn=_loss(job, labels)
+        )
     if job.train["objective"] == "dpo" and job.dpo["precompute_ref_log_probs"]:
         pairs = _with_reference(job, peft_model, pairs)
     if job.multi:

@@ -456,6 +456,11 @@ class Job:
                 f"{path}: init_lora_weights {list(DATA_INITS)} initializes a job of one adapter "
                 "(a [lora] table), not [[adapters]] or a [bank]"
             )
+        if data_driven and self.train["objective"] != "sft":
+            raise UsageError(
+                f"{path}: init_lora_weights {list(DATA_INITS)} reads supervised batches; "
+                f"train.objective {self.train['objective']!r} has preference pairs"
+            )
         init = self.init
         for key in ("batches", "batch_size"):
             value = init[key]

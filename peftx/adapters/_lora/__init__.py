@@ -30,3 +30,4 @@ from ._lora import (
     lora as lora,
     with_compute_dtype as with_compute_dtype,
 )
+from ._lora_ga import LoraGAConfig as LoraGAConfig, lora_ga_factors as lora_ga_factors

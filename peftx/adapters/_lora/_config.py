@@ -35,6 +35,7 @@ from ._embedding import lora_embedding
 from ._eva import EvaConfig
 from ._experts import expert_lora
 from ._lora import lora, pissa_niter
+from ._lora_ga import LoraGAConfig
 
 # PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
 # architectures peftx users load; tests compare them with PEFT's own tables.
@@ -90,7 +91,8 @@ PEFT_ONLY_LORA: dict[str, Any] = {
     "megatron_core": "megatron.core",
     "trainable_token_indices": None,
     "loftq_config": {},
-    "eva_config": None,  # this and corda_config are LoraConfig fields; AdaLoRA reads this table
+    # eva_config, corda_config and lora_ga_config are LoraConfig fields; AdaLoRA reads this table
+    "eva_config": None,
     "corda_config": None,
     "lora_ga_config": None,
     "velora_config": None,
@@ -161,15 +163,14 @@ LORA_HARMLESS = frozenset(
 )
 
 
-_LORA_INITS = (True, False, "gaussian", "pissa", "olora", "orthogonal", "eva", "corda")
+_LORA_INITS = (True, False, "gaussian", "pissa", "olora", "orthogonal", "eva", "corda", "lora_ga")
 _LORA_INIT_MEANS = (
     "True, False, 'gaussian', 'pissa', 'pissa_niter_K' (K an int), 'olora', 'orthogonal', "
-    "'eva' or 'corda'"
+    "'eva', 'corda' or 'lora_ga'"
 )
 _LORA_INIT = Range(
     lambda v: any(type(v) is type(c) and v == c for c in _LORA_INITS) or pissa_niter(v) is not None,
-    f"`{{name}}` must be {_LORA_INIT_MEANS} (peftx does not do PEFT's 'loftq', "
-    "'lora_ga' or 'mica')",
+    f"`{{name}}` must be {_LORA_INIT_MEANS} (peftx does not do PEFT's 'loftq' or 'mica')",
 )
 _LORA_RANK = Range(
     RANK.holds, f"`r` (the LoRA rank) must be a positive integer (at most {MAX_RANK})"
@@ -204,17 +205,18 @@ class LoraConfig(AbstractAdapterConfig):
       `W`), `"orthogonal"` (random factors with `B @ A = 0`, from a random orthogonal
       matrix; `r` even; the base is left as it is). These last four are for Linear layers,
       as in PEFT; a file saved with one loads as PEFT loads it (the residual re-derived).
-      `"eva"`, `"corda"`: the default init, until `peftx.initialize_lora` sets the factors
-      from the layers' inputs on a few batches (see `eva_config`, `corda_config`); CorDA
-      replaces the weight by a residual, as PiSSA does.
+      `"eva"`, `"corda"`, `"lora_ga"`: the default init, until `peftx.initialize_lora`
+      sets the factors from the layers' inputs (their gradients for LoRA-GA) on a few
+      batches (see `eva_config`, `corda_config`, `lora_ga_config`); CorDA and LoRA-GA
+      replace the weight by a residual, as PiSSA does.
     - `layers_to_transform`: only these layer indices (the first numbered path segment, or
       the one after `layers_pattern`). Not allowed with a regex `target_modules`.
     - `layers_pattern`: the name of the layer list (`"layers"`, `"h"`); needs
       `layers_to_transform`.
     - `rank_pattern`, `alpha_pattern`: per-module `r`/`lora_alpha`, keyed by regex.
     - `use_dora`: weight-decomposed LoRA (a learned magnitude vector).
-    - `eva_config`, `corda_config`: EVA's and CorDA's settings (`EvaConfig`,
-      `CordaConfig`), for `init_lora_weights="eva"` or `"corda"`.
+    - `eva_config`, `corda_config`, `lora_ga_config`: the settings (`EvaConfig`,
+      `CordaConfig`, `LoraGAConfig`) of `init_lora_weights="eva"`, `"corda"`, `"lora_ga"`.
     - `target_parameters`: stacks of expert weights to adapt directly, by parameter name
       (`["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`: a path equal to an entry or
       ending in `"." + entry`), each expert with its own rank-`r` update
@@ -253,6 +255,11 @@ class LoraConfig(AbstractAdapterConfig):
         default=None,
         converter=CordaConfig.of,
         means="None, a CordaConfig or a dict of its fields",
+    )
+    lora_ga_config: LoraGAConfig | dict[str, Any] | None = field(
+        default=None,
+        converter=LoraGAConfig.of,
+        means="None, a LoraGAConfig or a dict of its fields",
     )
     target_parameters: list[str] | tuple[str, ...] | None = field(
         default=None,
@@ -356,9 +363,13 @@ class LoraConfig(AbstractAdapterConfig):
         )
 
     def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
-        init = {True: "default", False: "random", "eva": "default", "corda": "default"}.get(
-            self.init_lora_weights, self.init_lora_weights
-        )
+        init = {
+            True: "default",
+            False: "random",
+            "eva": "default",
+            "corda": "default",
+            "lora_ga": "default",
+        }.get(self.init_lora_weights, self.init_lora_weights)
         r, alpha = layer.rank, layer.alpha
         if isinstance(layer.layer, eqx.nn.Embedding):
             return lora_embedding(
