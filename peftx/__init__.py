@@ -22,6 +22,7 @@ from ._errors import (
     UnknownAdapterError as UnknownAdapterError,
     UnsupportedTargetError as UnsupportedTargetError,
 )
+from ._initialize import initialize_lora as initialize_lora
 from ._peft_model import (
     BASE as BASE,
     PeftModel as PeftModel,
@@ -57,6 +58,8 @@ from ._targets import (
 from ._version import __version__ as __version__
 from .adapters import (
     AdaLoraConfig as AdaLoraConfig,
+    CordaConfig as CordaConfig,
+    EvaConfig as EvaConfig,
     GraloraConfig as GraloraConfig,
     HiraConfig as HiraConfig,
     IA3Config as IA3Config,
@@ -64,6 +67,7 @@ from .adapters import (
     LoHaConfig as LoHaConfig,
     LoKrConfig as LoKrConfig,
     LoraConfig as LoraConfig,
+    LoraGAConfig as LoraGAConfig,
     MissConfig as MissConfig,
     OFTConfig as OFTConfig,
     ShiraConfig as ShiraConfig,

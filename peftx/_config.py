@@ -259,6 +259,8 @@ def _frozen(value: Any) -> Any:
 
 
 def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):  # a sub-config (LoRA's `eva_config`)
+        return _jsonable(dataclasses.asdict(value))
     if isinstance(value, list | tuple):
         return [_jsonable(v) for v in value]
     if isinstance(value, Mapping):

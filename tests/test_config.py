@@ -456,12 +456,12 @@ FROM_DICT_ERRORS = [
     ),
     (
         LoraConfig,
-        dict(init_lora_weights="eva"),
+        dict(init_lora_weights="EVA"),
         ValueError,
         (
             r"`init_lora_weights` must be True, False, 'gaussian', 'pissa', 'pissa_niter_K' "
-            r"\(K an int\), 'olora', 'orthogonal', 'mica' or 'loftq' \(peftx does not do "
-            r"PEFT's 'eva'.*got 'eva'"
+            r"\(K an int\), 'olora', 'orthogonal', 'mica', 'loftq', 'eva', 'corda' or 'lora_ga'"
+            r".*got 'EVA'"
         ),
     ),
     (

@@ -109,6 +109,10 @@ CASES = {
             "alpha_pattern": ({"q": 8}, "builds"),
             "use_dora": (True, "builds"),
             "loftq_config": ({"loftq_iter": 2}, "builds"),
+            # read by `peftx.initialize_lora` (tests/test_lora_data_inits.py), not by building
+            "eva_config": (dataclasses.asdict(peftx.EvaConfig(rho=1.5)), "file"),
+            "corda_config": (dataclasses.asdict(peftx.CordaConfig(corda_method="kpm")), "file"),
+            "lora_ga_config": (dataclasses.asdict(peftx.LoraGAConfig(scale="unit")), "file"),
             "target_parameters": (("experts.gate_up_proj",), "builds"),
         },
     ),

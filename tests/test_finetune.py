@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import io
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from helpers import WORDS, run_cli, write_jsonl
 import peftx
 from peftx import train
 from peftx.cli import main
+from peftx.cli._common import UsageError
 
 EPS = np.finfo(np.float32).eps
 CONFIGS = Path(__file__).parent.parent / "configs"
@@ -264,8 +266,15 @@ def _sets(items):
 
 @pytest.mark.command_run
 def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
+    """The job starts from EVA (`[init]`: two batches of packed train rows), whose file
+    PEFT reads to the merged model's logits."""
     out_dir = tmp_path / "run"
-    out = _finetune(capsys, llama / "job.toml", out_dir, "train.steps=40")
+    sets = ("train.steps=40", "lora.init_lora_weights=eva", "init.batches=2")
+    out = _finetune(capsys, llama / "job.toml", out_dir, *sets)
+    assert "initializing the adapter from 2 train batches" in out
+    saved = json.loads((out_dir / "adapter" / "adapter_config.json").read_text())
+    assert saved["init_lora_weights"] == "eva" and saved["eva_config"]["rho"] == 2.0
+    assert saved["rank_pattern"]  # EVA moved rank between the layers
     assert "perplexity" in out and "accuracy" not in out
     summary = json.loads((out_dir / "summary.json").read_text())
     before, after = summary["before"], summary["after"]
@@ -319,6 +328,39 @@ def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
 
 
 # -- errors ---------------------------------------------------------------------------------
+
+
+def test_init_table_schema(llama, tmp_path):
+    """`[init]`'s batches come from the split it names; a bad table is refused by the job
+    check, naming the key."""
+    from peftx.cli._job import Job
+
+    job = tmp_path / "job.toml"
+    job.write_text(
+        (llama / "job.toml").read_text().replace('path = "base"', f'path = "{llama / "base"}"')
+    )
+    eva = ("lora.init_lora_weights=eva",)
+    ok = Job(job, [*eva, "init.batches=3", "init.batch_size=2", "init.split=eval"])
+    assert ok.initializes and not Job(job, []).initializes
+    rows = {"input_ids": np.arange(10), "labels": np.arange(10) + 1}
+    batches = ok.init_batches({"input_ids": np.zeros(9)}, rows)
+    assert [b["input_ids"].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5]]
+    assert batches[2]["labels"].tolist() == [5, 6]
+    short = Job(job, [*eva, "init.batch_size=4"]).init_batches(rows, rows)
+    assert [len(b["input_ids"]) for b in short] == [4, 4, 2]  # four batches asked, ten rows
+    for sets, message in [
+        (("init.batches=2",), "[init] sets the batches of a data-driven LoRA init"),
+        ((*eva, "init.batches=0"), "init.batches must be a positive integer, got 0"),
+        ((*eva, "init.batch_size=1.5"), "init.batch_size must be a positive integer"),
+        ((*eva, "init.split=test"), "init.split must be one of train, eval, got 'test'"),
+        ((*eva, "init.rows=4"), "unknown key 'rows' in [init]"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(message)):
+            Job(job, list(sets))
+    text = job.read_text().replace('text_column = "answer"', 'chosen_column = "answer"')
+    job.write_text(text.replace("pack = true", 'rejected_column = "answer"'))
+    with pytest.raises(UsageError, match="train.objective 'dpo' has preference pairs"):
+        Job(job, [*eva, "train.objective=dpo"])
 
 
 def test_errors(bert, tmp_path, capsys):

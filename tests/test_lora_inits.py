@@ -221,7 +221,17 @@ def test_orthogonal_factors_round_to_a_bfloat16_base_as_peft_s_do():
 
 
 def test_config_takes_peft_s_init_names():
-    for init in ("olora", "orthogonal", "pissa_niter_4", "pissa_niter_0", "pissa", "mica"):
+    for init in (
+        "olora",
+        "orthogonal",
+        "pissa_niter_4",
+        "pissa_niter_0",
+        "pissa",
+        "mica",
+        "eva",
+        "corda",
+        "lora_ga",
+    ):
         config = peftx.LoraConfig(init_lora_weights=init)
         assert config.init_lora_weights == init
     assert peftx.LoraConfig(init_lora_weights="olora").changes_base
@@ -229,7 +239,7 @@ def test_config_takes_peft_s_init_names():
     assert not peftx.LoraConfig(init_lora_weights="orthogonal").changes_base
     assert not peftx.LoraConfig(init_lora_weights="gaussian").changes_base
     assert not peftx.LoraConfig(init_lora_weights="mica").changes_base
-    for init in ("eva", "corda", "lora_ga", "pissa_niter_", "OLoRA", 1):
+    for init in ("pissa_niter_", "OLoRA", 1):
         with pytest.raises((ValueError, TypeError), match="init_lora_weights"):
             peftx.LoraConfig(init_lora_weights=init)
     with pytest.raises(ValueError, match="init from the weight"):
@@ -360,6 +370,37 @@ def test_a_peft_file_naming_the_init_loads_to_peft_s_logits(init, checkpoint, tm
     ours.save_pretrained(tmp_path / "ours")
     back = peft.PeftModel.from_pretrained(torch_base(), tmp_path / "ours").eval()
     assert_same(jax_out(ours, ids, mask), torch_out(back, ids, mask), mask, reference)
+
+
+@pytest.mark.parametrize(
+    "init",
+    ["corda", *(pytest.param(i, marks=pytest.mark.variant_sweep) for i in ("eva", "lora_ga"))],
+)
+def test_a_file_naming_a_data_driven_init_loads_as_peft_reads_it(init, checkpoint, tmp_path):
+    """PEFT reads an `"eva"` or `"lora_ga"` file as a plain LoRA on the base given; a
+    `"corda"` file it cannot load on CPU (it would need `preprocess_corda`'s data), and
+    peftx reads its tensors as a plain LoRA with one warning saying so."""
+    ids, mask = batch()
+    torch_base = lambda: transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()  # noqa: E731
+    reference = torch_out(torch_base(), ids, mask)
+    theirs = peft.get_peft_model(torch_base(), peft.LoraConfig(**TARGETS))
+    theirs = randomize_torch_adapters(theirs, seed=5).eval()
+    plain = torch_out(theirs, ids, mask)
+    theirs.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / CONFIG).read_text())
+    (tmp_path / CONFIG).write_text(json.dumps({**config, "init_lora_weights": init}))
+    base = pm.from_pretrained(checkpoint)
+    if init == "corda":
+        with pytest.raises(ValueError, match="corda"):
+            peft.PeftModel.from_pretrained(torch_base(), tmp_path)
+        with pytest.warns(UserWarning, match=r"init_lora_weights='corda'.*preprocess_corda"):
+            loaded = peftx.PeftModel.from_pretrained(base, tmp_path)
+        want = plain
+    else:
+        want = torch_out(peft.PeftModel.from_pretrained(torch_base(), tmp_path).eval(), ids, mask)
+        loaded = peftx.PeftModel.from_pretrained(base, tmp_path)
+    assert_same(want, plain, mask, reference)
+    assert_same(jax_out(loaded, ids, mask), want, mask, reference)
 
 
 # ---------------------------------------------------------------- MiCA

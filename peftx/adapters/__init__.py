@@ -36,17 +36,24 @@ from ._lokr import (
     lokr as lokr,
 )
 from ._lora import (
+    CordaConfig as CordaConfig,
     DoraArray as DoraArray,
+    EvaConfig as EvaConfig,
     ExpertLoraArray as ExpertLoraArray,
     ExpertLoraInit as ExpertLoraInit,
     LoraArray as LoraArray,
     LoraConfig as LoraConfig,
     LoraEmbeddingArray as LoraEmbeddingArray,
+    LoraGAConfig as LoraGAConfig,
     LoraInit as LoraInit,
+    corda_factors as corda_factors,
     dora as dora,
+    eva_components as eva_components,
     expert_lora as expert_lora,
     lora as lora,
     lora_embedding as lora_embedding,
+    lora_ga_factors as lora_ga_factors,
+    sample_covariance as sample_covariance,
     with_compute_dtype as with_compute_dtype,
 )
 from ._merge import merge as merge, unmerge as unmerge

@@ -142,6 +142,7 @@ def job_tables() -> tuple[str, ...]:
         "adapters",
         "bank",
         "quantization",
+        "init",
         "train",
         "dpo",
         "orpo",

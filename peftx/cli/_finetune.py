@@ -18,7 +18,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import QuantizationConfig, get_peft_model, models, quantize_model, train
+from .. import (
+    QuantizationConfig,
+    get_peft_model,
+    initialize_lora,
+    models,
+    quantize_model,
+    train,
+)
 from .._files import write_text
 from ..models import Reader
 from ..sharding import batch_parts, wait_for_all, writes_files
@@ -348,6 +355,12 @@ def _run(
     job.adapters = [a.for_steps(total, f"{job.path}: adapter {a.name!r}") for a in job.adapters]
     model_key, train_key = jax.random.split(jax.random.key(t["seed"]))
     peft_model = _model(job, labels, model_key, mesh, rules)
+    if job.initializes:
+        batches = job.init_batches(*pairs[0])
+        print(f"initializing the adapter from {len(batches)} {job.init['split']} batches")
+        peft_model = initialize_lora(
+            peft_model, batches, key=jax.random.fold_in(model_key, 1), loss_fn=_loss(job, labels)
+        )
     if job.train["objective"] == "dpo" and job.dpo["precompute_ref_log_probs"]:
         pairs = _with_reference(job, peft_model, pairs)
     if job.multi:

@@ -12,6 +12,7 @@ from .. import BASE
 from .._bank import check_bank_config
 from .._config import TOML_TABLES, table_names
 from .._files import followed
+from .._initialize import DATA_INITS
 from ..train import (
     DPO_LOSS_TYPES,
     OPTIMIZERS,
@@ -88,6 +89,10 @@ LOG_KEYS = {**dict.fromkeys(LOG_WRITERS, False), "project": "peftx", "run_name":
 # `[bank]`: the slots of the adapter bank the `[[adapters]]` train in (max_rank: their
 # largest r when left out)
 BANK_KEYS = {"max_adapters": None, "max_rank": None}
+# `[init]`: the batches `peftx.initialize_lora` reads for a data-driven init (EVA): how
+# many, of how many rows (default: train.batch_size), from which split's first rows
+INIT_KEYS = {"batches": 4, "batch_size": None, "split": "train"}
+INIT_SPLITS = ("train", "eval")
 PATHS = {("model", "path"), ("data", "train"), ("data", "eval"), ("output", "dir")}
 TASK_TYPES = {"classification": "SEQ_CLS", "causal-lm": "CAUSAL_LM"}
 # a name is a folder of the output (PEFT saves an adapter in a subfolder of its name)
@@ -396,6 +401,7 @@ class Job:
         self.dpo = _settings(raw, "dpo", DPO_KEYS, path)
         self.orpo = _settings(raw, "orpo", ORPO_KEYS, path)
         self.log = _settings(raw, "log", LOG_KEYS, path)
+        self.init = _settings(raw, "init", INIT_KEYS, path)
         if self.train["optimizer"] not in OPTIMIZERS:
             raise UsageError(f"{path}: train.optimizer must be one of {', '.join(OPTIMIZERS)}")
         if self.train["schedule"] not in SCHEDULES:
@@ -407,6 +413,7 @@ class Job:
         self.multi = "adapters" in raw
         self.adapters = self._several(raw, path) if self.multi else [self._single(raw, path)]
         self.bank = self._bank(raw, path)
+        self.initializes = self._initializes(raw, path)
         # the file's output.dir is taken from its directory, the default from the current one
         out = self.output["dir"]
         out = path.parent / Path(out).expanduser() if out else Path("runs", path.stem)
@@ -430,6 +437,49 @@ class Job:
         except (ValueError, TypeError) as e:
             raise UsageError(f"{where}: {e}") from None
         return config, from_run
+
+    def _initializes(self, raw: dict[str, Any], path: Path) -> bool:
+        """Whether the run starts with `peftx.initialize_lora` (an adapter whose init reads
+        data); `[init]` is checked, and refused without such an adapter."""
+        data_driven = [
+            a.name
+            for a in self.adapters
+            if getattr(a.config, "init_lora_weights", None) in DATA_INITS
+        ]
+        if "init" in raw and not data_driven:
+            raise UsageError(
+                f"{path}: [init] sets the batches of a data-driven LoRA init; give the adapter "
+                f"table init_lora_weights = one of {list(DATA_INITS)}, or drop [init]"
+            )
+        if data_driven and (self.multi or self.bank is not None):
+            raise UsageError(
+                f"{path}: init_lora_weights {list(DATA_INITS)} initializes a job of one adapter "
+                "(a [lora] table), not [[adapters]] or a [bank]"
+            )
+        if data_driven and self.train["objective"] != "sft":
+            raise UsageError(
+                f"{path}: init_lora_weights {list(DATA_INITS)} reads supervised batches; "
+                f"train.objective {self.train['objective']!r} has preference pairs"
+            )
+        init = self.init
+        for key in ("batches", "batch_size"):
+            value = init[key]
+            if value is not None and (type(value) is not int or not 1 <= value <= MAX_COUNT):
+                raise UsageError(f"{path}: init.{key} must be a positive integer, got {value!r}")
+        if init["split"] not in INIT_SPLITS:
+            raise UsageError(
+                f"{path}: init.split must be one of {', '.join(INIT_SPLITS)}, got {init['split']!r}"
+            )
+        return bool(data_driven)
+
+    def init_batches(self, train: dict[str, Any], eval: dict[str, Any]) -> list[dict[str, Any]]:
+        """The batches `[init]` names: the first `batches` of its split's rows, of
+        `batch_size` rows each (the last may be shorter)."""
+        rows = train if self.init["split"] == "train" else eval
+        size = self.init["batch_size"] or self.train["batch_size"]
+        total = len(next(iter(rows.values())))
+        starts = range(0, min(total, self.init["batches"] * size), size)
+        return [{k: v[i : i + size] for k, v in rows.items()} for i in starts]
 
     def _single(self, raw: dict[str, Any], path: Path) -> Adapter:
         tables = [t for t in TOML_TABLES if t in raw]

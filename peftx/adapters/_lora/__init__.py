@@ -8,11 +8,17 @@ from ._config import (
     PEFT_ONLY_LORA as PEFT_ONLY_LORA,
     LoraConfig as LoraConfig,
 )
+from ._corda import (
+    CordaConfig as CordaConfig,
+    corda_factors as corda_factors,
+    sample_covariance as sample_covariance,
+)
 from ._dora import DoraArray as DoraArray, dora as dora
 from ._embedding import (
     LoraEmbeddingArray as LoraEmbeddingArray,
     lora_embedding as lora_embedding,
 )
+from ._eva import EvaConfig as EvaConfig, eva_components as eva_components
 from ._experts import (
     ExpertLoraArray as ExpertLoraArray,
     ExpertLoraInit as ExpertLoraInit,
@@ -24,3 +30,4 @@ from ._lora import (
     lora as lora,
     with_compute_dtype as with_compute_dtype,
 )
+from ._lora_ga import LoraGAConfig as LoraGAConfig, lora_ga_factors as lora_ga_factors

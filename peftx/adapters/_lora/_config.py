@@ -30,10 +30,13 @@ from ..._config import (
 )
 from ..._kind import AbstractAdapter
 from ..._select import Predicate
+from ._corda import CordaConfig
 from ._dora import dora
 from ._embedding import lora_embedding
+from ._eva import EvaConfig
 from ._experts import expert_lora
 from ._lora import lora, pissa_niter
+from ._lora_ga import LoraGAConfig
 
 # PEFT 0.21's defaults for `target_modules=None` (`peft.utils.constants`), for the
 # architectures peftx users load; tests compare them with PEFT's own tables.
@@ -88,6 +91,7 @@ PEFT_ONLY_LORA: dict[str, Any] = {
     "megatron_config": None,
     "megatron_core": "megatron.core",
     "trainable_token_indices": None,
+    # eva_config, corda_config and lora_ga_config are LoraConfig fields; AdaLoRA reads this table
     "eva_config": None,
     "corda_config": None,
     "lora_ga_config": None,
@@ -158,14 +162,17 @@ LORA_HARMLESS = frozenset(
 )
 
 
-_LORA_INITS = (True, False, "gaussian", "pissa", "olora", "orthogonal", "mica", "loftq")
+_LORA_INITS = (
+    True, False, "gaussian", "pissa", "olora", "orthogonal", "mica", "loftq", "eva", "corda",
+    "lora_ga",
+)  # fmt: skip
 _LORA_INIT_MEANS = (
     "True, False, 'gaussian', 'pissa', 'pissa_niter_K' (K an int), 'olora', 'orthogonal', "
-    "'mica' or 'loftq'"
+    "'mica', 'loftq', 'eva', 'corda' or 'lora_ga'"
 )
 _LORA_INIT = Range(
     lambda v: any(type(v) is type(c) and v == c for c in _LORA_INITS) or pissa_niter(v) is not None,
-    f"`{{name}}` must be {_LORA_INIT_MEANS} (peftx does not do PEFT's 'eva', 'corda' or 'lora_ga')",
+    f"`{{name}}` must be {_LORA_INIT_MEANS}",
 )
 # PEFT's `LoftQConfig`, as `LoraConfig.loftq_config` holds it (a dict), with its defaults
 _LOFTQ_DEFAULTS = {"loftq_bits": 4, "loftq_iter": 1}
@@ -175,7 +182,10 @@ _LOFTQ = Range(
 )
 # Inits PEFT cannot re-run on loading a file on CPU, and why: peftx reads such a file's
 # tensors as a plain LoRA, with a warning
-_READ_AS_PLAIN = {"loftq": "PEFT re-runs LoftQ on loading, with bitsandbytes on CUDA only"}
+_READ_AS_PLAIN = {
+    "loftq": "PEFT re-runs LoftQ on loading, with bitsandbytes on CUDA only",
+    "corda": "PEFT cannot load it without preprocess_corda's data",
+}
 _LORA_RANK = Range(
     RANK.holds, f"`r` (the LoRA rank) must be a positive integer (at most {MAX_RANK})"
 )
@@ -220,12 +230,18 @@ class LoraConfig(AbstractAdapterConfig):
     - `loftq_config`: PEFT's `LoftQConfig` as a dict, `{"loftq_bits": 4, "loftq_iter": 1}`
       (keys left out take these defaults, written out as PEFT needs them); only with
       `init_lora_weights="loftq"`.
+      `"eva"`, `"corda"`, `"lora_ga"`: the default init, until `peftx.initialize_lora`
+      sets the factors from the layers' inputs (their gradients for LoRA-GA) on a few
+      batches (see `eva_config`, `corda_config`, `lora_ga_config`); CorDA and LoRA-GA
+      replace the weight by a residual, as PiSSA does.
     - `layers_to_transform`: only these layer indices (the first numbered path segment, or
       the one after `layers_pattern`). Not allowed with a regex `target_modules`.
     - `layers_pattern`: the name of the layer list (`"layers"`, `"h"`); needs
       `layers_to_transform`.
     - `rank_pattern`, `alpha_pattern`: per-module `r`/`lora_alpha`, keyed by regex.
     - `use_dora`: weight-decomposed LoRA (a learned magnitude vector).
+    - `eva_config`, `corda_config`, `lora_ga_config`: the settings (`EvaConfig`,
+      `CordaConfig`, `LoraGAConfig`) of `init_lora_weights="eva"`, `"corda"`, `"lora_ga"`.
     - `target_parameters`: stacks of expert weights to adapt directly, by parameter name
       (`["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`: a path equal to an entry or
       ending in `"." + entry`), each expert with its own rank-`r` update
@@ -261,6 +277,21 @@ class LoraConfig(AbstractAdapterConfig):
         # the defaults filled in, in the frozen dict the config holds (`type(d)`)
         converter=lambda d: type(d)({**_LOFTQ_DEFAULTS, **d}) if d else d,
         means="a dict of PEFT's LoftQConfig fields (loftq_bits, loftq_iter)",
+    )
+    eva_config: EvaConfig | dict[str, Any] | None = field(
+        default=None,
+        converter=EvaConfig.of,
+        means="None, an EvaConfig or a dict of its fields",
+    )
+    corda_config: CordaConfig | dict[str, Any] | None = field(
+        default=None,
+        converter=CordaConfig.of,
+        means="None, a CordaConfig or a dict of its fields",
+    )
+    lora_ga_config: LoraGAConfig | dict[str, Any] | None = field(
+        default=None,
+        converter=LoraGAConfig.of,
+        means="None, a LoraGAConfig or a dict of its fields",
     )
     target_parameters: list[str] | tuple[str, ...] | None = field(
         default=None,
@@ -390,16 +421,20 @@ class LoraConfig(AbstractAdapterConfig):
             f"the adapter's config says init_lora_weights={self.init_lora_weights!r} "
             f"({_READ_AS_PLAIN[self.init_lora_weights]}); peftx reads its tensors as a plain "
             "LoRA on the base model as given (load the base its init left, e.g. LoftQ's "
-            "quantized model).",
+            "quantized model or CorDA's residual).",
             UserWarning,
             stacklevel=4,
         )
         return dataclasses.replace(self, init_lora_weights=True, loftq_config={})
 
     def build(self, base: Any, layer: AdaptedLayer, *, key: PRNGKeyArray) -> AbstractAdapter:
-        init = {True: "default", False: "random"}.get(
-            self.init_lora_weights, self.init_lora_weights
-        )
+        init = {
+            True: "default",
+            False: "random",
+            "eva": "default",
+            "corda": "default",
+            "lora_ga": "default",
+        }.get(self.init_lora_weights, self.init_lora_weights)
         loftq = self.loftq_config or _LOFTQ_DEFAULTS
         r, alpha = layer.rank, layer.alpha
         if isinstance(layer.layer, eqx.nn.Embedding):
