@@ -580,6 +580,14 @@ class AbstractAdapterConfig:
         base is then shared by every adapter on the layer, as PEFT changes it in place."""
         return False
 
+    @property
+    def leaves_residual(self) -> bool:
+        """Whether the init replaces the base weights by a residual that PEFT's conversion
+        at saving (`path_initial_model_for_weight_conversion`) undoes (PiSSA, OLoRA, CorDA,
+        LoRA-GA): `peftx finetune` then writes its adapter converted, for the original
+        base."""
+        return False
+
     # -- checks and files -------------------------------------------------------------------
 
     def __post_init__(self) -> None:

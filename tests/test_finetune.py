@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 import warnings
 from pathlib import Path
 
@@ -325,6 +326,36 @@ def test_causal_lm_job_packed_with_prompts_and_merged(llama, tmp_path, capsys):
     assert "generation_config.json" in [f.name for f in beside]
     for f in beside:
         assert (out_dir / "merged" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+@pytest.mark.command_run
+@pytest.mark.parametrize(
+    "init", ["lora_ga", pytest.param("pissa", marks=pytest.mark.variant_sweep)]
+)
+def test_a_job_whose_init_leaves_a_residual_writes_the_adapter_for_the_original_base(
+    init, llama, tmp_path, capsys
+):
+    """LoRA-GA (and PiSSA) replace the base weights by a residual: the job writes the
+    adapter converted (PEFT's `path_initial_model_for_weight_conversion`), a plain LoRA of
+    rank `2r` that PEFT applies to the original base to the merged model's logits."""
+    out_dir = tmp_path / "run"
+    sets = ["train.steps=5", f"lora.init_lora_weights={init}"]
+    if init == "lora_ga":
+        sets.append("init.batches=1")
+    out = _finetune(capsys, llama / "job.toml", out_dir, *sets)
+    assert "converted for the original base" in out
+    job = tomllib.loads((llama / "job.toml").read_text())
+    saved = json.loads((out_dir / "adapter" / "adapter_config.json").read_text())
+    assert saved["init_lora_weights"] is True and saved["r"] == 2 * job["lora"]["r"]
+    ids = torch.from_numpy(np.random.default_rng(0).integers(5, len(WORDS), size=(2, 12)))
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama / "base")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out_dir / "merged")
+    with torch.no_grad():
+        plain = base(ids).logits.numpy()
+        want = merged(ids).logits.numpy()
+        got = peft.PeftModel.from_pretrained(base, out_dir / "adapter").eval()(ids).logits.numpy()
+    assert np.abs(want - plain).max() > 100 * _tolerance(want)  # the adapter matters
+    np.testing.assert_allclose(got, want, rtol=0, atol=_tolerance(want))
 
 
 # -- errors ---------------------------------------------------------------------------------

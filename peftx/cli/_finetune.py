@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -361,6 +362,7 @@ def _run(
         peft_model = initialize_lora(
             peft_model, batches, key=jax.random.fold_in(model_key, 1), loss_fn=_loss(job, labels)
         )
+    start = _conversion_start(peft_model) if not (job.multi or job.bank) else None
     if job.train["objective"] == "dpo" and job.dpo["precompute_ref_log_probs"]:
         pairs = _with_reference(job, peft_model, pairs)
     if job.multi:
@@ -399,33 +401,61 @@ def _run(
             rules=rules,
             key=train_key,
         )
-        written = _finish(job, run.work, result, tokenizer, labels)
+        written = _finish(job, run.work, result, tokenizer, labels, start)
         if writes_files():
             run.commit()
     wait_for_all(f"peftx finetune {job.out}")  # every process ends with the files in place
     print("wrote\n  " + "\n  ".join(written))
 
 
+def _conversion_start(model: Any) -> Any:
+    """The adapter as initialized, recorded as `init_lora_weights=True`, when its init
+    left a residual base (PiSSA, OLoRA, CorDA, LoRA-GA); else None. The job writes the
+    trained adapter converted against it (PEFT's `path_initial_model_for_weight_conversion`):
+    a plain LoRA of rank `2r` for the original base, which PEFT cannot rebuild from a
+    CorDA or LoRA-GA file."""
+    name = model.active_adapter
+    config = model.peft_config[name]
+    if not config.leaves_residual:
+        return None
+    return model.with_config(name, dataclasses.replace(config, init_lora_weights=True))
+
+
 def _finish(
-    job: Job, work: Path, result: train.FitResult, tokenizer: Any, labels: Any
+    job: Job,
+    work: Path,
+    result: train.FitResult,
+    tokenizer: Any,
+    labels: Any,
+    start: Any = None,
 ) -> list[str]:
-    """Write the run's results into `work`; returns what was written, by where it will be
-    once the run is committed to `output.dir`."""
+    """Write the run's results into `work` (the adapter converted against `start`, its
+    initial state, if given); returns what was written, by where it will be once the run
+    is committed to `output.dir`."""
     out, peft_model = job.out, result.model
     summary = {"before": result.before, "after": result.after, "steps": result.steps}
     if result.best_step is not None:  # the adapter written is the best evaluation's
         summary["best_step"] = result.best_step
     if result.serving is not None:
         summary["serving"] = result.serving
-    # every process: the arrays are gathered
-    peft_model.save_pretrained(work / "adapter", model_card=_card(job, result))
     writer = writes_files()  # process 0 of several
+    # every process: the arrays are gathered (the initial adapter is on process 0's disk)
+    with tempfile.TemporaryDirectory(prefix="peftx-initial-adapter-") as initial:
+        if start is not None:
+            start.save_pretrained(initial)
+        peft_model.save_pretrained(
+            work / "adapter",
+            model_card=_card(job, result),
+            path_initial_model_for_weight_conversion=initial if start and writer else None,
+        )
     if writer:
         tokenizer.save_pretrained(work / "adapter")
     adapter = out / "adapter"
     if job.multi:  # PEFT's layout: an adapter not named "default" in the subfolder of its name
         where = {a.name: adapter if a.name == "default" else adapter / a.name for a in job.adapters}
         written = [f"adapter {name!r} (PEFT format): {d}" for name, d in where.items()]
+    elif start is not None:
+        written = [f"adapter (PEFT format, converted for the original base): {adapter}"]
     else:
         written = [f"adapter (PEFT format): {adapter}"]
     if labels:

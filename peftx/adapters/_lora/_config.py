@@ -475,6 +475,11 @@ class LoraConfig(AbstractAdapterConfig):
         init = self.init_lora_weights
         return init in ("pissa", "olora", "loftq") or pissa_niter(init) is not None
 
+    @property
+    def leaves_residual(self) -> bool:
+        init = self.init_lora_weights
+        return init in ("pissa", "olora", "corda", "lora_ga") or pissa_niter(init) is not None
+
     def combined(
         self,
         configs: Sequence[AbstractAdapterConfig],
