@@ -5,6 +5,7 @@ The kind whole: `ShiraArray`, its handlers, PEFT's random mask, and `ShiraConfig
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
@@ -23,9 +24,10 @@ from .._config import (
     field,
 )
 from .._kind import AbstractAdapter
-from ._layout import Labels, WeightProduct
+from ..implicit import materialize
+from ._layout import Labels, WeightProduct, weight_dot_handlers
 from ._lora import LORA_TARGET_MODULES
-from ._products import update_handlers, wider_dtype
+from ._products import add_update, cast_base_on_astype, wider_dtype
 from ._vera import torch_cpu_words
 
 # the seed of a fresh `torch.Generator()` (c10's `default_rng_seed_val`): PEFT's random
@@ -153,10 +155,9 @@ class ShiraArray(AbstractAdapter):
         return (merged.astype(wide) - self.delta().astype(wide)).astype(merged.dtype)
 
 
-def _update(w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    """`ΔW·x` in the product's output order (the update's dtype); None when no weight axis
-    meets `x` alone."""
-    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+def _update(w: ShiraArray, x: Array, p: WeightProduct) -> Any:
+    """`ΔW·x` in the product's output order (the update's dtype) by gather and
+    scatter-add; None when no weight axis meets `x` alone."""
     s = w.stack_ndim
     stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
     out, in_ = w.shape[-2:]
@@ -167,6 +168,48 @@ def _update(w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> 
     else:
         return None
     return p.arrange(y, labels)
+
+
+def _builds_weight(w: ShiraArray, x: Array, p: WeightProduct) -> bool:
+    """Whether the product is cheaper through the adapted weight: when the tokens meeting
+    each weight (`x`'s axes the weight does not share) times `k` exceed `out·in`, the
+    gathered `(tokens, k)` array would outgrow the weight."""
+    tokens = math.prod(n for n, lab in zip(x.shape, p.x) if lab not in p.w)
+    out, in_ = w.shape[-2:]
+    return tokens * w.shira_weight.shape[-1] > out * in_
+
+
+def _adapted(w: ShiraArray, dtype: Any) -> Array:
+    """`W + ΔW` in `dtype`: the base weight with the `k` values added at their entries (a
+    scatter of `k` entries into one weight-sized array)."""
+
+    def one(weight: Array, values: Array, indices: Array) -> Array:
+        return weight.astype(dtype).at[indices[0], indices[1]].add(values.astype(dtype))
+
+    for _ in range(w.stack_ndim):
+        one = jax.vmap(one)
+    return one(materialize(w.weight), w.shira_weight, w.shira_indices)
+
+
+def _shira_dot(w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    if _builds_weight(w, x, p):
+        # one product with W + ΔW in the wider dtype, in place of the base product
+        wide = wider_dtype(x.dtype, w.weight.dtype, w.shira_weight.dtype)
+        q = dataclasses.replace(p, preferred_element_type=None)
+        y = q.arrange(*q.contract(x.astype(wide), q.x, _adapted(w, wide), q.w))
+        return y.astype(p.preferred_element_type or wider_dtype(x.dtype, w.weight.dtype))
+    added = _update(w, x, p)
+    if added is None:
+        return NotImplemented
+    return add_update(p.arrange(*p.contract(x, p.x, w.weight, p.w)), added)
+
+
+def _shira_alone(
+    w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
+) -> Any:
+    added = _update(w, x, WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params))
+    return NotImplemented if added is None else added
 
 
 def _gathered(
@@ -206,7 +249,8 @@ def _gathered(
     return y, (*stack, *(to if lab == meet else lab for lab in rest))
 
 
-update_handlers(ShiraArray, _update)
+weight_dot_handlers(ShiraArray, _shira_dot, _shira_alone)
+cast_base_on_astype(ShiraArray)
 
 
 def shira(
