@@ -87,13 +87,21 @@ class ShiraArray(AbstractAdapter):
     values at the fixed entries `shira_indices (2, k)` (rows, then columns, int32; PEFT's
     names and layout), `ΔW[rows[j], cols[j]] += shira_weight[j]`, `k = r·(out + in)`.
 
-    A product never builds `ΔW`: it gathers `x`'s entries at `cols` (the input features
-    meet `x`), multiplies them by the values and sums them into `rows` (a scatter-add), or
-    the reverse when the output features meet `x`: `O(tokens·k)` extra work, as LoRA of
-    rank `r`. The update computes in the wider of `x`'s and the values' dtypes and is
-    added to the base product in the wider dtype, rounded to the base's. (PEFT adds `ΔW`
-    to a copy of the weight and multiplies by it; on a bfloat16 base that rounds the
-    adapted entries to bfloat16 first, within bfloat16's rounding of the output.)
+    A product takes one of two forms, chosen from the static shapes when it is traced.
+    With many tokens, when the tokens meeting the weight (`x`'s axes the weight does not
+    share) times `k` exceed `out·in` (every training step at a realistic size), it builds
+    the adapted weight `W + ΔW` once, a scatter of the `k` values into a copy of `W`, and
+    multiplies `x` by it in place of the base product; its gradient forms the weight's
+    cotangent `gᵀ·x` and gathers the `k` entries (as PEFT does). With few tokens
+    (decoding), it gathers `x`'s entries at `cols` (where the input features meet `x`),
+    multiplies them by the values and sums them into `rows` (a scatter-add), or the
+    reverse when the output features meet `x`, beside the base product: a `(tokens, k)`
+    array and no weight-sized one. The adapted weight and its product are in the wider of
+    `x`'s, the weight's and the values' dtypes, rounded to the base product's; the
+    gathered update is in the wider of `x`'s and the values' dtypes, added to the base
+    product in the wider dtype and rounded to the base's. (PEFT adds `ΔW` to a copy of
+    the weight in the weight's dtype; on a bfloat16 base that rounds the adapted entries
+    to bfloat16 first, within bfloat16's rounding of the output.)
     PEFT's `scaling` is 1 and not saved; SHiRA has no dropout.
     """
 
