@@ -158,7 +158,9 @@ def test_matches_dense_formula(layout, path, dtype, getkey):
 
 def test_stacked_layers_under_scan_jvp_and_unmerge(getkey):
     """A stack of adapters (`eqx.filter_vmap`, each its own index set) run by `lax.scan`:
-    values and jvp against the dense stack; `unmerge` gives the base weight back."""
+    values and jvp against the dense stack; one product with the whole stack (the layers
+    a batch axis), in both forms (k = 32 entries of 64: one token gathers, five build
+    W + ΔW); `unmerge` gives the base weight back."""
     weights = jax.random.normal(getkey(), (3, OUT, OUT)) / 4
     keys = jax.random.split(getkey(), 3)
     layers = eqx.filter_vmap(
@@ -200,6 +202,11 @@ def test_stacked_layers_under_scan_jvp_and_unmerge(getkey):
     merged = layers.merged(weights)
     close(merged, dense(layers.shira_weight), tol=1e-6)
     close(unmerge(merged, layers).weight, weights, tol=1e-6)
+    for tokens in (1, 5):
+        h = jax.random.normal(getkey(), (3, tokens, OUT))
+        with strict():
+            got = use_implicit_args(lambda w, h: jnp.einsum("loi,lti->lto", w, h))(layers, h)
+        close(got, jnp.einsum("loi,lti->lto", merged, h), tol=1e-5)
 
 
 # ---------------------------------------------------------------- one layer against PEFT
