@@ -34,7 +34,7 @@ from test_peft_interop import (
 
 import peftx
 import peftx.models as pm
-from peftx.adapters import ShiraArray, random_indices, shira, unmerge
+from peftx.adapters import ShiraArray, adapter_set, random_indices, shira, unmerge
 from peftx.implicit import assert_no_dense, strict, use_implicit_args
 
 EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
@@ -207,6 +207,19 @@ def test_stacked_layers_under_scan_jvp_and_unmerge(getkey):
         with strict():
             got = use_implicit_args(lambda w, h: jnp.einsum("loi,lti->lto", w, h))(layers, h)
         close(got, jnp.einsum("loi,lti->lto", merged, h), tol=1e-5)
+
+
+@pytest.mark.parametrize("path", list(TOKENS))
+def test_two_active_adapters_add_their_updates(path, getkey):
+    """Two SHiRA adapters active on one weight (an `AdapterSet`) add their `ΔW`s to the
+    base product in either form, as PEFT's forward loops over its active adapters."""
+    w = jax.random.normal(getkey(), (OUT, IN))
+    a, b = _random(getkey(), w), _random(getkey(), w, seed=1)
+    both = adapter_set(w, {"a": a, "b": b}, ("a", "b"))
+    x = jax.random.normal(getkey(), (TOKENS[path], IN))
+    with strict():
+        got = jax.jit(use_implicit_args(lambda s, x: x @ s.T))(both, x)
+    close(got, x @ (w + _dense_delta(a) + _dense_delta(b)).T, tol=1e-5)
 
 
 # ---------------------------------------------------------------- one layer against PEFT

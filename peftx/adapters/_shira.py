@@ -96,7 +96,9 @@ class ShiraArray(AbstractAdapter):
     (decoding), it gathers `x`'s entries at `cols` (where the input features meet `x`),
     multiplies them by the values and sums them into `rows` (a scatter-add), or the
     reverse when the output features meet `x`, beside the base product: a `(tokens, k)`
-    array and no weight-sized one. The adapted weight and its product are in the wider of
+    array and no weight-sized one. Several adapters active at once (an `AdapterSet`)
+    each add their update to the base product, with many tokens as a product with `ΔW`
+    scattered into zeros. The adapted weight and its product are in the wider of
     `x`'s, the weight's and the values' dtypes, rounded to the base product's; the
     gathered update is in the wider of `x`'s and the values' dtypes, added to the base
     product in the wider dtype and rounded to the base's. (PEFT adds `ΔW` to a copy of
@@ -163,40 +165,31 @@ class ShiraArray(AbstractAdapter):
         return (merged.astype(wide) - self.delta().astype(wide)).astype(merged.dtype)
 
 
-def _update(w: ShiraArray, x: Array, p: WeightProduct) -> Any:
-    """`ΔW·x` in the product's output order (the update's dtype) by gather and
-    scatter-add; None when no weight axis meets `x` alone."""
-    s = w.stack_ndim
-    stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
-    out, in_ = w.shape[-2:]
-    if in_l in p.x and out_l not in p.x:
-        y, labels = _gathered(w, x, p.x, stack, in_l, out_l, out, by_cols=True)
-    elif out_l in p.x and in_l not in p.x:  # xᵀ·ΔW: the output features meet x
-        y, labels = _gathered(w, x, p.x, stack, out_l, in_l, in_, by_cols=False)
-    else:
-        return None
-    return p.arrange(y, labels)
-
-
 def _builds_weight(w: ShiraArray, x: Array, p: WeightProduct) -> bool:
-    """Whether the product is cheaper through the adapted weight: when the tokens meeting
-    each weight (`x`'s axes the weight does not share) times `k` exceed `out·in`, the
-    gathered `(tokens, k)` array would outgrow the weight."""
+    """Whether the product is cheaper through a weight-sized array: when the tokens
+    meeting each weight (`x`'s axes the weight does not share) times `k` exceed `out·in`,
+    the gathered `(tokens, k)` array would outgrow the weight."""
     tokens = math.prod(n for n, lab in zip(x.shape, p.x) if lab not in p.w)
     out, in_ = w.shape[-2:]
     return tokens * w.shira_weight.shape[-1] > out * in_
 
 
-def _adapted(w: ShiraArray, dtype: Any) -> Array:
-    """`W + ΔW` in `dtype`: the base weight with the `k` values added at their entries (a
-    scatter of `k` entries into one weight-sized array)."""
+def _scattered(w: ShiraArray, onto: Array, dtype: Any) -> Array:
+    """`onto + ΔW` in `dtype`, for `onto` in the weight's shape: the `k` values added at
+    their entries (a scatter of `k` entries into one weight-sized array)."""
 
-    def one(weight: Array, values: Array, indices: Array) -> Array:
-        return weight.astype(dtype).at[indices[0], indices[1]].add(values.astype(dtype))
+    def one(onto: Array, values: Array, indices: Array) -> Array:
+        return onto.astype(dtype).at[indices[0], indices[1]].add(values.astype(dtype))
 
     for _ in range(w.stack_ndim):
         one = jax.vmap(one)
-    return one(materialize(w.weight), w.shira_weight, w.shira_indices)
+    return one(onto, w.shira_weight, w.shira_indices)
+
+
+def _times(p: WeightProduct, x: Array, w: Array) -> Array:
+    """The product `p` of `x` with the dense `w`, in their dtype."""
+    q = dataclasses.replace(p, preferred_element_type=None)
+    return q.arrange(*q.contract(x, q.x, w, q.w))
 
 
 def _shira_dot(w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
@@ -204,8 +197,7 @@ def _shira_dot(w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) 
     if _builds_weight(w, x, p):
         # one product with W + ΔW in the wider dtype, in place of the base product
         wide = wider_dtype(x.dtype, w.weight.dtype, w.shira_weight.dtype)
-        q = dataclasses.replace(p, preferred_element_type=None)
-        y = q.arrange(*q.contract(x.astype(wide), q.x, _adapted(w, wide), q.w))
+        y = _times(p, x.astype(wide), _scattered(w, materialize(w.weight), wide))
         return y.astype(p.preferred_element_type or wider_dtype(x.dtype, w.weight.dtype))
     added = _update(w, x, p)
     if added is None:
@@ -216,8 +208,30 @@ def _shira_dot(w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) 
 def _shira_alone(
     w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
 ) -> Any:
-    added = _update(w, x, WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params))
+    """`ΔW·x` alone, for an `AdapterSet` adding several adapters' updates: with many
+    tokens a product with `ΔW` scattered into zeros (in the wider of `x`'s and the
+    values' dtypes), with few the gathered update."""
+    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    if _builds_weight(w, x, p):
+        dtype = wider_dtype(x.dtype, w.shira_weight.dtype)
+        return _times(p, x.astype(dtype), _scattered(w, jnp.zeros(w.shape, dtype), dtype))
+    added = _update(w, x, p)
     return NotImplemented if added is None else added
+
+
+def _update(w: ShiraArray, x: Array, p: WeightProduct) -> Any:
+    """`ΔW·x` gathered, in the product's output order (the update's dtype); None when no
+    weight axis meets `x` alone."""
+    s = w.stack_ndim
+    stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
+    out, in_ = w.shape[-2:]
+    if in_l in p.x and out_l not in p.x:
+        y, labels = _gathered(w, x, p.x, stack, in_l, out_l, out, by_cols=True)
+    elif out_l in p.x and in_l not in p.x:  # xᵀ·ΔW: the output features meet x
+        y, labels = _gathered(w, x, p.x, stack, out_l, in_l, in_, by_cols=False)
+    else:
+        return None
+    return p.arrange(y, labels)
 
 
 def _gathered(
