@@ -6,6 +6,7 @@ step, forward mode, the stacked layout, and a `[shira]` job whose adapter PEFT r
 
 import json
 import math
+from collections import Counter
 
 import equinox as eqx
 import jax
@@ -14,7 +15,7 @@ import numpy as np
 import peft
 import pytest
 import torch
-from helpers import close
+from helpers import all_eqns, close
 from peft.tuners.shira.mask_functions import random_mask
 from safetensors.numpy import load_file
 from test_peft_interop import (
@@ -24,7 +25,6 @@ from test_peft_interop import (
     assert_job_adapter_reads_in_peft,
     assert_peft_file_gradients_and_merge,
     assert_same,
-    assert_step_builds_no_dense_and_jvp,
     batch,
     jax_out,
     randomized,
@@ -34,8 +34,8 @@ from test_peft_interop import (
 
 import peftx
 import peftx.models as pm
-from peftx.adapters import ShiraArray, random_indices, shira, unmerge
-from peftx.implicit import strict, use_implicit_args
+from peftx.adapters import ShiraArray, adapter_set, random_indices, shira, unmerge
+from peftx.implicit import assert_no_dense, strict, use_implicit_args
 
 EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
 EPS_F32 = float(jnp.finfo(jnp.float32).eps)
@@ -83,47 +83,84 @@ LAYOUTS = {
     "vmap(W @ x)": lambda w, x: jax.vmap(lambda v: w @ v)(x),
     "(x @ W.T) @ W (rows meet x)": lambda w, x: (x @ w.T) @ w,
 }
+# k = 2·(8 + 12) = 40 entries against out·in = 96: one token's product gathers and
+# scatters (40 ≤ 96), five tokens' builds W + ΔW (200 > 96)
+TOKENS = {"gathered": 1, "adapted weight": 5}
+
+
+def _case(layout, path, dtype):
+    marks = ()
+    if layout != "x @ W.T":
+        marks = pytest.mark.layout_sweep
+    elif dtype != "float32":
+        marks = pytest.mark.variant_sweep
+    return pytest.param(layout, path, dtype, marks=marks, id=f"{layout}-{path}-{dtype}")
 
 
 @pytest.mark.parametrize(
-    "layout",
+    "layout, path, dtype",
     [
-        pytest.param(lay, marks=pytest.mark.layout_sweep if lay != "x @ W.T" else ())
+        _case(lay, path, dtype)
         for lay in LAYOUTS
+        for path in TOKENS
+        for dtype in ("float32", "bfloat16 base")
+        if lay == "x @ W.T" or dtype == "float32"
     ],
 )
-def test_matches_dense_formula(layout, getkey):
-    """Values, gradients of `shira_weight` and of `x`, and jvp against `x·(W + ΔW)ᵀ` with
-    ΔW written out; `merged` is the same formula."""
+def test_matches_dense_formula(layout, path, dtype, getkey):
+    """Both forms of the product (gathered for few tokens, the adapted weight for many):
+    values, gradients of `shira_weight` and of `x`, and jvp against `x·(W + ΔW)ᵀ` with ΔW
+    written out in float32; `merged` is the same formula. A bfloat16 base (and input)
+    keeps float32 values, within bfloat16's rounding of the output. The gathered form's
+    gradient builds no weight-sized array."""
     fn = LAYOUTS[layout]
+    bf16 = dtype != "float32"
+    base_dtype = jnp.bfloat16 if bf16 else jnp.float32
     a = _random(getkey())
-    x = jax.random.normal(getkey(), (3, IN))
-    close(a.merged(a.weight), a.weight + _dense_delta(a), tol=1e-6)
+    a = eqx.tree_at(lambda a: a.weight, a, a.weight.astype(base_dtype))
+    x = jax.random.normal(getkey(), (TOKENS[path], IN)).astype(base_dtype)
+    w32 = a.weight.astype(jnp.float32)
+    close(a.merged(a.weight), (w32 + _dense_delta(a)).astype(base_dtype), tol=1e-6)
+
+    def output(values, x):
+        return use_implicit_args(fn)(eqx.tree_at(lambda a: a.shira_weight, a, values), x)
+
+    def dense_output(values, x):
+        delta = _dense_delta(eqx.tree_at(lambda a: a.shira_weight, a, values))
+        return fn(w32 + delta, x.astype(jnp.float32))
 
     def loss(values, x, implicit):
-        b = eqx.tree_at(lambda a: a.shira_weight, a, values)
-        if implicit:
-            return jnp.sum(jnp.sin(use_implicit_args(fn)(b, x)))
-        return jnp.sum(jnp.sin(fn(a.weight + _dense_delta(b), x)))
+        y = (output if implicit else dense_output)(values, x)
+        return jnp.sum(jnp.sin(y.astype(jnp.float32)))
 
+    grad = jax.grad(loss, argnums=(0, 1))
+    tangent = jax.random.normal(getkey(), a.shira_weight.shape)
     with strict():
-        got = jax.jit(use_implicit_args(fn))(a, x)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(a.shira_weight, x, True)
-        tangent = jax.random.normal(getkey(), a.shira_weight.shape)
-        _, jvp = jax.jit(lambda v, t: jax.jvp(lambda v: loss(v, x, True), (v,), (t,)))(
+        if path == "gathered":
+            assert_no_dense(grad, a.shira_weight, x, True, weight_shapes=[(OUT, IN)])
+        got, d_got = jax.jit(lambda v, t: jax.jvp(lambda v: output(v, x), (v,), (t,)))(
             a.shira_weight, tangent
         )
-    close(got, fn(a.weight + _dense_delta(a), x), tol=1e-5)
+        grads = jax.jit(grad, static_argnums=2)(a.shira_weight, x, True)
+    want, d_want = jax.jvp(lambda v: dense_output(v, x), (a.shira_weight,), (tangent,))
+    dense = grad(a.shira_weight, x, False)
+    assert (got.dtype, grads[0].dtype, grads[1].dtype) == (base_dtype, jnp.float32, base_dtype)
     assert not np.allclose(got, fn(a.weight, x), atol=1e-2)  # the update matters
-    dense = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(a.shira_weight, x, False)
-    close(grads, dense, tol=1e-4)
-    _, dense_jvp = jax.jvp(lambda v: loss(v, x, False), (a.shira_weight,), (tangent,))
-    close(jvp, dense_jvp, tol=1e-4)
+    # bfloat16: the output rounded once or twice (the gathered form rounds the base
+    # product, then the sum); the gradients sum terms of the rounded output
+    eps = EPS_BF16 if bf16 else EPS_F32
+    for ulps, pairs in [(4, [(got, want), (d_got, d_want)]), (8, zip(grads, dense))]:
+        for g, w in pairs:
+            w = np.asarray(w, np.float32)
+            bound = (ulps if bf16 else 64) * eps * np.abs(w).max()
+            np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0, atol=bound)
 
 
 def test_stacked_layers_under_scan_jvp_and_unmerge(getkey):
     """A stack of adapters (`eqx.filter_vmap`, each its own index set) run by `lax.scan`:
-    values and jvp against the dense stack; `unmerge` gives the base weight back."""
+    values and jvp against the dense stack; one product with the whole stack (the layers
+    a batch axis), in both forms (k = 32 entries of 64: one token gathers, five build
+    W + ΔW); `unmerge` gives the base weight back."""
     weights = jax.random.normal(getkey(), (3, OUT, OUT)) / 4
     keys = jax.random.split(getkey(), 3)
     layers = eqx.filter_vmap(
@@ -165,6 +202,24 @@ def test_stacked_layers_under_scan_jvp_and_unmerge(getkey):
     merged = layers.merged(weights)
     close(merged, dense(layers.shira_weight), tol=1e-6)
     close(unmerge(merged, layers).weight, weights, tol=1e-6)
+    for tokens in (1, 5):
+        h = jax.random.normal(getkey(), (3, tokens, OUT))
+        with strict():
+            got = use_implicit_args(lambda w, h: jnp.einsum("loi,lti->lto", w, h))(layers, h)
+        close(got, jnp.einsum("loi,lti->lto", merged, h), tol=1e-5)
+
+
+@pytest.mark.parametrize("path", list(TOKENS))
+def test_two_active_adapters_add_their_updates(path, getkey):
+    """Two SHiRA adapters active on one weight (an `AdapterSet`) add their `ΔW`s to the
+    base product in either form, as PEFT's forward loops over its active adapters."""
+    w = jax.random.normal(getkey(), (OUT, IN))
+    a, b = _random(getkey(), w), _random(getkey(), w, seed=1)
+    both = adapter_set(w, {"a": a, "b": b}, ("a", "b"))
+    x = jax.random.normal(getkey(), (TOKENS[path], IN))
+    with strict():
+        got = jax.jit(use_implicit_args(lambda s, x: x @ s.T))(both, x)
+    close(got, x @ (w + _dense_delta(a) + _dense_delta(b)).T, tol=1e-5)
 
 
 # ---------------------------------------------------------------- one layer against PEFT
@@ -367,14 +422,61 @@ def test_peft_to_peftx_files_gradients_and_merge(layout, tiny_llama, tmp_path):
 # ---------------------------------------------------------------- training
 
 
-def test_training_step_builds_no_dense_update_and_jvp(tiny_llama):
-    """A training step (forward and backward) of the stacked model builds no weight-sized
-    array; forward mode agrees with reverse mode."""
+def test_training_step_builds_one_adapted_weight_and_its_cotangent(tiny_llama):
+    """A training step (3x7 tokens, so that `tokens·k > out·in` for every target) builds,
+    for each adapted weight, exactly these weight-sized arrays: `W + ΔW` (a scatter-add
+    of the `k` values into the weight, forward and again in the stack's recomputation
+    backward), the zeros of that scatter's tangent (read by no equation; XLA drops it),
+    and backward the adapted weight's cotangent `gᵀ·x` (one product), whose `k` entries
+    are the values' gradient. No copy, cast or transpose of `W`, nothing else. Only the
+    values train; forward mode agrees with reverse mode."""
+    _, base = tiny_llama
+    model = randomized(
+        peftx.get_peft_model(base(), peftx.ShiraConfig(**CASE), key=jax.random.key(0)),
+        jax.random.key(4),
+    )
+    trainable, frozen = peftx.partition(model)
+    assert all(jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(trainable))
+    ids = jnp.ones((3, 7), jnp.int32)
+
+    def loss(t):
+        return jnp.mean(eqx.combine(t, frozen)(ids).logits ** 2)
+
+    # q_proj (32, 32), v_proj (16, 32), down_proj (32, 64) and up_proj (64, 32): the
+    # last two match each other's shape transposed, so each of those counts twice
+    jaxpr, _, _ = eqx.filter_make_jaxpr(jax.grad(loss))(trainable)
+    per_weight = {"scatter-add": 2, "broadcast_in_dim": 1, "dot_general": 1}
+    for shape, times in [((32, 32), 1), ((16, 32), 1), ((32, 64), 2), ((64, 32), 2)]:
+        found = Counter(
+            eqn.primitive.name
+            for eqn in all_eqns(jaxpr.jaxpr)
+            for var in eqn.outvars
+            if tuple(getattr(var.aval, "shape", ())) in {shape, shape[::-1]}
+        )
+        assert found == Counter({k: v * times for k, v in per_weight.items()}), shape
+
+    with strict():
+        grads = eqx.filter_jit(jax.grad(loss))(trainable)
+        tangent, _ = peftx.partition(randomized(model, jax.random.key(5)))
+        _, forward = eqx.filter_jit(lambda t, d: jax.jvp(loss, (t,), (d,)))(trainable, tangent)
+    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(tangent))
+    reverse = sum(jnp.vdot(g, d) for g, d in leaves)
+    np.testing.assert_allclose(forward, reverse, rtol=1e-4)
+
+
+def test_decode_step_builds_no_dense_update(tiny_llama):
+    """A step on one token (`tokens·k ≤ out·in` for every target: a decoding product)
+    gathers and scatters, forward and backward, and builds no weight-sized array."""
     _, base = tiny_llama
     model = peftx.get_peft_model(base(), peftx.ShiraConfig(**CASE), key=jax.random.key(0))
-    _, trainable = assert_step_builds_no_dense_and_jvp(randomized(model, jax.random.key(4)))
-    # only the values train; the index sets stay in the frozen half
-    assert all(jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(trainable))
+    trainable, frozen = peftx.partition(model)
+    ids = jnp.ones((1, 1), jnp.int32)
+
+    def step(t, frozen):
+        return jax.grad(lambda t: jnp.mean(eqx.combine(t, frozen)(ids).logits ** 2))(t)
+
+    with strict():
+        assert_no_dense(step, trainable, frozen)
 
 
 def test_two_adapters_switch_and_refuse_mixed_batches(tiny_llama):

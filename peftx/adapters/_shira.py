@@ -5,6 +5,7 @@ The kind whole: `ShiraArray`, its handlers, PEFT's random mask, and `ShiraConfig
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
@@ -23,9 +24,10 @@ from .._config import (
     field,
 )
 from .._kind import AbstractAdapter
-from ._layout import Labels, WeightProduct
+from ..implicit import materialize
+from ._layout import Labels, WeightProduct, weight_dot_handlers
 from ._lora import LORA_TARGET_MODULES
-from ._products import update_handlers, wider_dtype
+from ._products import add_update, cast_base_on_astype, wider_dtype
 from ._vera import torch_cpu_words
 
 # the seed of a fresh `torch.Generator()` (c10's `default_rng_seed_val`): PEFT's random
@@ -85,13 +87,23 @@ class ShiraArray(AbstractAdapter):
     values at the fixed entries `shira_indices (2, k)` (rows, then columns, int32; PEFT's
     names and layout), `ΔW[rows[j], cols[j]] += shira_weight[j]`, `k = r·(out + in)`.
 
-    A product never builds `ΔW`: it gathers `x`'s entries at `cols` (the input features
-    meet `x`), multiplies them by the values and sums them into `rows` (a scatter-add), or
-    the reverse when the output features meet `x`: `O(tokens·k)` extra work, as LoRA of
-    rank `r`. The update computes in the wider of `x`'s and the values' dtypes and is
-    added to the base product in the wider dtype, rounded to the base's. (PEFT adds `ΔW`
-    to a copy of the weight and multiplies by it; on a bfloat16 base that rounds the
-    adapted entries to bfloat16 first, within bfloat16's rounding of the output.)
+    A product takes one of two forms, chosen from the static shapes when it is traced.
+    With many tokens, when the tokens meeting the weight (`x`'s axes the weight does not
+    share) times `k` exceed `out·in` (every training step at a realistic size), it builds
+    the adapted weight `W + ΔW` once, a scatter of the `k` values into a copy of `W`, and
+    multiplies `x` by it in place of the base product; its gradient forms the weight's
+    cotangent `gᵀ·x` and gathers the `k` entries (as PEFT does). With few tokens
+    (decoding), it gathers `x`'s entries at `cols` (where the input features meet `x`),
+    multiplies them by the values and sums them into `rows` (a scatter-add), or the
+    reverse when the output features meet `x`, beside the base product: a `(tokens, k)`
+    array and no weight-sized one. Several adapters active at once (an `AdapterSet`)
+    each add their update to the base product, with many tokens as a product with `ΔW`
+    scattered into zeros. The adapted weight and its product are in the wider of
+    `x`'s, the weight's and the values' dtypes, rounded to the base product's; the
+    gathered update is in the wider of `x`'s and the values' dtypes, added to the base
+    product in the wider dtype and rounded to the base's. (PEFT adds `ΔW` to a copy of
+    the weight in the weight's dtype; on a bfloat16 base that rounds the adapted entries
+    to bfloat16 first, within bfloat16's rounding of the output.)
     PEFT's `scaling` is 1 and not saved; SHiRA has no dropout.
     """
 
@@ -153,10 +165,63 @@ class ShiraArray(AbstractAdapter):
         return (merged.astype(wide) - self.delta().astype(wide)).astype(merged.dtype)
 
 
-def _update(w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    """`ΔW·x` in the product's output order (the update's dtype); None when no weight axis
-    meets `x` alone."""
+def _builds_weight(w: ShiraArray, x: Array, p: WeightProduct) -> bool:
+    """Whether the product is cheaper through a weight-sized array: when the tokens
+    meeting each weight (`x`'s axes the weight does not share) times `k` exceed `out·in`,
+    the gathered `(tokens, k)` array would outgrow the weight."""
+    tokens = math.prod(n for n, lab in zip(x.shape, p.x) if lab not in p.w)
+    out, in_ = w.shape[-2:]
+    return tokens * w.shira_weight.shape[-1] > out * in_
+
+
+def _scattered(w: ShiraArray, onto: Array, dtype: Any) -> Array:
+    """`onto + ΔW` in `dtype`, for `onto` in the weight's shape: the `k` values added at
+    their entries (a scatter of `k` entries into one weight-sized array)."""
+
+    def one(onto: Array, values: Array, indices: Array) -> Array:
+        return onto.astype(dtype).at[indices[0], indices[1]].add(values.astype(dtype))
+
+    for _ in range(w.stack_ndim):
+        one = jax.vmap(one)
+    return one(onto, w.shira_weight, w.shira_indices)
+
+
+def _times(p: WeightProduct, x: Array, w: Array) -> Array:
+    """The product `p` of `x` with the dense `w`, in their dtype."""
+    q = dataclasses.replace(p, preferred_element_type=None)
+    return q.arrange(*q.contract(x, q.x, w, q.w))
+
+
+def _shira_dot(w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    if _builds_weight(w, x, p):
+        # one product with W + ΔW in the wider dtype, in place of the base product
+        wide = wider_dtype(x.dtype, w.weight.dtype, w.shira_weight.dtype)
+        y = _times(p, x.astype(wide), _scattered(w, materialize(w.weight), wide))
+        return y.astype(p.preferred_element_type or wider_dtype(x.dtype, w.weight.dtype))
+    added = _update(w, x, p)
+    if added is None:
+        return NotImplemented
+    return add_update(p.arrange(*p.contract(x, p.x, w.weight, p.w)), added)
+
+
+def _shira_alone(
+    w: ShiraArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
+) -> Any:
+    """`ΔW·x` alone, for an `AdapterSet` adding several adapters' updates: with many
+    tokens a product with `ΔW` scattered into zeros (in the wider of `x`'s and the
+    values' dtypes), with few the gathered update."""
+    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    if _builds_weight(w, x, p):
+        dtype = wider_dtype(x.dtype, w.shira_weight.dtype)
+        return _times(p, x.astype(dtype), _scattered(w, jnp.zeros(w.shape, dtype), dtype))
+    added = _update(w, x, p)
+    return NotImplemented if added is None else added
+
+
+def _update(w: ShiraArray, x: Array, p: WeightProduct) -> Any:
+    """`ΔW·x` gathered, in the product's output order (the update's dtype); None when no
+    weight axis meets `x` alone."""
     s = w.stack_ndim
     stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
     out, in_ = w.shape[-2:]
@@ -206,7 +271,8 @@ def _gathered(
     return y, (*stack, *(to if lab == meet else lab for lab in rest))
 
 
-update_handlers(ShiraArray, _update)
+weight_dot_handlers(ShiraArray, _shira_dot, _shira_alone)
+cast_base_on_astype(ShiraArray)
 
 
 def shira(
