@@ -714,8 +714,9 @@ UNMIXED = {
          "unknown key 'trian' in [[adapters]][1] of"),
         ("[adapters.lora]\nr = 2", "", (),
          ("[[adapters]][1]: needs exactly one of [adapters.lora], [adapters.adalora], "
-          "[adapters.gralora], [adapters.hira], [adapters.ia3], [adapters.loha], [adapters.lokr], "
-          "[adapters.miss], [adapters.oft], [adapters.vera] or [adapters.shira], got 0")),
+          "[adapters.gralora], [adapters.hira], [adapters.ia3], [adapters.lily], "
+          "[adapters.loha], [adapters.lokr], [adapters.miss], [adapters.oft], [adapters.vera] "
+          "or [adapters.shira], got 0")),
         ("[adapters.lora]\nr = 4", "[adapters.ia3]\ntarget_modules = ['q_proj']", (),
          "[[adapters]][2]: [adapters.ia3] cannot join [adapters.lora] in one model"),
         ("r = 2", "rank = 2", (), "[[adapters]][1]: [adapters.lora]: "),
