@@ -329,6 +329,8 @@ def _randomize_torch(model, seed, scale=0.3, count=3 * len(TARGETS)):
     return model
 
 
+# peft_to_peftx's test writes PEFT's file back key for key: the fast tier's round trip
+@pytest.mark.torch_round_trip
 def test_peftx_to_peft(tiny_llama, tmp_path):
     """A stacked peftx adapter with random factors: PEFT loads the file (its state dict is
     the file, float32, PEFT's names and shapes) to peftx's logits; peftx's config file is

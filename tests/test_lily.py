@@ -228,6 +228,8 @@ def _unpadded():
     return ids, np.ones_like(ids)
 
 
+# peft_to_peftx's test writes PEFT's file back key for key: the fast tier's round trip
+@pytest.mark.torch_round_trip
 def test_peftx_to_peft(tiny_llama, tmp_path):
     """A stacked peftx adapter with random factors: PEFT's state dict is the file, every
     layer's key holding its block's `lily_A` and the one `lily_B`, float32; PEFT's logits

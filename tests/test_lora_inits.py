@@ -329,7 +329,10 @@ def randomized(peft_model, seed, scale=0.3):
     return eqx.combine(jax.tree.unflatten(treedef, leaves), frozen)
 
 
-INITS = ["olora", "pissa_niter_4", "orthogonal"]
+INITS = [
+    "olora",
+    *(pytest.param(i, marks=pytest.mark.variant_sweep) for i in ("pissa_niter_4", "orthogonal")),
+]
 TARGETS = dict(r=R, lora_alpha=ALPHA, target_modules=["q_proj", "v_proj"])
 
 

@@ -362,6 +362,8 @@ def _randomize_torch(model, seed, scale=0.3):
     return model
 
 
+# peft_to_peftx's test writes PEFT's file back key for key: the fast tier's round trip
+@pytest.mark.torch_round_trip
 @pytest.mark.parametrize(
     "seed", [5, pytest.param(None, marks=pytest.mark.variant_sweep, id="seed-None")]
 )

@@ -310,6 +310,7 @@ def _records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.variant_sweep  # several adapters and a resume; each writer alone above
 def test_fit_mirrors_metrics_jsonl_to_every_writer_and_a_resumed_run_too(tmp_path):
     """Several adapters' `fit` (4 steps, a checkpoint at 2) with all three writers: each
     holds `metrics.jsonl`'s numbers, eval records under `eval/<adapter>/<data>/`. Resumed

@@ -5,7 +5,6 @@ The kind whole: `GraloraArray`, its handlers, and `GraloraConfig`."""
 
 import dataclasses
 import math
-import string
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -25,9 +24,9 @@ from .._config import (
     field,
 )
 from .._kind import AbstractAdapter
-from ._layout import Labels, WeightProduct
-from ._lora import LORA_TARGET_MODULES
-from ._products import LayerKeys, dropout, update_handlers, wider_dtype
+from ._layout import Labels, WeightProduct, weight_dot_handlers
+from ._lora import LORA_TARGET_MODULES, LoraArray, lora_dot, lora_update
+from ._products import LayerKeys, add_update, cast_base_on_astype, dropout, wider_dtype
 
 
 class GraloraArray(AbstractAdapter):
@@ -45,12 +44,15 @@ class GraloraArray(AbstractAdapter):
     hybrid_r)` add a plain LoRA term `scaling · B_g·A_g`; `scaling = alpha / (r +
     hybrid_r)`.
 
-    A product cuts `x` into its `k` input blocks, multiplies each by its `A[n]`, regroups
-    the sub-ranks by output block (PEFT's permutation) and multiplies them by `B[j]`:
-    `O(tokens·(in + out)·r)` extra work, never the `(out, in)` update. The update computes
-    in `gralora_A`'s dtype (PEFT casts `x` to it) and is added to the base product in the
-    wider dtype, rounded to the base's. Dropout (`gralora_dropout`) applies to the input
-    when `dropout_key` is set (see `with_dropout`), drawn apart for the hybrid part, as
+    A product is LoRA's (`as_lora`): the update is a LoRA of rank `k·r + hybrid_r` whose
+    factors (`factors`) hold each `A[n]` and `B[j]` on its own block, zeros elsewhere
+    (PEFT's sub-rank pairing in the row order), so it takes LoRA's one GEMM with the base
+    and never forms the `(out, in)` update; `k` times a rank-`r` LoRA's arithmetic, which
+    costs less than cutting `x` into blocks, whose products transpose the activations.
+    The update computes in `gralora_A`'s dtype (PEFT casts `x` to it) and is added to the
+    base product in the wider dtype, rounded to the base's. Dropout (`gralora_dropout`)
+    applies to the input when `dropout_key` is set (see `with_dropout`), drawn apart for
+    the hybrid part (then the two parts' products are apart too), as
     PEFT calls its dropout once for each.
     """
 
@@ -147,23 +149,49 @@ class GraloraArray(AbstractAdapter):
     def scaling(self) -> float:
         return self.alpha / (self.r + self.hybrid_r)
 
-    def _blocks(self) -> tuple[Array, Array]:
-        """`A (…, n, in/k, j, s)` and `B (…, j, n, s, out/k)`: the factors with each rank
-        split into its `k` sub-ranks, labelled as PEFT's forward pairs them."""
-        k, s = self.gralora_k, self.r // self.gralora_k
-        a, b = self.gralora_A, self.gralora_B
-        a = a.reshape(*a.shape[:-1], k, s)
-        b = b.reshape(*b.shape[:-3], k, k, s, b.shape[-1])
+    def factors(self) -> tuple[Array, Array]:
+        """The update as a LoRA of rank `k·r` (plus `hybrid_r`): `A (…, k·r, in)` holding
+        each input block's `A[n]` on its own columns, `B (…, out, k·r)` each output block's
+        `B[j]` on its own rows, zeros elsewhere, so that `ΔW = scaling · B·A`; the hybrid
+        factors follow. A product with them is two plain products of `k` times a
+        rank-`r` LoRA's work: the blocks take no transpose of `x`."""
+        k, r = self.gralora_k, self.r
+        *stack, out, in_ = self.weight.shape
+        eye = jnp.eye(k, dtype=self.gralora_A.dtype)
+        ones = (1,) * len(stack)
+        # A[n] (in/k, r) at rows n·in/k… and columns n·r…: its rank splits (j, s)
+        a = self.gralora_A[..., :, :, None, :] * eye.reshape(*ones, k, 1, k, 1)
+        a = jnp.swapaxes(a.reshape(*stack, in_, k * r), -1, -2)
+        # B[j]'s rows are (n, s); the row of A's column (n, j, s) is B[j]'s row (n, s)
+        b = self.gralora_B.reshape(*stack, k, k, r // k, out // k)
+        b = jnp.swapaxes(b, -4, -3)[..., None, :] * eye.reshape(*ones, 1, k, 1, k, 1)
+        b = jnp.swapaxes(b.reshape(*stack, k * r, out), -1, -2)
+        if self.gralora_A_general is not None:
+            a = jnp.concatenate([a, self.gralora_A_general.astype(a.dtype)], axis=-2)
+            b = jnp.concatenate([b, self.gralora_B_general.astype(b.dtype)], axis=-1)
         return a, b
+
+    def as_lora(self) -> LoraArray | None:
+        """This adapter as the LoRA of rank `k·r + hybrid_r` it equals, whose products
+        are LoRA's (one GEMM with the base where the tokens outnumber the weight's rows);
+        None when the hybrid part draws its own dropout mask."""
+        masks = self.gralora_dropout and self.dropout_key is not None
+        if masks and self.gralora_A_general is not None:
+            return None
+        a, b = self.factors()
+        return LoraArray(
+            self.weight,
+            a,
+            b,
+            lora_alpha=self.scaling * a.shape[-2],
+            lora_dropout=self.gralora_dropout,
+            dropout_key=self.dropout_key,
+        )
 
     def delta(self) -> Array:
         """`ΔW` (scaling included) in the weight's shape and the factors' dtype."""
-        a, b = self._blocks()
-        *stack, out, in_ = self.weight.shape
-        d = jnp.einsum("...nijs,...jnso->...joni", a, b).reshape(*stack, out, in_)
-        if self.gralora_A_general is not None:
-            d = d + self.gralora_B_general @ self.gralora_A_general
-        return jnp.asarray(self.scaling, d.dtype) * d
+        a, b = self.factors()
+        return jnp.asarray(self.scaling, a.dtype) * (b @ a)
 
     def merged(self, weight: Array) -> Array:
         wide = wider_dtype(weight.dtype, self.gralora_A.dtype)
@@ -175,78 +203,60 @@ class GraloraArray(AbstractAdapter):
         return (merged.astype(wide) - self.delta().astype(wide)).astype(merged.dtype)
 
 
-def _einsum(p: WeightProduct, target: Labels, *operands: tuple[Array, Labels]) -> Array:
-    """`jnp.einsum` over labelled operands: labels missing from `target` are summed."""
-    letters: dict[str, str] = {}
-    for lab in (*target, *(lab for _, labels in operands for lab in labels)):
-        letters.setdefault(lab, string.ascii_letters[len(letters)])
-    spec = ",".join("".join(letters[lab] for lab in labels) for _, labels in operands)
-    spec += "->" + "".join(letters[lab] for lab in target)
-    return jnp.einsum(spec, *(a for a, _ in operands), precision=p.precision)
+def _low_rank(p: WeightProduct, x: Array, a: Array, b: Array, stack: Labels) -> Array:
+    """`B·A` (`a (…, R, in)`, `b (…, out, R)`) times `x` in the product's output order,
+    contracted with whichever weight axis meets `x`."""
+    out_l, in_l = p.w[len(stack)], p.w[len(stack) + 1]
+    factors = [(a, (*stack, "h", in_l)), (b, (*stack, out_l, "h"))]
+    if out_l in p.x:  # xᵀ·ΔW: the output features meet x
+        factors.reverse()
+    (first, first_labels), (second, second_labels) = factors
+    g, g_labels = p.contract(x, p.x, first, first_labels)
+    return p.arrange(*p.contract(g, g_labels, second, second_labels))
 
 
-def _split(a: Array, labels: Labels, label: str, parts: Labels, sizes: tuple[int, ...]):
-    axis = labels.index(label)
-    a = a.reshape(*a.shape[:axis], *sizes, *a.shape[axis + 1 :])
-    return a, (*labels[:axis], *parts, *labels[axis + 1 :])
-
-
-def _kept(labels: Labels, stack: Labels, gone: Labels, new: Labels) -> Labels:
-    """An intermediate's labels: `labels` but `gone`, the layer axes it lacks, then `new`."""
-    own = tuple(lab for lab in labels if lab not in gone)
-    return (*own, *(lab for lab in stack if lab not in own), *new)
-
-
-def _update(w: GraloraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    """`ΔW·x` in the product's output order and `gralora_A`'s dtype, block by block on
-    `x`; None when no weight axis meets `x` alone."""
+def _two_masks_update(w: GraloraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    """`ΔW·x` when the hybrid part draws its own dropout mask (PEFT calls its dropout once
+    for each part), the blocks' and the hybrid factors' products apart, in the product's
+    output order and `gralora_A`'s dtype; None when no weight axis meets `x` alone."""
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
-    s = w.stack_ndim
-    stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
+    q = dataclasses.replace(p, preferred_element_type=None)
+    stack, out_l, in_l = p.w[: w.stack_ndim], p.w[w.stack_ndim], p.w[w.stack_ndim + 1]
     if (in_l in p.x) == (out_l in p.x):
         return None
     dtype = w.gralora_A.dtype
     x = x.astype(dtype)
-    hybrid = w.gralora_A_general is not None
-    x_labels = p.x
-    if hybrid and w.gralora_dropout and w.dropout_key is not None:
-        # two independent masks from one key: PEFT calls its dropout once for each part
-        both = dropout(jnp.stack([x, x], axis=-1), w.gralora_dropout, w.dropout_key, (*p.x, "2"))
-        x_g, x_h = both[..., 0], both[..., 1]
-    else:
-        x_g = x_h = dropout(x, w.gralora_dropout, w.dropout_key, p.x, stack)
-    k = w.gralora_k
-    *_, out, in_ = w.shape
-    a, b = w._blocks()
-    a_labels, b_labels = (*stack, "n", "i", "j", "s"), (*stack, "j", "n", "s", "o")
-    if in_l in p.x:
-        xs, xs_labels = _split(x_g, x_labels, in_l, ("n", "i"), (k, in_ // k))
-        h_labels = _kept(xs_labels, stack, ("i",), ("j", "s"))
-        h = _einsum(p, h_labels, (xs, xs_labels), (a, a_labels))
-        free, halves, sizes = out_l, ("j", "o"), (k, out // k)
-        y_labels = tuple(q for lab in p.out for q in (halves if lab == free else (lab,)))
-        y = _einsum(p, y_labels, (h, h_labels), (b, b_labels))
-    else:  # xᵀ·ΔW: the output features meet x
-        xs, xs_labels = _split(x_g, x_labels, out_l, ("j", "o"), (k, out // k))
-        t_labels = _kept(xs_labels, stack, ("o",), ("n", "s"))
-        t = _einsum(p, t_labels, (xs, xs_labels), (b, b_labels))
-        free, halves, sizes = in_l, ("n", "i"), (k, in_ // k)
-        y_labels = tuple(q for lab in p.out for q in (halves if lab == free else (lab,)))
-        y = _einsum(p, y_labels, (t, t_labels), (a, a_labels))
-    at = y_labels.index(halves[0])
-    y = y.reshape(*y.shape[:at], sizes[0] * sizes[1], *y.shape[at + 2 :])
-    if hybrid:
-        ga, gb = w.gralora_A_general, w.gralora_B_general
-        ga_labels, gb_labels = (*stack, "h", in_l), (*stack, out_l, "h")
-        met = in_l if in_l in p.x else out_l
-        first, second = ((ga, ga_labels), (gb, gb_labels))[:: 1 if met == in_l else -1]
-        g_labels = _kept(p.x, stack, (met,), ("h",))
-        g = _einsum(p, g_labels, (x_h, p.x), first)
-        y = y + _einsum(p, p.out, (g, g_labels), second)
+    both = dropout(jnp.stack([x, x], axis=-1), w.gralora_dropout, w.dropout_key, (*p.x, "2"))
+    a, b = w.factors()
+    blocks = w.gralora_k * w.r
+    y = _low_rank(q, both[..., 0], a[..., :blocks, :], b[..., :blocks], stack)
+    y = y + _low_rank(q, both[..., 1], a[..., blocks:, :], b[..., blocks:], stack)
     return jnp.asarray(w.scaling, dtype) * y
 
 
-update_handlers(GraloraArray, _update)
+def _gralora_dot(w: GraloraArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    lora = w.as_lora()
+    if lora is not None:
+        return lora_dot(lora, x, w_is_lhs, params)
+    update = _two_masks_update(w, x, w_is_lhs, params)
+    if update is None:
+        return NotImplemented
+    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+    return add_update(p.arrange(*p.contract(x, p.x, w.weight, p.w)), update)
+
+
+def _gralora_update(
+    w: GraloraArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
+) -> Any:
+    lora = w.as_lora()
+    if lora is not None:
+        return lora_update(lora, x, w_is_lhs, params, base)
+    update = _two_masks_update(w, x, w_is_lhs, params)
+    return NotImplemented if update is None else update
+
+
+weight_dot_handlers(GraloraArray, _gralora_dot, _gralora_update)
+cast_base_on_astype(GraloraArray)
 
 
 def gralora(

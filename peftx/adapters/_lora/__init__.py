@@ -28,6 +28,8 @@ from ._lora import (
     LoraArray as LoraArray,
     LoraInit as LoraInit,
     lora as lora,
+    lora_dot as lora_dot,
+    lora_update as lora_update,
     with_compute_dtype as with_compute_dtype,
 )
 from ._lora_ga import LoraGAConfig as LoraGAConfig, lora_ga_factors as lora_ga_factors
