@@ -24,9 +24,9 @@ from .._config import (
 )
 from .._kind import AbstractAdapter
 from ..implicit import materialize
-from ._layout import Labels, WeightProduct, weight_dot_handlers
-from ._lora import LORA_TARGET_MODULES
-from ._products import LayerKeys, add_update, cast_base_on_astype, dropout, wider_dtype
+from ._layout import WeightProduct, weight_dot_handlers
+from ._lora import LORA_TARGET_MODULES, LoraArray, lora_dot, lora_update
+from ._products import LayerKeys, cast_base_on_astype, wider_dtype
 
 MissVariant = Literal["balance", "bat", "mini"]
 
@@ -37,11 +37,12 @@ class MissArray(AbstractAdapter):
     - `"balance"` (PEFT's default, `init_weights=True` or `False`): `miss_block (r, out)`.
       The input features are cut into shards of `r` (the last one zero-padded, as PEFT
       pads `x`), and every shard shares the block: `ΔW[o, j] = miss_block[j mod r, o]`.
-      A product sums `x`'s shards, `(…, in) → (…, r)`, and multiplies the sum by the
-      block: `O(tokens·(in + r·out))` extra work, no weight-sized array.
+      A product is LoRA's (`as_lora`): `x`'s shards summed by a constant `(r, in)`
+      factor, then the block: `O(tokens·r·(in + out))` extra work, no weight-sized array,
+      and LoRA's one GEMM with the base.
     - `"mini"` (`init_weights="mini"`): `miss_block (r, mini_r)`, repeated along the
-      output features too, `ΔW[o, j] = miss_block[j mod r, o mod mini_r]`; the product
-      multiplies the summed shards by the block and tiles the `(…, mini_r)` result.
+      output features too, `ΔW[o, j] = miss_block[j mod r, o mod mini_r]`; its product
+      is LoRA's with the block tiled to `(out, r)`.
     - `"bat"` (`init_weights="bat"`): `miss_block (out/r, r, r)`, one `(r, r)` block per
       shard of `r` output rows, and an update that reads the weight:
       `ΔW_{o,i} = W_{o,i}·B_o + B_o` for each `(r, r)` block of `W`. It has no product
@@ -128,6 +129,29 @@ class MissArray(AbstractAdapter):
         # ΔWᵀ (in, out): the block repeated down the input features, the padding cut off
         return jnp.swapaxes(_tiled(block, block.ndim - 2, in_), -1, -2)
 
+    def as_lora(self) -> LoraArray | None:
+        """The `"balance"` or `"mini"` update as the LoRA it equals, whose products are
+        LoRA's (one GEMM with the base where the tokens outnumber the weight's rows):
+        `lora_A (r, in)` the constant that sums the shards (`A[j mod r, j] = 1`),
+        `lora_B (out, r)` the block (tiled along the output features for `"mini"`),
+        scaling 1. None for `"bat"`."""
+        if self.variant == "bat":
+            return None
+        *stack, out, in_ = self.weight.shape
+        block = self.miss_block
+        if self.variant == "mini":
+            block = _tiled(block, block.ndim - 1, out)
+        r = self.r
+        shards = jnp.arange(in_)[None, :] % r == jnp.arange(r)[:, None]
+        return LoraArray(
+            self.weight,
+            jnp.broadcast_to(shards.astype(block.dtype), (*stack, r, in_)),
+            jnp.swapaxes(block, -1, -2),
+            lora_alpha=r,
+            lora_dropout=self.miss_dropout,
+            dropout_key=self.dropout_key,
+        )
+
     def merged(self, weight: Array) -> Array:
         wide = wider_dtype(weight.dtype, self.miss_block.dtype)
         return (weight.astype(wide) + self.delta(weight)).astype(weight.dtype)
@@ -159,51 +183,6 @@ def _tiled(a: Array, axis: int, n: int) -> Array:
     return lax.slice_in_dim(tiled, 0, n, axis=axis)
 
 
-def _folded(a: Array, labels: Labels, label: str, size: int, new: str) -> tuple[Array, Labels]:
-    """The shards of `size` along `label` summed (`(…, n) → (…, size)`), the last one
-    zero-padded as PEFT pads `x`; the summed axis is labelled `new`."""
-    axis = labels.index(label)
-    pad = -a.shape[axis] % size
-    if pad:
-        a = jnp.pad(a, [(0, pad if i == axis else 0) for i in range(a.ndim)])
-    a = a.reshape(*a.shape[:axis], -1, size, *a.shape[axis + 1 :]).sum(axis=axis)
-    return a, (*labels[:axis], new, *labels[axis + 1 :])
-
-
-def _unfolded(a: Array, labels: Labels, label: str, n: int, new: str) -> tuple[Array, Labels]:
-    """`a` repeated along `label` to length `n`, the axis relabelled `new`."""
-    axis = labels.index(label)
-    return _tiled(a, axis, n), (*labels[:axis], new, *labels[axis + 1 :])
-
-
-def _shared_update(w: MissArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    """The `"balance"`/`"mini"` update `ΔW·x` in the product's output order and the
-    block's dtype, from sums of `x`'s shards; None when no weight axis meets `x` alone."""
-    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
-    q = dataclasses.replace(p, preferred_element_type=None)
-    s = w.stack_ndim
-    stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
-    out, in_ = w.shape[-2:]
-    block = w.miss_block
-    x_d = dropout(x.astype(block.dtype), w.miss_dropout, w.dropout_key, p.x, stack)
-    mini = w.variant == "mini"
-    block_labels = (*stack, "r", "m" if mini else out_l)
-    if in_l in p.x and out_l not in p.x:
-        x_r, labels = _folded(x_d, p.x, in_l, w.r, "r")
-        y, labels = q.contract(x_r, labels, block, block_labels)
-        if mini:
-            y, labels = _unfolded(y, labels, "m", out, out_l)
-        return q.arrange(y, labels)
-    if out_l in p.x and in_l not in p.x:  # xᵀ·ΔW: the output features meet x
-        if mini:
-            x_d, labels = _folded(x_d, p.x, out_l, block.shape[-1], "m")
-        else:
-            labels = p.x
-        t, t_labels = q.contract(x_d, labels, block, block_labels)
-        return q.arrange(*_unfolded(t, t_labels, "r", in_, in_l))
-    return None
-
-
 def _bat_weight(w: MissArray) -> Array:
     """`"bat"`'s adapted weight `W + ΔW(W)` in the wider dtype (built per product, as
     PEFT builds it in every forward)."""
@@ -213,17 +192,14 @@ def _bat_weight(w: MissArray) -> Array:
 
 
 def _miss_dot(w: MissArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    if w.variant != "bat":
+        return lora_dot(w.as_lora(), x, w_is_lhs, params)
+    # PEFT: F.linear(x cast to the adapted weight's dtype, W + ΔW), rounded to x's
     p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
-    if w.variant == "bat":
-        # PEFT: F.linear(x cast to the adapted weight's dtype, W + ΔW), rounded to x's
-        adapted = _bat_weight(w)
-        q = dataclasses.replace(p, preferred_element_type=None)
-        y = q.arrange(*q.contract(x.astype(adapted.dtype), q.x, adapted, q.w))
-        return y.astype(p.preferred_element_type or wider_dtype(x.dtype, w.weight.dtype))
-    update = _shared_update(w, x, w_is_lhs, params)
-    if update is None:
-        return NotImplemented
-    return add_update(p.arrange(*p.contract(x, p.x, w.weight, p.w)), update)
+    adapted = _bat_weight(w)
+    q = dataclasses.replace(p, preferred_element_type=None)
+    y = q.arrange(*q.contract(x.astype(adapted.dtype), q.x, adapted, q.w))
+    return y.astype(p.preferred_element_type or wider_dtype(x.dtype, w.weight.dtype))
 
 
 def _miss_update(
@@ -235,8 +211,7 @@ def _miss_update(
             "weight from the one before, so an AdapterSet cannot add a 'bat' adapter's "
             "update to others. Activate a single adapter (set_adapter)."
         )
-    update = _shared_update(w, x, w_is_lhs, params)
-    return NotImplemented if update is None else update
+    return lora_update(w.as_lora(), x, w_is_lhs, params, base)
 
 
 weight_dot_handlers(MissArray, _miss_dot, _miss_update)
