@@ -25,9 +25,9 @@ from .._config import (
     field,
 )
 from .._kind import AbstractAdapter
-from ._layout import WeightProduct
-from ._lora import LORA_TARGET_MODULES
-from ._products import update_handlers
+from ._layout import WeightProduct, weight_dot_handlers
+from ._lora import LORA_TARGET_MODULES, LoraArray, lora_dot, lora_update
+from ._products import cast_base_on_astype
 
 
 class LilyArray(AbstractAdapter):
@@ -39,7 +39,8 @@ class LilyArray(AbstractAdapter):
     (PEFT averages over the whole batch, padding included), and the update
     `scaling · h·Σ_e p_e·B_e` with `B_e (r, out)` the `e`-th block of rows of `lily_B`.
     It depends on the batch, so there is no dense weight (`merged` refuses, as PEFT's
-    merge does); a product never builds one: `O(tokens·r·(in + out))` extra work.
+    merge does); a product never builds one: `O(tokens·r·(in + out))` extra work, as
+    LoRA's product with the mixed `B` (one GEMM with the base).
 
     In a stack of layers (a `LayerStack` segment, weight `(L, out, in)`) the arrays are
     stored shared, each once, so each trains as one parameter with one gradient:
@@ -133,30 +134,45 @@ class LilyArray(AbstractAdapter):
         )
 
 
-def _lily_update(w: LilyArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
-    """`scaling · h·Σ_e p_e·B_e` with `h = x·Aᵀ`, in the product's output order and the
-    factors' dtype; None unless the weight's input features meet `x` (`x·Wᵀ`)."""
-    p = WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params)
+def _as_lora(w: LilyArray, x: Array, p: WeightProduct) -> LoraArray | None:
+    """The update for the tokens `x` as the LoRA it is: `lily_A`, and as `lora_B (out, r)`
+    the router's mix `Σ_e p_e·B_e` with `p = mean_tokens softmax((x·Aᵀ)·Rᵀ)`, at Lily's
+    scaling; its product is then LoRA's (one GEMM with the base where the tokens
+    outnumber the weight's rows). None unless the weight's input features meet `x`
+    (`x·Wᵀ`)."""
     q = dataclasses.replace(p, preferred_element_type=None)
     s = w.stack_ndim
     stack, out_l, in_l = p.w[:s], p.w[s], p.w[s + 1]
     if in_l not in p.x or out_l in p.x:
         return None
     w = w.for_layers()
-    dtype = w.lily_A.dtype
-    h, h_labels = q.contract(x.astype(dtype), p.x, w.lily_A, (*stack, "r", in_l))
+    h, h_labels = q.contract(x.astype(w.lily_A.dtype), p.x, w.lily_A, (*stack, "r", in_l))
     logits, labels = q.contract(h, h_labels, w.lily_router, (*stack, "e", "r"))
     probs = jax.nn.softmax(logits, axis=labels.index("e"))
     tokens = tuple(i for i, lab in enumerate(labels) if lab not in stack and lab != "e")
     probs = jnp.mean(probs, axis=tokens)
     probs_labels = tuple(lab for lab in labels if lab in stack or lab == "e")
     blocks = w.lily_B.reshape(*w.lily_B.shape[:-2], w.num_B, -1, w.lily_B.shape[-1])
-    combined, c_labels = q.contract(probs, probs_labels, blocks, (*stack, "e", "r", out_l))
-    delta, labels = q.contract(h, h_labels, combined, c_labels)
-    return q.arrange(delta * jnp.asarray(w.scaling, dtype), labels)
+    mixed, m_labels = q.contract(probs, probs_labels, blocks, (*stack, "e", "r", out_l))
+    mixed = jnp.transpose(mixed, [m_labels.index(lab) for lab in (*stack, out_l, "r")])
+    r = w.lily_A.shape[-2]
+    return LoraArray(w.weight, w.lily_A, mixed, lora_alpha=w.scaling * r)
 
 
-update_handlers(LilyArray, _lily_update)
+def _lily_dot(w: LilyArray, x: Array, w_is_lhs: bool, params: dict[str, Any]) -> Any:
+    lora = _as_lora(w, x, WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params))
+    return NotImplemented if lora is None else lora_dot(lora, x, w_is_lhs, params)
+
+
+def _lily_update(
+    w: LilyArray, x: Array, w_is_lhs: bool, params: dict[str, Any], base: Array
+) -> Any:
+    lora = _as_lora(w, x, WeightProduct.parse(len(w.shape), x.ndim, w_is_lhs, params))
+    return NotImplemented if lora is None else lora_update(lora, x, w_is_lhs, params, base)
+
+
+weight_dot_handlers(LilyArray, _lily_dot, _lily_update)
+cast_base_on_astype(LilyArray)
 
 
 def _kaiming_uniform(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any) -> Array:
