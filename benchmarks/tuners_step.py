@@ -5,13 +5,14 @@ The model is `benchmarks/suite.py`'s Llama (`--size full`: hidden 512, 4 layers,
 intermediate 1376, vocab 2048, batch 8x128; float32), every method on the same seven
 projections of each block, AdamW, next-token cross-entropy, `eqx.filter_jit`. The methods
 use their PEFT defaults except the size: LoRA r=8; OFT blocks of 32; LoHa and LoKr r=8,
-alpha=16; VeRA r=256; HiRA r=8; the new kinds at LoRA r=8's trainable count: SHiRA r=8, GraLoRA r=8 in
-2x2 blocks, MiSS r=16, Lily r=16 (its A per layer, two B per projection); AdaLoRA init_r=12, target_r=8, allocating at every step (PEFT's
-defaults; its step is `peftx.train`'s, which runs the allocator and adds the orthogonality
-penalty, against PEFT's step with `update_and_allocate`). PyTorch: transformers'
-`LlamaForCausalLM` with the same config and PEFT's config of the same method. Reported:
-median step time over round-robin calls, the ratio to peftx LoRA and to PEFT's step of the
-same method, trainable parameters, and XLA's temporaries for the compiled step.
+alpha=16; VeRA r=256; HiRA r=8; the newer kinds at LoRA r=8's trainable count (SHiRA r=8,
+GraLoRA r=8 in 2x2 blocks, MiSS r=16, Lily r=16: its A per layer, two B per projection);
+AdaLoRA init_r=12, target_r=8, allocating at every step (PEFT's defaults; its step is
+`peftx.train`'s, which runs the allocator and adds the orthogonality penalty, against
+PEFT's step with `update_and_allocate`). PyTorch: transformers' `LlamaForCausalLM` with the
+same config and PEFT's config of the same method. Reported: median step time over
+round-robin calls, the ratio to peftx LoRA and to PEFT's step of the same method,
+trainable parameters, and XLA's temporaries for the compiled step.
 
 Run: `python benchmarks/tuners_step.py [--size full|quick|tiny] [--methods lora oft ...]`.
 """
