@@ -95,8 +95,13 @@ def test_check_grads_to_second_order_in_both_modes(getkey, frozen):
     def g(*vs):  # check_grads perturbs with NumPy arrays
         return f(**{**args, **dict(zip(kept, map(jnp.asarray, vs)))})
 
+    # float32 central differences at eps=1e-3: the second order's projections agree to a
+    # few parts in a thousand (0.22% seen for one compiler's rounding); a wrong rule is off
+    # by far more
     with strict():
-        check_grads(g, tuple(kept.values()), order=2, modes=("fwd", "rev"), eps=1e-3)
+        check_grads(
+            g, tuple(kept.values()), order=2, modes=("fwd", "rev"), eps=1e-3, atol=5e-3, rtol=5e-3
+        )
 
 
 def test_forward_mode_through_dora_and_a_soft_gated_mixture(getkey):
