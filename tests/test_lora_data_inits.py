@@ -20,6 +20,7 @@ import numpy as np
 import peft
 import pytest
 import torch
+from helpers import run_script
 from peft.tuners.lora.config import CordaConfig as PeftCordaConfig, LoraGAConfig as PeftLoraGAConfig
 from peft.tuners.lora.loraga import preprocess_loraga
 from peft.utils.incremental_pca import IncrementalPCA as PeftIncrementalPCA
@@ -126,6 +127,47 @@ def test_eva_is_peft_s_with_an_exact_pca(eva, tmp_path, monkeypatch):
     assert_same(
         jax_out(trained, ids, mask), torch_out(back.eval(), ids, mask, "llama"), mask, reference
     )
+
+
+MESH_SCRIPT = """
+import os, pathlib, sys, tempfile
+
+flags = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = flags + " --xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.getcwd())  # the tests' directory: its modules build the same model
+import jax
+import numpy as np
+import torch
+from test_lora_data_inits import EVA, _batches
+from test_peft_interop import BUILDERS, _randomize_torch_base
+
+import peftx
+import peftx.models as pm
+from peftx.sharding import make_mesh, shard
+
+torch.manual_seed(0)
+path = pathlib.Path(tempfile.mkdtemp())
+_randomize_torch_base(BUILDERS["llama"]().eval(), seed=7).save_pretrained(path)
+config = peftx.LoraConfig(**EVA, eva_config=dict(tau=0.9))
+start = peftx.get_peft_model(pm.from_pretrained(path), config, key=jax.random.key(0))
+one = peftx.initialize_lora(start, _batches(), key=jax.random.key(1))
+meshes = {"dp": make_mesh(data=8, fsdp=1), "fsdp": make_mesh(), "tp": make_mesh(2, 1, 4)}
+for rules, mesh in meshes.items():
+    with jax.set_mesh(mesh):
+        eight = peftx.initialize_lora(shard(start, mesh, rules), _batches(), key=jax.random.key(1))
+    assert eight.peft_config == one.peft_config, rules  # the same ranks and alphas
+    for a, b in zip(*(jax.tree.leaves(peftx.partition(m)[0]) for m in (one, eight)), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5, err_msg=rules)
+print("OK")
+"""
+
+
+@pytest.mark.simulated_devices
+def test_eva_on_eight_devices_equals_one_devices(tmp_path):
+    """EVA through `initialize_lora` on a model sharded over 8 simulated devices (data,
+    FSDP and tensor parallel): each layer's inputs reach the PCA whole, so the ranks and
+    every factor are the one-device run's (fp32 rounding of the sharded products)."""
+    run_script(tmp_path / "eva_mesh.py", MESH_SCRIPT)
 
 
 @pytest.mark.variant_sweep
