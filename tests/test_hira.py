@@ -24,6 +24,7 @@ from test_peft_interop import (
     WEIGHTS,
     _randomize_torch_base,
     assert_job_adapter_reads_in_peft,
+    assert_layer_matches_peft,
     assert_peft_file_gradients_and_merge,
     assert_same,
     assert_same_files,
@@ -39,8 +40,6 @@ import peftx.models as pm
 from peftx.adapters import HiraArray, adapter_set, hira, unmerge, with_dropout
 from peftx.implicit import strict, use_implicit_args
 
-EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
-EPS_F32 = float(jnp.finfo(jnp.float32).eps)
 OUT, IN, R = 8, 12, 3
 
 
@@ -180,52 +179,11 @@ def test_layer_matches_peft(dtype):
     with torch.no_grad():
         for t in _torch_factors(layer):
             t.copy_(0.4 * torch.randn(t.shape, generator=gen))
-    bf16 = dtype != "float32"
-    if bf16:
-        layer.base_layer.to(torch.bfloat16)
-    assert all(t.dtype == torch.float32 for t in _torch_factors(layer))
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((6, IN)).astype(np.float32)
-    cot = rng.standard_normal((6, OUT)).astype(np.float32)
-    x_t = torch.tensor(x, dtype=torch.bfloat16 if bf16 else torch.float32, requires_grad=True)
-    out_t = layer(x_t)
-    (out_t.float() * torch.tensor(cot)).sum().backward()
-
-    base_dtype = jnp.bfloat16 if bf16 else jnp.float32
-    linear = eqx.tree_at(
-        lambda m: (m.weight, m.bias),
-        eqx.nn.Linear(IN, OUT, key=jax.random.key(0)),
-        tuple(
-            jnp.asarray(t.detach().float().numpy()).astype(base_dtype)
-            for t in (layer.base_layer.weight, layer.base_layer.bias)
-        ),
+    ours = peftx.HiraConfig(r=R, target_modules=["proj"])
+    fields = ("hira_A", "hira_B")
+    assert_layer_matches_peft(
+        layer, ours, fields, (6, IN), dtype, _Proj, grad_terms=6 * IN, dx_ulps=4
     )
-    model = peftx.get_peft_model(
-        _Proj(linear), peftx.HiraConfig(r=R, target_modules=["proj"]), key=jax.random.key(1)
-    )
-
-    def run(factors, x):
-        adapter = lambda m: m.base_model.proj.weight.adapters["default"]  # noqa: E731
-        return eqx.tree_at(lambda m: (adapter(m).hira_A, adapter(m).hira_B), model, factors)(x)
-
-    factors = tuple(jnp.asarray(t.detach().numpy()) for t in _torch_factors(layer))
-    x_j = jnp.asarray(x).astype(base_dtype)
-    with strict():
-        out, vjp = jax.vjp(run, factors, x_j)
-        grads, dx = vjp(jnp.asarray(cot).astype(out.dtype))
-    assert out.dtype == base_dtype and dx.dtype == base_dtype
-    assert all(g.dtype == jnp.float32 for g in grads)
-    want = out_t.detach().float().numpy()
-    tol = (4 * EPS_BF16 if bf16 else 1e-5) * np.abs(want).max()
-    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=0, atol=tol)
-    for g, t in zip(grads, _torch_factors(layer)):
-        ref = t.grad.numpy()
-        # bf16: the same float32 sums over rounded inputs, up to the rounding of the output
-        atol = (8 * EPS_BF16 if bf16 else 8 * EPS_F32 * math.sqrt(6 * IN)) * np.abs(ref).max()
-        np.testing.assert_allclose(np.asarray(g), ref, rtol=0, atol=atol)
-    ref_dx = x_t.grad.float().numpy()
-    dx_tol = (4 * EPS_BF16 if bf16 else 1e-5) * np.abs(ref_dx).max()
-    np.testing.assert_allclose(np.asarray(dx, np.float32), ref_dx, rtol=0, atol=dx_tol)
 
 
 def test_peft_merge_is_peftx_merged():

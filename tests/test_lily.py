@@ -8,8 +8,6 @@ update in a training step, forward mode, the refusals (unrolled layout, merge), 
 Lily's router averages over every token of the batch, padding included, and the two
 frameworks leave different values at padded positions: the batches here are unpadded."""
 
-import math
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -24,6 +22,7 @@ from test_peft_interop import (
     WEIGHTS,
     _randomize_torch_base,
     assert_job_adapter_reads_in_peft,
+    assert_layer_matches_peft,
     assert_same,
     assert_same_files,
     assert_step_builds_no_dense_and_jvp,
@@ -38,8 +37,6 @@ import peftx.models as pm
 from peftx.adapters import LilyArray, lily
 from peftx.implicit import strict, use_implicit_args
 
-EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
-EPS_F32 = float(jnp.finfo(jnp.float32).eps)
 OUT, IN, R, NUM_B = 8, 12, 4, 3
 FIELDS = ("lily_A", "lily_B", "lily_router")
 
@@ -139,10 +136,6 @@ class _Proj(eqx.Module):
         return x @ self.proj.weight.T + self.proj.bias[None, None]
 
 
-def _torch_factors(layer):
-    return [getattr(layer, f)["default"].weight for f in FIELDS]
-
-
 @pytest.mark.parametrize(
     "dtype", ["float32", pytest.param("bfloat16 base", marks=pytest.mark.variant_sweep)]
 )
@@ -153,50 +146,8 @@ def test_layer_matches_peft(dtype):
     torch.manual_seed(0)
     theirs = peft.get_peft_model(_Torch(), peft.LilyConfig(**kwargs, init_weights=False))
     layer = theirs.base_model.model.proj
-    bf16 = dtype != "float32"
-    if bf16:
-        layer.base_layer.to(torch.bfloat16)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((2, 3, IN)).astype(np.float32)
-    cot = rng.standard_normal((2, 3, OUT)).astype(np.float32)
-    x_t = torch.tensor(x, dtype=torch.bfloat16 if bf16 else torch.float32, requires_grad=True)
-    out_t = layer(x_t)
-    (out_t.float() * torch.tensor(cot)).sum().backward()
-
-    base_dtype = jnp.bfloat16 if bf16 else jnp.float32
-    linear = eqx.tree_at(
-        lambda m: (m.weight, m.bias),
-        eqx.nn.Linear(IN, OUT, key=jax.random.key(0)),
-        tuple(
-            jnp.asarray(t.detach().float().numpy()).astype(base_dtype)
-            for t in (layer.base_layer.weight, layer.base_layer.bias)
-        ),
-    )
-    model = peftx.get_peft_model(_Proj(linear), peftx.LilyConfig(**kwargs), key=jax.random.key(1))
-
-    def run(factors, x):
-        return eqx.tree_at(
-            lambda m: [getattr(m.base_model.proj.weight.adapters["default"], f) for f in FIELDS],
-            model,
-            factors,
-        )(x)
-
-    factors = [jnp.asarray(t.detach().numpy()) for t in _torch_factors(layer)]
-    x_j = jnp.asarray(x).astype(base_dtype)
-    with strict():
-        out, vjp = jax.vjp(run, factors, x_j)
-        grads, dx = vjp(jnp.asarray(cot).astype(out.dtype))
-    assert out.dtype == base_dtype and all(g.dtype == jnp.float32 for g in grads)
-    want = out_t.detach().float().numpy()
-    tol = (4 * EPS_BF16 if bf16 else 1e-5) * np.abs(want).max()
-    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=0, atol=tol)
-    for g, t in zip(grads, _torch_factors(layer)):
-        ref = t.grad.numpy()
-        atol = (8 * EPS_BF16 if bf16 else 8 * EPS_F32 * math.sqrt(6 * IN)) * np.abs(ref).max()
-        np.testing.assert_allclose(np.asarray(g), ref, rtol=0, atol=atol)
-    ref_dx = x_t.grad.float().numpy()
-    dx_tol = (2 * EPS_BF16 if bf16 else 1e-5) * np.abs(ref_dx).max()
-    np.testing.assert_allclose(np.asarray(dx, np.float32), ref_dx, rtol=0, atol=dx_tol)
+    ours = peftx.LilyConfig(**kwargs)
+    assert_layer_matches_peft(layer, ours, FIELDS, (2, 3, IN), dtype, _Proj, grad_terms=6 * IN)
 
 
 # ---------------------------------------------------------------- whole models, both ways

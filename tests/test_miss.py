@@ -4,8 +4,6 @@ each variant, files both ways on a tiny Llama, gradients of every block, merging
 update in a training step (but for "bat", which PEFT builds dense too), forward mode, the
 stacked layout, and a `[miss]` job whose adapter PEFT reads."""
 
-import math
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ from test_peft_interop import (
     WEIGHTS,
     _randomize_torch_base,
     assert_job_adapter_reads_in_peft,
+    assert_layer_matches_peft,
     assert_peft_file_gradients_and_merge,
     assert_same,
     assert_step_builds_no_dense_and_jvp,
@@ -35,8 +34,6 @@ import peftx.models as pm
 from peftx.adapters import MissArray, miss, unmerge
 from peftx.implicit import DenseWeightError, assert_no_dense, strict, use_implicit_args
 
-EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
-EPS_F32 = float(jnp.finfo(jnp.float32).eps)
 OUT, IN = 8, 12
 
 # name: miss() arguments; "balance" at r=5 shards 12 inputs as 5 + 5 + 2 (padded)
@@ -198,57 +195,14 @@ def test_layer_matches_peft(variant, dtype):
     kwargs = dict(VARIANTS[variant])
     torch.manual_seed(0)
     config = peft.MissConfig(target_modules=["proj"], **kwargs)
-    theirs = peft.get_peft_model(_Torch(), config)
-    layer = theirs.base_model.model.proj
+    layer = peft.get_peft_model(_Torch(), config).base_model.model.proj
     block_t = layer.miss_block["default"]
     with torch.no_grad():
         block_t.copy_(0.3 * torch.randn(block_t.shape, generator=torch.Generator().manual_seed(1)))
-    bf16 = dtype != "float32"
-    if bf16:
-        layer.base_layer.to(torch.bfloat16)
-    assert block_t.dtype == torch.float32
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((6, IN)).astype(np.float32)
-    cot = rng.standard_normal((6, OUT)).astype(np.float32)
-    x_t = torch.tensor(x, dtype=torch.bfloat16 if bf16 else torch.float32, requires_grad=True)
-    out_t = layer(x_t)
-    (out_t.float() * torch.tensor(cot)).sum().backward()
-
-    base_dtype = jnp.bfloat16 if bf16 else jnp.float32
-    linear = eqx.tree_at(
-        lambda m: (m.weight, m.bias),
-        eqx.nn.Linear(IN, OUT, key=jax.random.key(0)),
-        tuple(
-            jnp.asarray(t.detach().float().numpy()).astype(base_dtype)
-            for t in (layer.base_layer.weight, layer.base_layer.bias)
-        ),
+    ours = peftx.MissConfig(target_modules=["proj"], **kwargs)
+    assert_layer_matches_peft(
+        layer, ours, ("miss_block",), (6, IN), dtype, _Proj, grad_terms=6 * IN
     )
-    model = peftx.get_peft_model(
-        _Proj(linear), peftx.MissConfig(target_modules=["proj"], **kwargs), key=jax.random.key(1)
-    )
-
-    def run(block, x):
-        m = eqx.tree_at(
-            lambda m: m.base_model.proj.weight.adapters["default"].miss_block, model, block
-        )
-        return m(x)
-
-    block = jnp.asarray(block_t.detach().numpy())
-    x_j = jnp.asarray(x).astype(base_dtype)
-    with strict():
-        out, vjp = jax.vjp(run, block, x_j)
-        grad, dx = vjp(jnp.asarray(cot).astype(out.dtype))
-    assert out.dtype == base_dtype and dx.dtype == base_dtype and grad.dtype == jnp.float32
-    want = out_t.detach().float().numpy()
-    tol = (4 * EPS_BF16 if bf16 else 1e-5) * np.abs(want).max()
-    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=0, atol=tol)
-    ref = block_t.grad.numpy()
-    # bf16: the same float32 sums over rounded inputs, up to the rounding of the output
-    atol = (8 * EPS_BF16 if bf16 else 8 * EPS_F32 * math.sqrt(6 * IN)) * np.abs(ref).max()
-    np.testing.assert_allclose(np.asarray(grad), ref, rtol=0, atol=atol)
-    ref_dx = x_t.grad.float().numpy()
-    dx_tol = (2 * EPS_BF16 if bf16 else 1e-5) * np.abs(ref_dx).max()
-    np.testing.assert_allclose(np.asarray(dx, np.float32), ref_dx, rtol=0, atol=dx_tol)
 
 
 # ---------------------------------------------------------------- whole models, both ways

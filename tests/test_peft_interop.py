@@ -15,6 +15,7 @@ Every model is a tiny random-init transformers checkpoint in fp32 (one real Mini
 
 import dataclasses
 import json
+import math
 
 import equinox as eqx
 import jax
@@ -33,6 +34,8 @@ from peftx.adapters import with_dropout
 from peftx.implicit import assert_no_dense, strict
 
 VOCAB = 97
+EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)
+EPS_F32 = float(jnp.finfo(jnp.float32).eps)
 # fp32 forward passes of a few layers of width 32, logits of order one: the two
 # frameworks' different summation orders leave errors of some hundreds of ulps
 # (eps = 1.2e-7); 1e-4 of the outputs' scale is far below what any adapter changes.
@@ -385,6 +388,72 @@ def assert_peft_file_gradients_and_merge(theirs, path, ours_base, tmp_path, trai
     assert_same(jax_out(merged, ids, mask), jax_out(ours, ids, mask), mask, reference)
     is_set = lambda x: isinstance(x, peftx.adapters.AdapterSet)  # noqa: E731
     return next(x for x in jax.tree.leaves(ours, is_leaf=is_set) if is_set(x))
+
+
+def torch_factor(layer, field):
+    """PEFT's parameter `field` of adapter "default" on `layer` (a tensor, or the weight
+    of a `Linear` it holds there)."""
+    held = getattr(layer, field)["default"]
+    return held.weight if isinstance(held, torch.nn.Module) else held
+
+
+def assert_layer_matches_peft(
+    layer, config, fields, x_shape, dtype, wrap, *, grad_terms, dx_ulps=2
+):
+    """PyTorch PEFT's adapted `layer` (`.proj` of a one-`Linear` torch model, its factors
+    set) against `peftx.get_peft_model(wrap(linear), config)` on the same base weights,
+    for one input of `x_shape` and one cotangent: the output and the gradients of the
+    factors `fields` and of the input are PEFT's, in float32 or (`dtype` not "float32") on
+    a bfloat16 base with float32 factors and float32 gradients. A factor's gradient in
+    float32 is a sum of `grad_terms` products; `dx_ulps` bounds the input's gradient in
+    bfloat16 ulps. Returns peftx's model."""
+    bf16 = dtype != "float32"
+    if bf16:
+        layer.base_layer.to(torch.bfloat16)
+    theirs = [torch_factor(layer, f) for f in fields]
+    assert all(t.dtype == torch.float32 for t in theirs)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    cot = rng.standard_normal((*x_shape[:-1], layer.out_features)).astype(np.float32)
+    x_t = torch.tensor(x, dtype=torch.bfloat16 if bf16 else torch.float32, requires_grad=True)
+    out_t = layer(x_t)
+    (out_t.float() * torch.tensor(cot)).sum().backward()
+
+    base_dtype = jnp.bfloat16 if bf16 else jnp.float32
+    linear = eqx.tree_at(
+        lambda m: (m.weight, m.bias),
+        eqx.nn.Linear(layer.in_features, layer.out_features, key=jax.random.key(0)),
+        tuple(
+            jnp.asarray(t.detach().float().numpy()).astype(base_dtype)
+            for t in (layer.base_layer.weight, layer.base_layer.bias)
+        ),
+    )
+    model = peftx.get_peft_model(wrap(linear), config, key=jax.random.key(1))
+
+    def run(factors, x):
+        adapter = lambda m: m.base_model.proj.weight.adapters["default"]  # noqa: E731
+        return eqx.tree_at(lambda m: [getattr(adapter(m), f) for f in fields], model, factors)(x)
+
+    factors = [jnp.asarray(t.detach().numpy()) for t in theirs]
+    with strict():
+        out, vjp = jax.vjp(run, factors, jnp.asarray(x).astype(base_dtype))
+        grads, dx = vjp(jnp.asarray(cot).astype(out.dtype))
+    assert out.dtype == base_dtype and dx.dtype == base_dtype
+    assert all(g.dtype == jnp.float32 for g in grads)
+    want = out_t.detach().float().numpy()
+    tol = (4 * EPS_BF16 if bf16 else 1e-5) * np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=0, atol=tol)
+    for f, g, t in zip(fields, grads, theirs, strict=True):
+        ref = t.grad.numpy()
+        # bf16: the same float32 sums over rounded inputs, up to the rounding of the output
+        bound = 8 * EPS_BF16 if bf16 else 8 * EPS_F32 * math.sqrt(grad_terms)
+        np.testing.assert_allclose(
+            np.asarray(g), ref, rtol=0, atol=bound * np.abs(ref).max(), err_msg=f
+        )
+    ref_dx = x_t.grad.float().numpy()
+    dx_tol = (dx_ulps * EPS_BF16 if bf16 else 1e-5) * np.abs(ref_dx).max()
+    np.testing.assert_allclose(np.asarray(dx, np.float32), ref_dx, rtol=0, atol=dx_tol)
+    return model
 
 
 def assert_step_builds_no_dense_and_jvp(model, dropout=False):

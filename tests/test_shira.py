@@ -5,7 +5,6 @@ included), gradients of every layer's values, merging, no dense update in a trai
 step, forward mode, the stacked layout, and a `[shira]` job whose adapter PEFT reads."""
 
 import json
-import math
 from collections import Counter
 
 import equinox as eqx
@@ -23,6 +22,7 @@ from test_peft_interop import (
     WEIGHTS,
     _randomize_torch_base,
     assert_job_adapter_reads_in_peft,
+    assert_layer_matches_peft,
     assert_peft_file_gradients_and_merge,
     assert_same,
     batch,
@@ -245,64 +245,21 @@ def test_layer_matches_peft(dtype):
     float32 gradients."""
     torch.manual_seed(0)
     config = peft.ShiraConfig(target_modules=["proj"], r=2, random_seed=3)
-    theirs = peft.get_peft_model(_Torch(), config)
-    layer = theirs.base_model.model.proj
+    layer = peft.get_peft_model(_Torch(), config).base_model.model.proj
     values_t = layer.shira_weight["default"]
     with torch.no_grad():
         values_t.copy_(
             0.3 * torch.randn(values_t.shape, generator=torch.Generator().manual_seed(1))
         )
-    bf16 = dtype != "float32"
-    if bf16:
-        layer.base_layer.to(torch.bfloat16)
-    assert values_t.dtype == torch.float32
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((6, IN)).astype(np.float32)
-    cot = rng.standard_normal((6, OUT)).astype(np.float32)
-    x_t = torch.tensor(x, dtype=torch.bfloat16 if bf16 else torch.float32, requires_grad=True)
-    out_t = layer(x_t)
-    (out_t.float() * torch.tensor(cot)).sum().backward()
-
-    base_dtype = jnp.bfloat16 if bf16 else jnp.float32
-    linear = eqx.tree_at(
-        lambda m: (m.weight, m.bias),
-        eqx.nn.Linear(IN, OUT, key=jax.random.key(0)),
-        tuple(
-            jnp.asarray(t.detach().float().numpy()).astype(base_dtype)
-            for t in (layer.base_layer.weight, layer.base_layer.bias)
-        ),
-    )
-    model = peftx.get_peft_model(
-        _Proj(linear),
-        peftx.ShiraConfig(target_modules=["proj"], r=2, random_seed=3),
-        key=jax.random.key(1),
+    # bf16: PEFT rounds W + ΔW to bfloat16 before the product, peftx rounds the output, and
+    # PEFT's gradient is a bfloat16 product dyᵀ·x gathered where peftx's is a float32 sum
+    # of the 6 tokens' products
+    ours = peftx.ShiraConfig(target_modules=["proj"], r=2, random_seed=3)
+    model = assert_layer_matches_peft(
+        layer, ours, ("shira_weight",), (6, IN), dtype, _Proj, grad_terms=6, dx_ulps=4
     )
     adapter = model.base_model.proj.weight.adapters["default"]
     np.testing.assert_array_equal(adapter.shira_indices, layer.shira_indices["default"].numpy())
-
-    def run(values, x):
-        m = eqx.tree_at(
-            lambda m: m.base_model.proj.weight.adapters["default"].shira_weight, model, values
-        )
-        return m(x)
-
-    values = jnp.asarray(values_t.detach().numpy())
-    x_j = jnp.asarray(x).astype(base_dtype)
-    with strict():
-        out, vjp = jax.vjp(run, values, x_j)
-        grad, dx = vjp(jnp.asarray(cot).astype(out.dtype))
-    assert out.dtype == base_dtype and dx.dtype == base_dtype and grad.dtype == jnp.float32
-    want = out_t.detach().float().numpy()
-    # bf16: PEFT rounds W + ΔW to bfloat16 before the product, peftx rounds the output
-    tol = (4 * EPS_BF16 if bf16 else 1e-5) * np.abs(want).max()
-    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=0, atol=tol)
-    ref = values_t.grad.numpy()
-    # bf16: PEFT's gradient is a bfloat16 product dyᵀ·x gathered, peftx's a float32 sum
-    atol = (8 * EPS_BF16 if bf16 else 8 * EPS_F32 * math.sqrt(6)) * np.abs(ref).max()
-    np.testing.assert_allclose(np.asarray(grad), ref, rtol=0, atol=atol)
-    ref_dx = x_t.grad.float().numpy()
-    dx_tol = (4 * EPS_BF16 if bf16 else 1e-5) * np.abs(ref_dx).max()
-    np.testing.assert_allclose(np.asarray(dx, np.float32), ref_dx, rtol=0, atol=dx_tol)
 
 
 def test_peft_merge_is_peftx_merged():
