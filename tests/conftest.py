@@ -196,6 +196,30 @@ merged = true
     return root
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """test_peft_interop's tiny random Llama checkpoint, made once per test file: its
+    directory and its peftx model by layout. q_proj (32, 32), v_proj (16, 32), down_proj
+    (32, 64), up_proj (64, 32)."""
+    import torch
+    from test_peft_interop import BUILDERS, _randomize_torch_base
+
+    import peftx.models as pm
+
+    torch.manual_seed(0)
+    model = _randomize_torch_base(BUILDERS["llama"]().eval(), seed=7)
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path)
+    built = {}
+
+    def get(layout="stacked"):
+        if layout not in built:
+            built[layout] = pm.from_pretrained(path, layout=layout)
+        return built[layout]
+
+    return path, get
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Each test file's compiled programs are dropped after it. XLA:CPU maps memory for

@@ -237,24 +237,6 @@ def test_initialization_is_peft(getkey):
 # ---------------------------------------------------------------- whole models, both ways
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """test_peft_interop's tiny random Llama checkpoint: its directory and its peftx model
-    by layout. q_proj (32, 32), v_proj (16, 32), down_proj (32, 64), up_proj (64, 32)."""
-    torch.manual_seed(0)
-    model = _randomize_torch_base(BUILDERS["llama"]().eval(), seed=7)
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    built = {}
-
-    def get(layout="stacked"):
-        if layout not in built:
-            built[layout] = pm.from_pretrained(path, layout=layout)
-        return built[layout]
-
-    return path, get
-
-
 TARGETS = ["q_proj", "v_proj", "down_proj", "up_proj"]
 PLAIN = dict(r=4, target_modules=TARGETS)
 

@@ -18,9 +18,7 @@ import torch
 from helpers import close
 from safetensors.numpy import load_file
 from test_peft_interop import (
-    BUILDERS,
     WEIGHTS,
-    _randomize_torch_base,
     assert_job_adapter_reads_in_peft,
     assert_layer_matches_peft,
     assert_same,
@@ -33,7 +31,6 @@ from test_peft_interop import (
 )
 
 import peftx
-import peftx.models as pm
 from peftx.adapters import LilyArray, lily
 from peftx.implicit import strict, use_implicit_args
 
@@ -151,24 +148,6 @@ def test_layer_matches_peft(dtype):
 
 
 # ---------------------------------------------------------------- whole models, both ways
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """test_peft_interop's tiny random Llama (3 layers): its directory and its peftx model
-    by layout."""
-    torch.manual_seed(0)
-    model = _randomize_torch_base(BUILDERS["llama"]().eval(), seed=7)
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    built = {}
-
-    def get(layout="stacked"):
-        if layout not in built:
-            built[layout] = pm.from_pretrained(path, layout=layout)
-        return built[layout]
-
-    return path, get
 
 
 CONFIG = dict(r=4, stride_A=2, num_B=3, target_modules=["q_proj", "v_proj", "down_proj"])

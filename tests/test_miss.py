@@ -14,9 +14,7 @@ import torch
 from helpers import close
 from safetensors.numpy import load_file
 from test_peft_interop import (
-    BUILDERS,
     WEIGHTS,
-    _randomize_torch_base,
     assert_job_adapter_reads_in_peft,
     assert_layer_matches_peft,
     assert_peft_file_gradients_and_merge,
@@ -30,7 +28,6 @@ from test_peft_interop import (
 )
 
 import peftx
-import peftx.models as pm
 from peftx.adapters import MissArray, miss, unmerge
 from peftx.implicit import DenseWeightError, assert_no_dense, strict, use_implicit_args
 
@@ -206,24 +203,6 @@ def test_layer_matches_peft(variant, dtype):
 
 
 # ---------------------------------------------------------------- whole models, both ways
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """test_peft_interop's tiny random Llama checkpoint: its directory and its peftx model
-    by layout. q_proj (32, 32), v_proj (16, 32), down_proj (32, 64), up_proj (64, 32)."""
-    torch.manual_seed(0)
-    model = _randomize_torch_base(BUILDERS["llama"]().eval(), seed=7)
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    built = {}
-
-    def get(layout="stacked"):
-        if layout not in built:
-            built[layout] = pm.from_pretrained(path, layout=layout)
-        return built[layout]
-
-    return path, get
 
 
 TARGETS = ["q_proj", "v_proj", "down_proj", "up_proj"]
