@@ -28,6 +28,7 @@ from test_peft_interop import (
     assert_step_builds_no_dense_and_jvp,
     batch,
     jax_out,
+    randomize_torch_adapters,
     randomized,
     torch_base,
     torch_out,
@@ -293,18 +294,6 @@ CASES = {
 }
 
 
-def _randomize_torch(model, seed, scale=0.3, count=None):
-    gen = torch.Generator().manual_seed(seed)
-    n = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "gralora_" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=gen))
-                n += 1
-    assert n >= 2 * 3 * (count or len(TARGETS))
-    return model
-
-
 # peft_to_peftx's test writes PEFT's file back key for key: the fast tier's round trip
 @pytest.mark.torch_round_trip
 @pytest.mark.parametrize("case", ["hybrid", pytest.param("plain", marks=pytest.mark.variant_sweep)])
@@ -354,8 +343,12 @@ def test_peft_to_peftx_files_gradients_and_merge(case, layout, tiny_llama, tmp_p
     """PEFT's adapter loads with equal logits and is written back exactly; the gradient of
     every factor for one loss is PEFT's; merged logits are the unmerged ones."""
     path, base = tiny_llama
-    theirs = _randomize_torch(
-        peft.get_peft_model(torch_base(path, "llama"), peft.GraloraConfig(**CASES[case])), 3
+    per_layer = 4 if CASES[case].get("hybrid_r") else 2  # the hybrid part's two factors
+    theirs = randomize_torch_adapters(
+        peft.get_peft_model(torch_base(path, "llama"), peft.GraloraConfig(**CASES[case])),
+        3,
+        names=("gralora_",),
+        count=per_layer * 3 * len(TARGETS),
     )
     s = assert_peft_file_gradients_and_merge(theirs, path, base(layout), tmp_path, "gralora_")
     adapter = s.adapter("default")
@@ -373,12 +366,13 @@ def test_gpt2_conv1d_both_ways(tmp_path):
     path = tmp_path / "gpt2"
     model.save_pretrained(path)
     config = dict(r=4, hybrid_r=2, target_modules=["c_attn", "c_proj", "c_fc"])
-    theirs = _randomize_torch(
+    theirs = randomize_torch_adapters(
         peft.get_peft_model(
             torch_base(path, "gpt2"), peft.GraloraConfig(**config, fan_in_fan_out=True)
         ),
         5,
-        count=6,
+        names=("gralora_",),
+        count=4 * 4 * 3,  # 4 factors of c_attn, attn.c_proj, c_fc, mlp.c_proj in 3 layers
     )
     theirs.save_pretrained(tmp_path / "peft")
     base = pm.from_pretrained(path)

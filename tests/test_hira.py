@@ -30,6 +30,7 @@ from test_peft_interop import (
     assert_same_files,
     batch,
     jax_out,
+    randomize_torch_adapters,
     randomized,
     torch_base,
     torch_out,
@@ -257,18 +258,6 @@ def test_rank_pattern_is_ignored_as_peft_does(tiny_llama, tmp_path):
     assert {k: v.shape for k, v in file.items()} == {k: tuple(v.shape) for k, v in want.items()}
 
 
-def _randomize_torch(model, seed, scale=0.3, count=3 * len(TARGETS)):
-    gen = torch.Generator().manual_seed(seed)
-    n = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "hira_" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=gen))
-                n += 1
-    assert n == 2 * count
-    return model
-
-
 # peft_to_peftx's test writes PEFT's file back key for key: the fast tier's round trip
 @pytest.mark.torch_round_trip
 def test_peftx_to_peft(tiny_llama, tmp_path):
@@ -306,8 +295,11 @@ def test_peft_to_peftx_files_gradients_and_merge(layout, tiny_llama, tmp_path):
     """PEFT's adapter loads with equal logits and is written back exactly; the gradient of
     every factor for one loss is PEFT's; merged logits are the unmerged ones."""
     path, base = tiny_llama
-    theirs = _randomize_torch(
-        peft.get_peft_model(torch_base(path, "llama"), peft.HiraConfig(**PLAIN)), 3
+    theirs = randomize_torch_adapters(
+        peft.get_peft_model(torch_base(path, "llama"), peft.HiraConfig(**PLAIN)),
+        3,
+        names=("hira_",),
+        count=2 * 3 * len(TARGETS),
     )
     s = assert_peft_file_gradients_and_merge(theirs, path, base(layout), tmp_path, "hira_")
     adapter = s.adapter("default")
@@ -325,12 +317,13 @@ def test_gpt2_conv1d_both_ways(tmp_path):
     path = tmp_path / "gpt2"
     model.save_pretrained(path)
     config = dict(r=4, target_modules=["c_attn", "c_proj", "c_fc"])
-    theirs = _randomize_torch(
+    theirs = randomize_torch_adapters(
         peft.get_peft_model(
             torch_base(path, "gpt2"), peft.HiraConfig(**config, fan_in_fan_out=True)
         ),
         5,
-        count=4 * 3,  # c_attn, attn.c_proj, c_fc, mlp.c_proj in each of 3 layers
+        names=("hira_",),
+        count=2 * 4 * 3,  # 2 factors of c_attn, attn.c_proj, c_fc, mlp.c_proj in 3 layers
     )
     theirs.save_pretrained(tmp_path / "peft")
     base = pm.from_pretrained(path)

@@ -22,6 +22,7 @@ from test_peft_interop import (
     assert_same_files,
     batch,
     jax_out,
+    randomize_torch_adapters,
     randomized,
     torch_base,
     torch_out,
@@ -331,18 +332,6 @@ CASES = {
 }
 
 
-def _randomize_torch(model, seed, scale=0.3):
-    gen = torch.Generator().manual_seed(seed)
-    count = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "hada_" in name or "lokr_" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=gen))
-                count += 1
-    assert count
-    return model
-
-
 def _assert_torch_holds(theirs, directory):
     """PEFT's state dict of the adapter is the file, key for key and value for value."""
     file = load_file(str(directory / WEIGHTS))
@@ -383,7 +372,8 @@ def test_peft_to_peftx_files_and_counts(case, layout, tiny_llama, tmp_path):
     path, base = tiny_llama
     cls, kwargs = CASES[case]
     their_config = getattr(peft, cls)(init_weights=False, **kwargs)
-    theirs = _randomize_torch(peft.get_peft_model(torch_base(path, "llama"), their_config), 3)
+    theirs = peft.get_peft_model(torch_base(path, "llama"), their_config)
+    theirs = randomize_torch_adapters(theirs, 3, names=("hada_", "lokr_"))
     theirs.eval().save_pretrained(tmp_path / "peft")
     ours = peftx.PeftModel.from_pretrained(base(layout), tmp_path / "peft")
     ids, mask = batch("llama")

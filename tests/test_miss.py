@@ -22,6 +22,7 @@ from test_peft_interop import (
     assert_step_builds_no_dense_and_jvp,
     batch,
     jax_out,
+    randomize_torch_adapters,
     randomized,
     torch_base,
     torch_out,
@@ -213,18 +214,6 @@ CASES = {  # r=5 divides none of the input sizes: every layer pads its last shar
 }
 
 
-def _randomize_torch(model, seed, scale=0.3):
-    gen = torch.Generator().manual_seed(seed)
-    count = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "miss_block" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=gen))
-                count += 1
-    assert count == 3 * len(TARGETS)
-    return model
-
-
 # peft_to_peftx's test writes PEFT's file back key for key: the fast tier's round trip
 @pytest.mark.torch_round_trip
 @pytest.mark.parametrize(
@@ -271,8 +260,11 @@ def test_peft_to_peftx_files_gradients_and_merge(case, layout, tiny_llama, tmp_p
     """PEFT's adapter loads with equal logits and is written back exactly; the gradient of
     every block for one loss is PEFT's; merged logits are the unmerged ones."""
     path, base = tiny_llama
-    theirs = _randomize_torch(
-        peft.get_peft_model(torch_base(path, "llama"), peft.MissConfig(**CASES[case])), 3
+    theirs = randomize_torch_adapters(
+        peft.get_peft_model(torch_base(path, "llama"), peft.MissConfig(**CASES[case])),
+        3,
+        names=("miss_block",),
+        count=3 * len(TARGETS),
     )
     s = assert_peft_file_gradients_and_merge(theirs, path, base(layout), tmp_path, "miss_block")
     adapter = s.adapter("default")

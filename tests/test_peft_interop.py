@@ -277,22 +277,24 @@ def randomized(peft_model, key, adapters=None, scale=0.3):
     return eqx.combine(jax.tree.unflatten(treedef, leaves), frozen)
 
 
-def randomize_torch_adapters(model, seed, scale=0.3):
-    """Every adapter tensor of a PEFT model (any adapter, active or not), every
-    `modules_to_save` copy, and the biases that train, drawn at random."""
+ADAPTER_TENSORS = ("lora_", "ia3_l", "modules_to_save", "lora_magnitude_vector")
+
+
+def randomize_torch_adapters(model, seed, scale=0.3, names=ADAPTER_TENSORS, count=None):
+    """Every adapter tensor of a PEFT model (any adapter, active or not: a parameter
+    whose name holds one of `names`), every `modules_to_save` copy, and the biases that
+    train, drawn at random; `count`, if given, is how many there must be."""
     gen = torch.Generator().manual_seed(seed)
-    count = 0
+    drawn = 0
     with torch.no_grad():
         for name, p in model.named_parameters():
             trained_bias = name.endswith("bias") and p.requires_grad
-            if not trained_bias and not any(
-                s in name for s in ("lora_", "ia3_l", "modules_to_save", "lora_magnitude_vector")
-            ):
+            if not trained_bias and not any(s in name for s in names):
                 continue
             noise = scale * torch.randn(p.shape, generator=gen)
             p.copy_(1 + noise if "ia3_l" in name else noise)
-            count += 1
-    assert count
+            drawn += 1
+    assert drawn if count is None else drawn == count
     return model
 
 

@@ -25,6 +25,7 @@ from test_peft_interop import (
     assert_same,
     batch,
     jax_out,
+    randomize_torch_adapters,
     randomized,
     torch_base,
     torch_out,
@@ -286,18 +287,6 @@ TARGETS = ["q_proj", "v_proj", "down_proj", "up_proj"]
 CASE = dict(r=2, random_seed=5, target_modules=TARGETS)
 
 
-def _randomize_torch(model, seed, scale=0.3):
-    gen = torch.Generator().manual_seed(seed)
-    count = 0
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "shira_weight" in name:
-                p.copy_(scale * torch.randn(p.shape, generator=gen))
-                count += 1
-    assert count == 3 * len(TARGETS)
-    return model
-
-
 # peft_to_peftx's test writes PEFT's file back key for key: the fast tier's round trip
 @pytest.mark.torch_round_trip
 @pytest.mark.parametrize(
@@ -344,8 +333,11 @@ def test_peft_to_peftx_files_gradients_and_merge(layout, tiny_llama, tmp_path):
     sets taken from the file); the gradient of every layer's values for one loss is
     PEFT's; merged logits are the unmerged ones."""
     path, base = tiny_llama
-    theirs = _randomize_torch(
-        peft.get_peft_model(torch_base(path, "llama"), peft.ShiraConfig(**CASE)), 3
+    theirs = randomize_torch_adapters(
+        peft.get_peft_model(torch_base(path, "llama"), peft.ShiraConfig(**CASE)),
+        3,
+        names=("shira_weight",),
+        count=3 * len(TARGETS),
     )
     # an index set of PEFT's own that the config's seed would not draw: read from the file
     q = theirs.base_model.model.model.layers[1].self_attn.q_proj
