@@ -10,17 +10,51 @@ import subprocess
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.extend.core as jexc
 import jax.numpy as jnp
 import jaxtyping
 import numpy as np
 
+from peftx.implicit import strict, use_implicit_args
+
 
 def close(a, b, tol=1e-5):
     """Assert two pytrees have the same leaves, each equal within `tol`."""
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+def assert_matches_dense_formula(adapter, fields, delta, fn, x, key):
+    """`fn(adapter, x)` under `use_implicit_args` against `fn(W + delta(adapter), x)`, with
+    `delta` the update written out in the test: the values, the gradients of the factors
+    `fields` and of `x`, and a jvp along random factor tangents drawn from `key`; `merged`
+    is the same formula, and the update moves the output."""
+    weight = adapter.weight
+    close(adapter.merged(weight), weight + delta(adapter), tol=1e-5)
+    factors = [getattr(adapter, f) for f in fields]
+
+    def loss(factors, x, implicit):
+        a = eqx.tree_at(lambda a: [getattr(a, f) for f in fields], adapter, factors)
+        if implicit:
+            return jnp.sum(jnp.sin(use_implicit_args(fn)(a, x)))
+        return jnp.sum(jnp.sin(fn(weight + delta(a), x)))
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    with strict():
+        got = jax.jit(use_implicit_args(fn))(adapter, x)
+        grads = jax.jit(grad, static_argnums=2)(factors, x, True)
+        keys = jax.random.split(key, len(factors))
+        tangent = [jax.random.normal(k, f.shape) for k, f in zip(keys, factors)]
+        _, jvp = jax.jit(lambda b, t: jax.jvp(lambda b: loss(b, x, True), (b,), (t,)))(
+            factors, tangent
+        )
+    close(got, fn(weight + delta(adapter), x), tol=1e-4)
+    assert not np.allclose(got, fn(weight, x), atol=1e-2)  # the update matters
+    close(grads, jax.jit(grad, static_argnums=2)(factors, x, False), tol=1e-4)
+    _, dense_jvp = jax.jvp(lambda b: loss(b, x, False), (factors,), (tangent,))
+    close(jvp, dense_jvp, tol=1e-4)
 
 
 def close_in_scale(got, want, ulps):

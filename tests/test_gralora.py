@@ -14,7 +14,7 @@ import numpy as np
 import peft
 import pytest
 import torch
-from helpers import close
+from helpers import assert_matches_dense_formula, close
 from safetensors.numpy import load_file
 from test_peft_interop import (
     BUILDERS,
@@ -109,31 +109,9 @@ LAYOUTS = {
 def test_matches_dense_formula(variant, layout, getkey):
     """Values, gradients of every factor and of `x`, and jvp against `x·(W + ΔW)ᵀ` with
     ΔW written out; `merged` is the same formula."""
-    fn = LAYOUTS[layout]
     a = _random(variant, getkey())
     x = jax.random.normal(getkey(), (3, IN))
-    close(a.merged(a.weight), a.weight + _dense_delta(a), tol=1e-5)
-    factors = [getattr(a, f) for f in _held(a)]
-
-    def loss(factors, x, implicit):
-        b = _with(a, factors)
-        if implicit:
-            return jnp.sum(jnp.sin(use_implicit_args(fn)(b, x)))
-        return jnp.sum(jnp.sin(fn(a.weight + _dense_delta(b), x)))
-
-    with strict():
-        got = jax.jit(use_implicit_args(fn))(a, x)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(factors, x, True)
-        tangent = [jax.random.normal(getkey(), f.shape) for f in factors]
-        _, jvp = jax.jit(lambda b, t: jax.jvp(lambda b: loss(b, x, True), (b,), (t,)))(
-            factors, tangent
-        )
-    close(got, fn(a.weight + _dense_delta(a), x), tol=1e-4)
-    assert not np.allclose(got, fn(a.weight, x), atol=1e-2)  # the update matters
-    dense = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(factors, x, False)
-    close(grads, dense, tol=1e-4)
-    _, dense_jvp = jax.jvp(lambda b: loss(b, x, False), (factors,), (tangent,))
-    close(jvp, dense_jvp, tol=1e-4)
+    assert_matches_dense_formula(a, _held(a), _dense_delta, LAYOUTS[layout], x, getkey())
 
 
 @pytest.mark.parametrize(

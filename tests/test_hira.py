@@ -17,7 +17,7 @@ import numpy as np
 import peft
 import pytest
 import torch
-from helpers import close
+from helpers import assert_matches_dense_formula, close
 from safetensors.numpy import load_file
 from test_peft_interop import (
     BUILDERS,
@@ -79,31 +79,10 @@ LAYOUTS = {
 def test_matches_dense_formula(layout, getkey):
     """Values, gradients of both factors and of `x`, and jvp against `x·(W + W ⊙ B·A)ᵀ`
     written out; `merged` is the same formula."""
-    fn = LAYOUTS[layout]
     a = _random(getkey())
     x = jax.random.normal(getkey(), (5, IN))
-    close(a.merged(a.weight), a.weight + _dense_delta(a, a.weight), tol=1e-5)
-    factors = (a.hira_A, a.hira_B)
-
-    def loss(factors, x, implicit):
-        b = _with(a, factors)
-        if implicit:
-            return jnp.sum(jnp.sin(use_implicit_args(fn)(b, x)))
-        return jnp.sum(jnp.sin(fn(a.weight + _dense_delta(b, a.weight), x)))
-
-    with strict():
-        got = jax.jit(use_implicit_args(fn))(a, x)
-        grads = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(factors, x, True)
-        tangent = tuple(jax.random.normal(getkey(), f.shape) for f in factors)
-        _, jvp = jax.jit(lambda b, t: jax.jvp(lambda b: loss(b, x, True), (b,), (t,)))(
-            factors, tangent
-        )
-    close(got, fn(a.weight + _dense_delta(a, a.weight), x), tol=1e-4)
-    assert not np.allclose(got, fn(a.weight, x), atol=1e-2)  # the update matters
-    dense = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(factors, x, False)
-    close(grads, dense, tol=1e-4)
-    _, dense_jvp = jax.jvp(lambda b: loss(b, x, False), (factors,), (tangent,))
-    close(jvp, dense_jvp, tol=1e-4)
+    delta = lambda a: _dense_delta(a, a.weight)  # noqa: E731
+    assert_matches_dense_formula(a, ("hira_A", "hira_B"), delta, LAYOUTS[layout], x, getkey())
 
 
 def test_stacked_layers_under_scan_jvp_and_unmerge(getkey):
