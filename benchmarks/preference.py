@@ -169,12 +169,20 @@ def main() -> None:
     model = peftx.get_peft_model(llama, config, key=jax.random.key(1))
     precomputed = peftx.train.precompute_ref_log_probs(model, pairs, batch_size=batch)
     dpo = functools.partial(peftx.train.dpo_loss, beta=0.1)
+    shared = peftx.train.share_prompts(pairs)
     cases = [
         (f"SFT, {batch} rows", peftx.train.causal_lm_loss, sft(batch)),
         (f"SFT, {2 * batch} rows (the pairs' tokens)", peftx.train.causal_lm_loss, sft(2 * batch)),
         (f"DPO, {batch} pairs, reference precomputed", dpo, precomputed),
+        (
+            f"DPO, {batch} pairs, reference precomputed, prompts shared",
+            dpo,
+            peftx.train.share_prompts(precomputed),
+        ),
         (f"DPO, {batch} pairs, reference in the step", dpo, pairs),
+        (f"DPO, {batch} pairs, reference in the step, prompts shared", dpo, shared),
         (f"ORPO, {batch} pairs", peftx.train.orpo_loss, pairs),
+        (f"ORPO, {batch} pairs, prompts shared", peftx.train.orpo_loss, shared),
     ]
     rows = [Timed(name, *peftx_step(model, loss, data)) for name, loss, data in cases]
     if not (args.no_trl or args.gpu):  # TRL's row: on this machine's CPU only

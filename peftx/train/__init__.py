@@ -20,6 +20,7 @@ from ._data import (
     eval_batches as eval_batches,
     mixed_batches as mixed_batches,
     pad_to as pad_to,
+    share_prompts as share_prompts,
     supervised_tokens as supervised_tokens,
     train_batches as train_batches,
 )

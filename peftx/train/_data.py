@@ -677,3 +677,91 @@ def encode_preference(
             data["labels"][r, side, : len(labels)] = labels
     check_vocab(tokenizer, data["input_ids"], vocab_size)
     return data
+
+
+# the keys of pairs whose prompt is held once (`share_prompts`), left-padded
+PROMPT_KEYS = ("prompt_input_ids", "prompt_attention_mask")
+
+
+def share_prompts(
+    data: dict[str, np.ndarray],
+    *,
+    prompt_length: int | None = None,
+    completion_length: int | None = None,
+) -> dict[str, np.ndarray]:
+    """Preference pairs (`encode_preference`) with each pair's prompt held once, so that
+    `dpo_loss`, `orpo_loss` and `precompute_ref_log_probs` run it once for both
+    completions (its keys and values cached) instead of twice: a step runs
+    `rows × (prompt + 2 × completion)` tokens instead of `2 × rows × (prompt +
+    completion)`. The log-probabilities are those of the pairs as given.
+
+    The shared part of a pair is the longest start its two sequences have in common,
+    unlabelled (the prompt, unless truncation cut the two differently). It goes to
+    `prompt_input_ids` and `prompt_attention_mask` `(rows, prompt_length)`, left-padded;
+    the rest of each sequence stays in `input_ids`, `attention_mask` and `labels` `(rows,
+    2, completion_length)`, right-padded, its first token predicted from the prompt's
+    last. The lengths default to the longest of `data` (pass larger ones to give several
+    datasets one shape). Other keys (`ref_chosen_logps`, ...) pass unchanged.
+    """
+    missing = [k for k in ("input_ids", "attention_mask", "labels") if k not in data]
+    shapes = {k: np.shape(data[k]) for k in ("input_ids", "attention_mask", "labels") if k in data}
+    if missing or len(set(shapes.values())) != 1 or len(shapes["input_ids"]) != 3:
+        raise ValueError(
+            "share_prompts takes preference pairs from encode_preference: input_ids, "
+            "attention_mask and labels of one shape (rows, 2, length); got "
+            + (f"no {', '.join(missing)}" if missing else f"shapes {shapes}")
+        )
+    if any(k in data for k in PROMPT_KEYS):
+        raise ValueError("these pairs share their prompts already")
+    ids, mask, labels = (np.asarray(data[k]) for k in ("input_ids", "attention_mask", "labels"))
+    if ids.shape[1] != 2:
+        raise ValueError(f"pairs have 2 sequences each (chosen, rejected), got {ids.shape[1]}")
+    real = mask > 0
+    same = (ids[:, 0] == ids[:, 1]) & real[:, 0] & real[:, 1]
+    same &= (labels[:, 0] == IGNORE) & (labels[:, 1] == IGNORE)
+    shared = np.argmin(np.concatenate([same, np.zeros((len(ids), 1), bool)], 1), axis=1)
+    lengths = real.sum(-1)
+    if np.any(real & (np.arange(ids.shape[-1]) >= lengths[..., None])):
+        raise ValueError("share_prompts takes right-padded pairs (each row's tokens first)")
+    rest = lengths - shared[:, None]
+    prompt = max(int(shared.max()), 1)
+    completion = max(int(rest.max()), 1)
+    for name, value, least in (
+        ("prompt_length", prompt_length, prompt),
+        ("completion_length", completion_length, completion),
+    ):
+        if value is not None:
+            _positive_int(value, name)
+            if value < least:
+                raise ValueError(f"{name} {value} is shorter than these pairs' {least}")
+    prompt, completion = prompt_length or prompt, completion_length or completion
+    rows = len(ids)
+    out = {
+        "prompt_input_ids": np.zeros((rows, prompt), np.int32),
+        "prompt_attention_mask": np.zeros((rows, prompt), np.int32),
+        "input_ids": np.zeros((rows, 2, completion), np.int32),
+        "attention_mask": np.zeros((rows, 2, completion), np.int32),
+        "labels": np.full((rows, 2, completion), IGNORE, np.int32),
+    }
+    for r in range(rows):
+        s = shared[r]
+        out["prompt_input_ids"][r, prompt - s :] = ids[r, 0, :s]
+        out["prompt_attention_mask"][r, prompt - s :] = 1
+        for side in range(2):
+            n = rest[r, side]
+            out["input_ids"][r, side, :n] = ids[r, side, s : s + n]
+            out["attention_mask"][r, side, :n] = 1
+            out["labels"][r, side, :n] = labels[r, side, s : s + n]
+    others = {k: v for k, v in data.items() if k not in out}
+    return {**others, **out}
+
+
+def scored_labels(batch: dict[str, Any]) -> Any:
+    """Which labels `(rows, 2, length)` of preference pairs a loss scores: those with a
+    token before them to predict them (the prompt's last, for the first of a completion
+    whose prompt is shared). For numpy and jax arrays alike."""
+    labels = batch["labels"]
+    first = np.arange(labels.shape[-1]) == 0
+    if PROMPT_KEYS[1] in batch:  # the first is scored when the prompt has a last token
+        return (labels >= 0) & ~(first & (batch[PROMPT_KEYS[1]][:, -1] == 0)[:, None, None])
+    return (labels >= 0) & ~first

@@ -14,8 +14,10 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._bank import PeftBankModel
 from .._peft_model import PeftModel
 from ..implicit import use_implicit_args
-from ._data import IGNORE
-from ._step import Batch, model_output
+from ..models import KVCache
+from ..models._generate import cache_dims
+from ._data import IGNORE, PROMPT_KEYS, scored_labels
+from ._step import Batch, base_model, model_output
 
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -62,28 +64,119 @@ def reference_model(model: Any) -> Any:
     return use_implicit_args(model.disable_adapters())
 
 
-def _reference_log_probs(reference: Any, batch: Batch) -> tuple[Array, Array]:
+Forward = Any  # (batch, key, cache) -> the model's output
+
+
+def _shared(batch: Batch) -> bool:
+    """Whether the pairs hold their prompts once (`share_prompts`)."""
+    return PROMPT_KEYS[0] in batch
+
+
+def _token_log_probs(logits: Array, targets: Array) -> tuple[Array, Array]:
+    """Each position's float32 log-probability of its target (-100: none, giving 0), and
+    which positions have one."""
+    valid = targets >= 0
+    per_token = -optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), jnp.where(valid, targets, 0)
+    )
+    return jnp.where(valid, per_token, 0.0), valid
+
+
+def _check_shared_length(config: Any, total: int) -> None:
+    rope = getattr(config, "rope_parameters", None) or {}
+    switch = {
+        "longrope": rope.get("original_max_position_embeddings"),
+        "dynamic": getattr(config, "max_position_embeddings", None),
+    }.get(rope.get("rope_type"))
+    if switch is not None and total > switch:
+        raise ValueError(
+            f"a {rope['rope_type']} rope changes its frequencies past {switch} positions for "
+            f"the whole sequence, and these prompts + completions reach {total}: a prompt run "
+            "once would see other frequencies than its pair; leave the prompts unshared"
+        )
+    max_positions = cache_dims(config)[3]
+    if max_positions is not None and total > max_positions:
+        raise ValueError(
+            f"prompts + completions of {total} tokens exceed the {max_positions} positions "
+            "this model has embeddings for"
+        )
+
+
+def _shared_logits(forward: Forward, config: Any, batch: Batch, key: Any) -> tuple[Array, Array]:
+    """The prompts' logits `(rows, prompt, vocab)`, run once with their keys and values
+    cached, and the completions' `(2 * rows, completion, vocab)`, chosen and rejected of
+    row i at 2i and 2i + 1, each continuing its row's cached prompt."""
+    prompt = {"input_ids": batch["prompt_input_ids"], "attention_mask": batch[PROMPT_KEYS[1]]}
+    rows, width = prompt["input_ids"].shape
+    if "adapter_ids" in batch:
+        prompt["adapter_ids"] = jnp.broadcast_to(batch["adapter_ids"], (rows,))
+    total = width + batch["input_ids"].shape[-1]
+    _check_shared_length(config, total)
+    layers, kv_heads, head_dim, _ = cache_dims(config)
+    dtype = jax.eval_shape(lambda: forward(prompt, None, None)).logits.dtype
+    cache = KVCache.empty(layers, rows, total, kv_heads, head_dim, dtype)
+    prompt_key, completion_key = (None, None) if key is None else jax.random.split(key)
+    first = forward(prompt, prompt_key, cache)
+    cache = first.cache
+    both = KVCache(  # each row's cache twice: for its chosen, then its rejected
+        jnp.repeat(cache.key, 2, axis=1),
+        jnp.repeat(cache.value, 2, axis=1),
+        jnp.repeat(cache.valid, 2, axis=0),
+        cache.index,
+    )
+    return first.logits, forward(_flat(batch), completion_key, both).logits
+
+
+def _completion_log_probs(
+    prompt_logits: Array, logits: Array, labels: Array
+) -> tuple[Array, Array]:
+    """Each completion's summed log-probability of its scored labels `(2 * rows,
+    completion)` (its first token predicted by its prompt's last logit), and how many
+    it sums."""
+    first, first_valid = _token_log_probs(jnp.repeat(prompt_logits[:, -1], 2, axis=0), labels[:, 0])
+    rest, rest_valid = _token_log_probs(logits[:, :-1], labels[:, 1:])
+    counts = first_valid.astype(jnp.float32) + jnp.sum(rest_valid, axis=1).astype(jnp.float32)
+    return first + jnp.sum(rest, axis=1), counts
+
+
+def _log_probs(forward: Forward, config: Any, batch: Batch, key: Any) -> tuple[Any, Array, Array]:
+    """The logits (the prompts' and the completions' for shared prompts), and each
+    sequence's summed completion log-probability and its count, chosen and rejected of
+    pair i at 2i and 2i + 1."""
+    if _shared(batch):
+        prompt_logits, logits = _shared_logits(forward, config, batch, key)
+        labels = jnp.where(scored_labels(batch), batch["labels"], IGNORE)
+        labels = labels.reshape(logits.shape[:2])
+        return (prompt_logits, logits), *_completion_log_probs(prompt_logits, logits, labels)
+    flat = _flat(batch)
+    logits = forward(flat, key, None).logits
+    return logits, *sequence_log_probs(logits, batch["labels"].reshape(flat["input_ids"].shape))
+
+
+def _reference_log_probs(reference: Any, config: Any, batch: Batch) -> tuple[Array, Array]:
     """The batch's reference log-probabilities: stored with it, or those of
     `reference()` (a callable model, made only when needed)."""
     if all(k in batch for k in REFERENCE_KEYS):
         return tuple(batch[k].astype(jnp.float32) for k in REFERENCE_KEYS)
-    flat = _flat(batch)
-    out = reference()(flat["input_ids"], flat["attention_mask"])
-    logps, _ = sequence_log_probs(out.logits, batch["labels"].reshape(flat["input_ids"].shape))
+
+    def forward(b: Batch, key: Any, cache: Any) -> Any:
+        return reference()(b["input_ids"], b["attention_mask"], cache=cache)
+
+    _, logps, _ = _log_probs(forward, config, batch, None)
     return _pairs_of(jax.lax.stop_gradient(logps))
 
 
 def _policy(model: Any, batch: Batch, key: PRNGKeyArray | None) -> tuple[Any, Array, Array]:
-    flat = _flat(batch)
-    out = model_output(model, flat, key)
-    logps, counts = sequence_log_probs(out.logits, batch["labels"].reshape(flat["input_ids"].shape))
-    return out, logps, counts
+    def forward(b: Batch, key: Any, cache: Any) -> Any:
+        return model_output(model, b, key, cache=cache)
+
+    return _log_probs(forward, base_model(model).config, batch, key)
 
 
 def _valid_pairs(batch: Batch) -> Array:
     """Pairs whose chosen sequence has a labelled token (the padding rows of an eval
     batch have none)."""
-    return jnp.any(batch["labels"][:, 0, 1:] >= 0, axis=-1)
+    return jnp.any(scored_labels(batch)[:, 0], axis=-1)
 
 
 def _check_choice(value: Any, choices: tuple, name: str) -> None:
@@ -134,7 +227,9 @@ def dpo_loss(
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing!r}")
     _, logps, _ = _policy(model, batch, key)
     chosen, rejected = _pairs_of(logps)
-    ref_chosen, ref_rejected = _reference_log_probs(lambda: reference_model(model), batch)
+    ref_chosen, ref_rejected = _reference_log_probs(
+        lambda: reference_model(model), base_model(model).config, batch
+    )
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     delta = chosen_ratio - rejected_ratio
     if loss_type == "sigmoid":
@@ -202,13 +297,9 @@ def orpo_loss(
     log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
     ratio = jax.nn.log_sigmoid(log_odds)
     valid = _valid_pairs(batch)
-    # the likelihood of the chosen sequences over every attended token, the prompt's too
-    attended = jnp.where(batch["attention_mask"][:, 0] > 0, batch["input_ids"][:, 0], IGNORE)
-    attended = jnp.where(valid[:, None], attended, IGNORE)
-    chosen_logits = out.logits.reshape(*batch["input_ids"].shape, -1)[:, 0]
-    token_logps, tokens = sequence_log_probs(chosen_logits, attended)
+    token_logps, tokens = _chosen_likelihood(out, batch, valid)
     pairs = jnp.sum(valid).astype(jnp.float32)
-    nll = -jnp.sum(token_logps) / jnp.maximum(jnp.sum(tokens), 1.0)
+    nll = -token_logps / jnp.maximum(tokens, 1.0)
     total = nll * pairs - beta * jnp.sum(jnp.where(valid, ratio, 0.0))
     chosen_reward, rejected_reward = (jax.lax.stop_gradient(beta * x) for x in (chosen, rejected))
     metrics = {
@@ -226,6 +317,33 @@ def orpo_loss(
     return total, sums
 
 
+def _chosen_likelihood(logits: Any, batch: Batch, valid: Array) -> tuple[Array, Array]:
+    """The summed log-likelihood of the valid pairs' chosen sequences over every attended
+    token (the prompt's too), and how many tokens it sums."""
+
+    def attended(ids: Array, mask: Array) -> Array:
+        keep = (mask > 0) & valid.reshape((-1,) + (1,) * (ids.ndim - 1))
+        return jnp.where(keep, ids, IGNORE)
+
+    chosen = attended(batch["input_ids"][:, 0], batch["attention_mask"][:, 0])
+    if not _shared(batch):
+        chosen_logits = logits.reshape(*batch["input_ids"].shape, -1)[:, 0]
+        logps, tokens = sequence_log_probs(chosen_logits, chosen)
+        return jnp.sum(logps), jnp.sum(tokens)
+    prompt_logits, logits = logits
+    prompt_ids, prompt_mask = batch[PROMPT_KEYS[0]], batch[PROMPT_KEYS[1]]
+    # left-padded: a prompt token is predicted where the position before it is a token too
+    targets = attended(prompt_ids[:, 1:], prompt_mask[:, 1:] * prompt_mask[:, :-1])
+    in_prompt, in_prompt_valid = _token_log_probs(prompt_logits[:, :-1], targets)
+    # the completion's first token follows the prompt's last, if the prompt has any
+    chosen = chosen.at[:, 0].set(jnp.where(prompt_mask[:, -1] > 0, chosen[:, 0], IGNORE))
+    first, first_valid = _token_log_probs(prompt_logits[:, -1], chosen[:, 0])
+    rest, rest_valid = _token_log_probs(logits[0::2, :-1], chosen[:, 1:])
+    total = jnp.sum(in_prompt) + jnp.sum(first) + jnp.sum(rest)
+    tokens = sum(jnp.sum(v) for v in (in_prompt_valid, first_valid, rest_valid))
+    return total, tokens.astype(jnp.float32)
+
+
 @eqx.filter_jit
 def _reference_batch(model: Any, batch: Batch) -> tuple[Array, Array]:
     def reference() -> Any:
@@ -234,7 +352,7 @@ def _reference_batch(model: Any, batch: Batch) -> tuple[Array, Array]:
         return use_implicit_args(model)
 
     unstored = {k: v for k, v in batch.items() if k not in REFERENCE_KEYS}
-    return _reference_log_probs(reference, unstored)
+    return _reference_log_probs(reference, base_model(model).config, unstored)
 
 
 def precompute_ref_log_probs(

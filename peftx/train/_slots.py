@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from ..adapters import AbstractLoraBank
+from ._data import scored_labels
 
 
 def _is_bank(x: Any) -> bool:
@@ -86,7 +87,7 @@ def row_counts(batch: dict[str, Array]) -> Float[Array, " batch"]:
     (labels `(batch, 2, seq)`: one per pair with a labelled chosen token) count them."""
     labels = batch["labels"]
     if labels.ndim == 3:
-        return jnp.any(labels[:, 0, 1:] >= 0, axis=-1).astype(jnp.float32)
+        return jnp.any(scored_labels(batch)[:, 0], axis=-1).astype(jnp.float32)
     valid = labels[:, 1:] >= 0 if labels.ndim == 2 else labels >= 0
     return valid.reshape(valid.shape[0], -1).sum(axis=1).astype(jnp.float32)
 

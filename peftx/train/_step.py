@@ -102,7 +102,9 @@ def trained_model(state: TrainState, frozen: Any) -> PeftModel | PeftBankModel:
     return model
 
 
-def model_output(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Any:
+def model_output(
+    model: Any, batch: Batch, key: PRNGKeyArray | None = None, *, cache: Any = None
+) -> Any:
     """`model(input_ids, attention_mask)`, with `key` for the model's own dropout if it
     takes one. Packed rows (`batch["position_ids"]`, from `encode_causal_lm(...,
     pack=True)`) run as `model(input_ids, position_ids=position_ids)`: without a mask, the
@@ -112,20 +114,27 @@ def model_output(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> A
     `adapter_ids`) runs each row through its own adapter; when adapters have
     `modules_to_save` copies (a classifier), which replace a whole module, one example
     per call under `jax.vmap`, each with its own dropout keys (each output field then has
-    a leading axis of examples)."""
-    takes_key = "key" in inspect.signature(type(_base(model)).__call__).parameters
+    a leading axis of examples). With a `cache` (`KVCache`), the rows continue the cached
+    tokens and the output holds the cache with them added."""
+    takes_key = "key" in inspect.signature(type(base_model(model)).__call__).parameters
     ids, mask, packed = batch["input_ids"], batch["attention_mask"], {}
     if "position_ids" in batch:
         mask, packed = None, {"position_ids": batch["position_ids"]}
 
     def run(model: Any, ids: Array, mask: Any, packed: dict, key: Any, **kw: Any) -> Any:
         extra = {"key": key} if takes_key and key is not None else {}
+        extra |= {} if cache is None else {"cache": cache}
         return model(ids, mask, **packed, **kw, **extra)
 
     if "adapter_ids" not in batch:
         return run(model, ids, mask, packed, key)
     if not model.saved_modules:
         return run(model, ids, mask, packed, key, adapter_names=batch["adapter_ids"])
+    if cache is not None:
+        raise ValueError(
+            "a mixed batch of adapters that save whole modules (modules_to_save) runs one "
+            "example at a time, which continues no shared cache; leave the prompts unshared"
+        )
 
     def one(row: tuple, adapter: Array, key: PRNGKeyArray | None) -> Any:
         m, k = model, None
@@ -144,7 +153,8 @@ def logits(model: Any, batch: Batch, key: PRNGKeyArray | None = None) -> Array:
     return model_output(model, batch, key).logits
 
 
-def _base(model: Any) -> Any:
+def base_model(model: Any) -> Any:
+    """The model under a `PeftModel` or `PeftBankModel`'s adapters, or `model` itself."""
     return model.base_model if isinstance(model, PeftModel | PeftBankModel) else model
 
 
@@ -189,7 +199,7 @@ def causal_lm_loss(
     total = jnp.sum(jnp.where(valid, ce, 0.0))
     aux = getattr(out, "aux_loss", None)
     if aux is not None:
-        coef = _base(model).config.router_aux_loss_coef
+        coef = base_model(model).config.router_aux_loss_coef
         total = total + coef * jnp.mean(aux) * count
     return total, {"count": count}
 
