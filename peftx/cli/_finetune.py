@@ -289,6 +289,23 @@ def _loss(job: Job, labels: Any) -> Any:
     return train.classification_loss if labels else train.causal_lm_loss
 
 
+def _shared_prompts(pairs: list[tuple[dict, dict]]) -> list:
+    """Each dataset's pairs with their prompts held once (`[data] share_prompts`), all of
+    one prompt and one completion length, so that several adapters' rows mix in a batch."""
+    shared = [tuple(train.share_prompts(d) for d in pair) for pair in pairs]
+    prompt, completion = (
+        max(d[key].shape[-1] for pair in shared for d in pair)
+        for key in ("prompt_input_ids", "input_ids")
+    )
+    return [
+        tuple(
+            train.share_prompts(d, prompt_length=prompt, completion_length=completion)
+            for d in pair
+        )
+        for pair in pairs
+    ]
+
+
 def _with_reference(job: Job, model: Any, pairs: list[tuple[dict, dict]]) -> list:
     """Each dataset with the reference's log-probabilities (`[dpo]
     precompute_ref_log_probs`): one pass of the base model before training."""
@@ -363,6 +380,8 @@ def _run(
             peft_model, batches, key=jax.random.fold_in(model_key, 1), loss_fn=_loss(job, labels)
         )
     start = _conversion_start(peft_model) if not (job.multi or job.bank) else None
+    if job.data["share_prompts"]:
+        pairs = _shared_prompts(pairs)
     if job.train["objective"] == "dpo" and job.dpo["precompute_ref_log_probs"]:
         pairs = _with_reference(job, peft_model, pairs)
     if job.multi:

@@ -47,6 +47,8 @@ DATA_KEYS = {
     "max_length": 128,
     "truncation_mode": "keep_start",
     "pack": False,
+    # preference pairs: each prompt run once for both completions (None: true for them)
+    "share_prompts": None,
 }
 TRAIN_KEYS = {
     "objective": "sft",
@@ -280,8 +282,19 @@ def _check_objective(job: "Job", path: Path) -> None:
         if not isinstance(d[key], str):
             raise UsageError(f"{path}: data.{key} must be a string, got {d[key]!r}")
     _check_keep_best(job, path)
+    if d["share_prompts"] not in (None, True, False):
+        raise UsageError(
+            f"{path}: data.share_prompts must be true or false, got {d['share_prompts']!r}"
+        )
     if objective == "sft":
+        if d["share_prompts"] is not None:
+            raise UsageError(
+                f"{path}: data.share_prompts runs a preference pair's prompt once for both "
+                'completions; it applies to train.objective = "dpo" or "orpo"'
+            )
         return
+    if d["share_prompts"] is None:
+        d["share_prompts"] = True
     if job.model.task != "causal-lm":
         raise UsageError(f'{path}: train.objective = "{objective}" needs model.task = "causal-lm"')
     if d["messages_column"] is not None or "text_column" in raw.get("data", {}):

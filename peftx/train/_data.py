@@ -761,7 +761,7 @@ def scored_labels(batch: dict[str, Any]) -> Any:
     token before them to predict them (the prompt's last, for the first of a completion
     whose prompt is shared). For numpy and jax arrays alike."""
     labels = batch["labels"]
-    first = np.arange(labels.shape[-1]) == 0
+    first = (np.arange(labels.shape[-1]) == 0)[None, None, :]
     if PROMPT_KEYS[1] in batch:  # the first is scored when the prompt has a last token
         return (labels >= 0) & ~(first & (batch[PROMPT_KEYS[1]][:, -1] == 0)[:, None, None])
     return (labels >= 0) & ~first
