@@ -26,11 +26,10 @@ from helpers import (
     word_tokenizer,
     write_jsonl,
 )
+from hypothesis import given, settings, strategies as st
 
 import peftx
 from peftx.implicit import use_implicit_args
-from hypothesis import given, settings, strategies as st
-
 from peftx.train import (
     DPO_LOSS_TYPES,
     IGNORE,
@@ -675,9 +674,7 @@ dir = "run"
 
 
 @pytest.mark.command_run
-def test_a_job_with_prompts_shared_writes_the_adapter_of_prompts_run_twice(
-    llama, tmp_path, capsys
-):
+def test_a_job_with_prompts_shared_writes_the_adapter_of_prompts_run_twice(llama, tmp_path, capsys):
     """`[data] share_prompts` (on by default for preference tuning) changes how a step runs
     the pairs, not what it computes: three DPO steps write the adapter of the same job
     with the prompts run twice, to float32 rounding."""
