@@ -14,8 +14,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from .._bank import PeftBankModel
 from .._peft_model import PeftModel
 from ..implicit import use_implicit_args
-from ..models import KVCache
-from ..models._generate import cache_dims
+from ..models import KVCache, cache_dims
 from ._data import IGNORE, PROMPT_KEYS, scored_labels
 from ._step import Batch, base_model, model_output
 
