@@ -82,9 +82,10 @@ def eva(tmp_path_factory):
     return path, ours, saved
 
 
-def _peft_eva(path, tmp_path):
+def _peft_eva(path, tmp_path, **eva_config):
+    eva_config = {"tau": 0.9, **eva_config}
     theirs = peft.get_peft_model(
-        torch_base(path, "llama"), peft.LoraConfig(**EVA, eva_config=peft.EvaConfig(tau=0.9))
+        torch_base(path, "llama"), peft.LoraConfig(**EVA, eva_config=peft.EvaConfig(**eva_config))
     )
     torch_batches = [{k: torch.tensor(v) for k, v in b.items()} for b in _batches()]
     peft.initialize_lora_eva_weights(theirs, torch_batches, show_progress_bar=False)
@@ -168,6 +169,38 @@ def test_eva_on_eight_devices_equals_one_devices(tmp_path):
     FSDP and tensor parallel): each layer's inputs reach the PCA whole, so the ranks and
     every factor are the one-device run's (fp32 rounding of the sharded products)."""
     run_script(tmp_path / "eva_mesh.py", MESH_SCRIPT)
+
+
+@pytest.mark.variant_sweep
+def test_eva_whitened_divides_each_component_once_by_its_root_singular_value(
+    eva, tmp_path, monkeypatch
+):
+    """`whiten=True` divides each component by the square root of its singular value, as
+    PEFT's EVA says, against PEFT's own (its PCA made exact, as above). Where layers share
+    one input (here q_proj and v_proj), PEFT divides the components twice: it whitens in
+    place a slice of the PCA's components that each layer on that input takes, so its
+    `lora_A` there is the single whitening's squared ratio to the plain one."""
+    path, _, plain_dir = eva
+    monkeypatch.setattr(
+        PeftIncrementalPCA, "_svd_fn_lowrank", PeftIncrementalPCA._svd_fn_full, raising=True
+    )
+    config = peftx.LoraConfig(**EVA, eva_config=dict(tau=0.9, whiten=True))
+    start = peftx.get_peft_model(pm.from_pretrained(path), config, key=jax.random.key(0))
+    ours_dir = tmp_path / "ours"
+    peftx.initialize_lora(start, _batches(), key=jax.random.key(1)).save_pretrained(ours_dir)
+    theirs_dir = _peft_eva(path, tmp_path / "peft", whiten=True)
+    ours, theirs, plain = (load_file(str(d / WEIGHTS)) for d in (ours_dir, theirs_dir, plain_dir))
+    assert sorted(ours) == sorted(theirs)
+    shared_input = (".q_proj.", ".v_proj.")
+    for k in (k for k in theirs if ".lora_A." in k):
+        if not any(s in k for s in shared_input):
+            np.testing.assert_allclose(ours[k], theirs[k], rtol=0, atol=FP32_TOL, err_msg=k)
+            continue
+        # one factor per component: ours = plain · f, PEFT's = plain · f²
+        f = np.sum(ours[k] * plain[k], axis=1) / np.sum(plain[k] ** 2, axis=1)
+        assert not np.allclose(f, 1.0, rtol=1e-2), k  # whitening changed the factor
+        np.testing.assert_allclose(ours[k], plain[k] * f[:, None], atol=FP32_TOL, err_msg=k)
+        np.testing.assert_allclose(theirs[k], plain[k] * (f**2)[:, None], atol=FP32_TOL, err_msg=k)
 
 
 @pytest.mark.variant_sweep
