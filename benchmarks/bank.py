@@ -7,7 +7,10 @@ the machine hit all rows alike; ratios are within the run.
 On the suite's Llama (`suite.py`'s sizes: hidden 512, 4 layers on CPU; ~1B parameters in
 bfloat16 on a GPU), LoRA r=8 on the seven projections, AdamW, `peftx.train`'s step.
 
-Run: `python benchmarks/bank.py [--quick | --tiny | --gpu] [--out FILE]`.
+A batch is 64 rows of the suite's row length (128 tokens on CPU: each of 64 adapters gets
+a row), or `--tokens N` in all (`--tokens 1024`: the suite's CPU batch, in rows of 16).
+
+Run: `python benchmarks/bank.py [--quick | --tiny | --gpu] [--tokens N] [--out FILE]`.
 """
 
 import argparse
@@ -130,6 +133,12 @@ def main() -> None:
     parser.add_argument(
         "--grouped", action="store_true", help="also time the products grouped by slot (SGMV)"
     )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        help="tokens a batch (default: 64 rows of the suite's row length; on a GPU, the "
+        "suite's batch)",
+    )
     args = parser.parse_args()
     name = "gpu" if args.gpu else "quick" if args.quick else "tiny" if args.tiny else "full"
     sizes = SIZES[name]
@@ -139,8 +148,8 @@ def main() -> None:
         llama = (*llama[:2], 8, *llama[3:])
     c = llama_config(llama)
     *_, b, s = llama
-    tokens = b * s
     wide, widest = (64, 256) if not args.tiny else (8, 16)  # rows of the two batches
+    tokens = args.tokens or (b * s if args.gpu else wide * s)
     counts = [1, 8, wide] if not args.tiny else [1, 4, wide]
     set_counts = ([1, 8, 32] if not args.gpu else [8]) if not args.tiny else [1, 4]
     grouped = args.grouped

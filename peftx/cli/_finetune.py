@@ -299,8 +299,7 @@ def _shared_prompts(pairs: list[tuple[dict, dict]]) -> list:
     )
     return [
         tuple(
-            train.share_prompts(d, prompt_length=prompt, completion_length=completion)
-            for d in pair
+            train.share_prompts(d, prompt_length=prompt, completion_length=completion) for d in pair
         )
         for pair in pairs
     ]

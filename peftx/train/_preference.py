@@ -37,13 +37,18 @@ def sequence_log_probs(
 ) -> tuple[Float[Array, " rows"], Float[Array, " rows"]]:
     """Each row's summed log-probability of its labelled tokens (position t predicts
     `labels[t + 1]`; -100 is left out), in float32, and how many tokens that sums."""
-    targets = labels[:, 1:]
+    per_token, valid = _token_log_probs(logits[:, :-1], labels[:, 1:])
+    return jnp.sum(per_token, axis=1), jnp.sum(valid, axis=1).astype(jnp.float32)
+
+
+def _token_log_probs(logits: Array, targets: Array) -> tuple[Array, Array]:
+    """Each position's float32 log-probability of its target (-100: none, giving 0), and
+    which positions have one."""
     valid = targets >= 0
     per_token = -optax.softmax_cross_entropy_with_integer_labels(
-        logits[:, :-1].astype(jnp.float32), jnp.where(valid, targets, 0)
+        logits.astype(jnp.float32), jnp.where(valid, targets, 0)
     )
-    counts = jnp.sum(valid, axis=1).astype(jnp.float32)
-    return jnp.sum(jnp.where(valid, per_token, 0.0), axis=1), counts
+    return jnp.where(valid, per_token, 0.0), valid
 
 
 def _pairs_of(x: Array) -> tuple[Array, Array]:
@@ -71,16 +76,6 @@ def _shared(batch: Batch) -> bool:
     return PROMPT_KEYS[0] in batch
 
 
-def _token_log_probs(logits: Array, targets: Array) -> tuple[Array, Array]:
-    """Each position's float32 log-probability of its target (-100: none, giving 0), and
-    which positions have one."""
-    valid = targets >= 0
-    per_token = -optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), jnp.where(valid, targets, 0)
-    )
-    return jnp.where(valid, per_token, 0.0), valid
-
-
 def _check_shared_length(config: Any, total: int) -> None:
     rope = getattr(config, "rope_parameters", None) or {}
     switch = {
@@ -105,7 +100,7 @@ def _shared_logits(forward: Forward, config: Any, batch: Batch, key: Any) -> tup
     """The prompts' logits `(rows, prompt, vocab)`, run once with their keys and values
     cached, and the completions' `(2 * rows, completion, vocab)`, chosen and rejected of
     row i at 2i and 2i + 1, each continuing its row's cached prompt."""
-    prompt = {"input_ids": batch["prompt_input_ids"], "attention_mask": batch[PROMPT_KEYS[1]]}
+    prompt = {"input_ids": batch[PROMPT_KEYS[0]], "attention_mask": batch[PROMPT_KEYS[1]]}
     rows, width = prompt["input_ids"].shape
     if "adapter_ids" in batch:
         prompt["adapter_ids"] = jnp.broadcast_to(batch["adapter_ids"], (rows,))
@@ -201,7 +196,8 @@ def dpo_loss(
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid",
     label_smoothing: float = 0.0,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """TRL's DPO loss over a batch of pairs (`encode_preference`), summed over pairs: pass
+    """TRL's DPO loss over a batch of pairs (`encode_preference`, or `share_prompts` to run
+    each prompt once), summed over pairs: pass
     it to `make_train_step` or `fit` as `functools.partial(dpo_loss, beta=...)`.
 
     The log-ratios are the policy's summed completion log-probabilities less the
@@ -276,7 +272,8 @@ def _log1mexp(x: Array) -> Array:
 def orpo_loss(
     model: Any, batch: Batch, key: PRNGKeyArray | None = None, *, beta: float = 0.1
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
-    """TRL's ORPO loss over a batch of pairs (`encode_preference`), summed over pairs: the
+    """TRL's ORPO loss over a batch of pairs (`encode_preference`, or `share_prompts` to run
+    each prompt once), summed over pairs: the
     chosen sequences' negative log-likelihood less `beta` times `log σ` of the log
     odds ratio of the chosen over the rejected completion, its log-probabilities
     averaged over the completion's tokens. No reference model.
@@ -357,11 +354,12 @@ def _reference_batch(model: Any, batch: Batch) -> tuple[Array, Array]:
 def precompute_ref_log_probs(
     model: Any, data: dict[str, np.ndarray], *, batch_size: int = 8
 ) -> dict[str, np.ndarray]:
-    """`data` (from `encode_preference`) with `ref_chosen_logps` and `ref_rejected_logps`:
-    the reference's summed completion log-probabilities of each pair, computed once
-    (TRL's `precompute_ref_log_probs`), so that `dpo_loss` runs no reference forward in
-    a step. The reference is `model` with its adapters disabled (`reference_model`), or
-    `model` itself if it has none (a separate reference model of your own)."""
+    """`data` (from `encode_preference` or `share_prompts`) with `ref_chosen_logps` and
+    `ref_rejected_logps`: the reference's summed completion log-probabilities of each
+    pair, computed once (TRL's `precompute_ref_log_probs`), so that `dpo_loss` runs no
+    reference forward in a step. The reference is `model` with its adapters disabled
+    (`reference_model`), or `model` itself if it has none (a separate reference model of
+    your own)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     rows = len(data["input_ids"])
