@@ -119,8 +119,9 @@ def initialize_lora(
     - `model`: a `PeftModel` with one LoRA adapter whose config says `"eva"`, `"corda"` or
       `"lora_ga"` (its `eva_config`, `corda_config` or `lora_ga_config`, or their defaults).
     - `batches`: a few batches as `peftx.train` takes them (`input_ids`,
-      `attention_mask`, optionally `labels` and packing's `position_ids`), run through the
-      base model (cycled until EVA's components converge). EVA reads the tokens of
+      `attention_mask`, optionally `labels` and packing's `position_ids`; preference pairs
+      as their two sequences), run through the base model (cycled until EVA's components
+      converge). EVA reads the tokens of
       `attention_mask`, less those labelled `eva_config.label_mask_value`; CorDA takes
       each row's tokens of `attention_mask` as one sample (PEFT's hook reads one sample per
       forward pass).
@@ -164,9 +165,25 @@ def initialize_lora(
     names, probe_model = _probe(model.base_model, name)
     if init == "lora_ga":
         return _lora_ga(model, name, config, names, batches, key, loss_fn)
+    batches = [_sequences(b) for b in batches]
     if init == "corda":
         return _corda(model, name, config, names, probe_model, batches)
     return _eva(model, name, config, names, probe_model, batches, key, max_batches)
+
+
+def _sequences(batch: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A batch of sequences: preference pairs (`encode_preference`, `(rows, 2, length)`)
+    as their chosen and rejected sequences, each a row, which is what the model sees of
+    them in training."""
+    if "prompt_input_ids" in batch:
+        raise ValueError(
+            "initialize_lora reads the layers' inputs on whole sequences; pass the preference "
+            "pairs as encode_preference makes them, before share_prompts."
+        )
+    if np.ndim(batch["input_ids"]) != 3:
+        return batch
+    keys = ("input_ids", "attention_mask", "labels")
+    return {k: np.reshape(batch[k], (-1, np.shape(batch[k])[-1])) for k in keys if k in batch}
 
 
 def _probe(base_model: Any, name: str) -> tuple[list[str], Any]:

@@ -204,6 +204,28 @@ def test_eva_whitened_divides_each_component_once_by_its_root_singular_value(
 
 
 @pytest.mark.variant_sweep
+def test_eva_on_preference_pairs_reads_both_sequences_of_each(eva):
+    """Pairs `(rows, 2, length)` (a DPO job's `[init]` batches) are read as their chosen
+    and rejected sequences, each a row: the same adapter as those rows given as sequences
+    (the form checked against PEFT above). Pairs with their prompts shared are refused."""
+    path, _, _ = eva
+    flat = _batches()
+    pairs = [
+        {k: np.stack([a[k], b[k]], axis=1) for k in a} for a, b in zip(flat, flat[1:] + flat[:1])
+    ]
+    as_rows = [{k: v.reshape(-1, v.shape[-1]) for k, v in p.items()} for p in pairs]
+    config = peftx.LoraConfig(**EVA, eva_config=dict(tau=0.9))
+    start = peftx.get_peft_model(pm.from_pretrained(path), config, key=jax.random.key(0))
+    got, want = (peftx.initialize_lora(start, b, key=jax.random.key(1)) for b in (pairs, as_rows))
+    assert got.peft_config == want.peft_config
+    for a, b in zip(*(jax.tree.leaves(peftx.partition(m)[0]) for m in (got, want)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    shared = peftx.train.share_prompts(pairs[0])
+    with pytest.raises(ValueError, match="before share_prompts"):
+        peftx.initialize_lora(start, [shared], key=jax.random.key(1))
+
+
+@pytest.mark.variant_sweep
 def test_eva_is_peft_s_within_its_randomized_svd(eva, tmp_path):
     path, _, saved = eva
     _assert_eva_files_match(saved, _peft_eva(path, tmp_path), RANDOMIZED_TOL)
