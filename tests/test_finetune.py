@@ -390,8 +390,9 @@ def test_init_table_schema(llama, tmp_path):
             Job(job, list(sets))
     text = job.read_text().replace('text_column = "answer"', 'chosen_column = "answer"')
     job.write_text(text.replace("pack = true", 'rejected_column = "answer"'))
+    assert Job(job, [*eva, "train.objective=dpo"]).initializes  # EVA reads pairs' sequences
     with pytest.raises(UsageError, match="train.objective 'dpo' has preference pairs"):
-        Job(job, [*eva, "train.objective=dpo"])
+        Job(job, ["lora.init_lora_weights=lora_ga", "train.objective=dpo"])
 
 
 def test_errors(bert, tmp_path, capsys):

@@ -701,6 +701,26 @@ def test_a_job_with_prompts_shared_writes_the_adapter_of_prompts_run_twice(llama
         np.testing.assert_allclose(shared[k], twice[k], rtol=1e-4, atol=1e-4 * scale, err_msg=k)
 
 
+@pytest.mark.command_run
+def test_a_dpo_job_initializes_eva_from_its_pairs(llama, tmp_path, capsys):
+    """`init_lora_weights = "eva"` with `[init]` in a DPO job: EVA reads the pairs' chosen
+    and rejected sequences, then the job trains with the prompts shared."""
+    write_jsonl(tmp_path / "train.jsonl", _toy_pairs(np.random.default_rng(0), 24))
+    (tmp_path / "job.toml").write_text(
+        f'[model]\npath = "{llama / "base"}"\ntask = "causal-lm"\n'
+        '[data]\ntrain = "train.jsonl"\neval = "train.jsonl"\nprompt_column = "question"\n'
+        'chosen_column = "good"\nrejected_column = "bad"\n'
+        '[lora]\nr = 4\nlora_alpha = 8\ntarget_modules = ["q_proj", "v_proj"]\n'
+        'init_lora_weights = "eva"\n[init]\nbatches = 2\n'
+        '[train]\nobjective = "dpo"\nbatch_size = 8\nsteps = 2\n[output]\ndir = "run"\n'
+    )
+    code, out, err = run_cli(capsys, "finetune", tmp_path / "job.toml")
+    assert code == 0, err
+    assert "initializing the adapter from 2 train batches" in out
+    config = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert config["init_lora_weights"] == "eva"
+
+
 # -- bad input: one clear error, naming what is at fault ----------------------------------
 
 

@@ -469,10 +469,14 @@ class Job:
                 f"{path}: init_lora_weights {list(DATA_INITS)} initializes a job of one adapter "
                 "(a [lora] table), not [[adapters]] or a [bank]"
             )
-        if data_driven and self.train["objective"] != "sft":
+        gradient_init = any(
+            getattr(a.config, "init_lora_weights", None) == "lora_ga" for a in self.adapters
+        )
+        if gradient_init and self.train["objective"] != "sft":
             raise UsageError(
-                f"{path}: init_lora_weights {list(DATA_INITS)} reads supervised batches; "
-                f"train.objective {self.train['objective']!r} has preference pairs"
+                f"{path}: init_lora_weights 'lora_ga' takes the gradient of the supervised "
+                f"loss; train.objective {self.train['objective']!r} has preference pairs "
+                "(eva and corda read them)"
             )
         init = self.init
         for key in ("batches", "batch_size"):
