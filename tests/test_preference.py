@@ -269,12 +269,23 @@ def _check_reference(model, base, data, batch_size=2, shared=False):
     return in_step
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["pairs", "prompts_shared"])
-def test_the_reference_is_the_base_and_precomputed_equals_in_step(pair_model, shared, getkey):
+@pytest.mark.parametrize(
+    "shared, truncation",
+    [(False, "keep_start"), (True, "keep_start"), (True, "keep_end")],
+    ids=["pairs", "prompts_shared", "prompts_cut_apart"],
+)
+def test_the_reference_is_the_base_and_precomputed_equals_in_step(
+    pair_model, shared, truncation, getkey
+):
+    """Also with `keep_end` cutting the two sequences of a pair at different places, so
+    that some pairs share little or nothing of their prompts."""
     _, tok, base = pair_model
     config = peftx.LoraConfig(**LORA, init_lora_weights=False)
     model = peftx.get_peft_model(base, config, key=getkey())
-    data = encode_preference(tok, TEXT_ROWS, max_length=16)
+    length = 16 if truncation == "keep_start" else 4
+    data = encode_preference(tok, TEXT_ROWS, max_length=length, truncation_mode=truncation)
+    if truncation == "keep_end":  # the cut leaves pairs whose sequences start apart
+        assert share_prompts(data)["prompt_attention_mask"].sum(1).min() == 0
     _check_reference(model, base, data, shared=shared)
 
 
