@@ -487,7 +487,10 @@ def _with_slot(bank: Any, slot: int, factors: list[Factors | None]) -> Any:
             fa, fb, scale, rate = f
             r = fa.shape[-2]
             a[..., :r, :] = np.asarray(fa, a.dtype)
-            b[..., :r] = np.asarray(fb, b.dtype)
+            if isinstance(bank, LoraBank):  # B rank-major, (rank, out)
+                b[:r] = np.asarray(fb, b.dtype).T
+            else:
+                b[..., :r] = np.asarray(fb, b.dtype)
         a_rows.append(a)
         b_rows.append(b)
         scales.append(scale)
@@ -546,7 +549,10 @@ def _with_slot_factors(model: Any, bank_model: PeftBankModel, name: str) -> Any:
         expert = type(adapter) is ExpertLoraArray
         r = adapter.r
         a = jnp.stack([values[p][0][..., :r, :] for p in layer_paths(path)])
-        b = jnp.stack([values[p][1][..., :r] for p in layer_paths(path)])
+        if expert:
+            b = jnp.stack([values[p][1][..., :r] for p in layer_paths(path)])
+        else:  # the bank's B is rank-major, PEFT's (out, rank)
+            b = jnp.stack([values[p][1][:r].T for p in layer_paths(path)])
         if expert:  # PEFT's layouts: A (r·experts, in) expert-major, B (out, r·experts)
             a = a.reshape(a.shape[0], -1, a.shape[-1])
             b = jnp.moveaxis(b, 1, -1).reshape(b.shape[0], b.shape[2], -1)
@@ -598,7 +604,7 @@ def bank_from(
         return LoraBank(
             s.weight,
             jnp.zeros((*stack, max_adapters, max_rank, d_in), a_dtype),
-            jnp.zeros((*stack, max_adapters, d_out, max_rank), b_dtype),
+            jnp.zeros((*stack, max_adapters, max_rank, d_out), b_dtype),
             jnp.zeros((*stack, max_adapters), jnp.float32),
             jnp.zeros((*stack, max_adapters), jnp.float32),
             None,

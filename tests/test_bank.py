@@ -311,7 +311,7 @@ def test_each_adapters_gradient_is_its_own_rows_alone(zoo, max_adapters):
         slot = bank.table.slot(name)
         r = want.lora_A.shape[0]
         got_a = layer(g).lora_A[slot, :r]
-        got_b = layer(g).lora_B[slot, :, :r]
+        got_b = layer(g).lora_B[slot, :r].T  # the bank holds B rank-major
         np.testing.assert_allclose(got_a, want.lora_A, rtol=1e-4, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(got_b, want.lora_B, rtol=1e-4, atol=1e-6, err_msg=name)
 
@@ -457,7 +457,7 @@ def test_dropout_draws_each_rows_own_slots_rate():
     k = jax.random.split(jax.random.key(0), 4)
     w = jax.random.normal(k[0], (6, 5))
     a = jax.random.normal(k[1], (2, 3, 5))
-    b = jax.random.normal(k[2], (2, 6, 3))
+    b = jax.random.normal(k[2], (2, 3, 6))  # rank-major: (slots, rank, out)
     bank = peftx.adapters.LoraBank(
         w, a, b, jnp.asarray([0.7, 1.3]), jnp.asarray([0.5, 0.0]), jnp.asarray([0, 1, 2])
     )
@@ -466,7 +466,7 @@ def test_dropout_draws_each_rows_own_slots_rate():
         lambda m, x: jax.lax.dot_general(x, m, (((2,), (1,)), ((), ())))
     )
     plain = product(bank, x)
-    want = [x[i] @ (w + s * b[i] @ a[i]).T for i, s in ((0, 0.7), (1, 1.3))] + [x[2] @ w.T]
+    want = [x[i] @ (w + s * b[i].T @ a[i]).T for i, s in ((0, 0.7), (1, 1.3))] + [x[2] @ w.T]
     np.testing.assert_allclose(plain, jnp.stack(want), rtol=1e-5, atol=1e-5)
 
     def dropped(key):

@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent(
             assert specs == (P(None, None, "fsdp"), P(None, None, None, "fsdp"), P()), specs
         else:
             assert specs == (P(None, "tensor", "fsdp"), P(None, None, None, "fsdp"),
-                             P(None, None, "tensor")), specs
+                             P(None, None, None, "tensor")), specs
         with jax.set_mesh(mesh):
             got = np.asarray(jax.jit(lambda m, x, r: m(x, adapter_names=r).logits)(
                 placed, ids, rows))

@@ -54,8 +54,10 @@ class LoraBank(AbstractLoraBank):
     """`W + scaling[s] · B[s] @ A[s]` for the slot `s` each row of the input uses.
 
     - `weight`: the base weight `(*stack, out, in)` (dense or implicit);
-    - `lora_A`: `(*stack, slots, max_rank, in)`, `lora_B`: `(*stack, slots, out, max_rank)`:
-      an adapter of rank `r < max_rank` fills the first `r` ranks, the rest stay zero;
+    - `lora_A`: `(*stack, slots, max_rank, in)`, `lora_B`: `(*stack, slots, max_rank, out)`
+      (rank-major, PEFT's `lora_B` transposed: the per-row products over `out` then run
+      on contiguous rows): an adapter of rank `r < max_rank` fills the first `r` ranks,
+      the rest stay zero;
     - `scaling`: `(*stack, slots)` float32, each slot's `lora_alpha / r` (or `/ √r`), zero
       for a free slot;
     - `dropout`: `(*stack, slots)` float32, each slot's `lora_dropout`, drawn on its rows'
@@ -90,7 +92,7 @@ class LoraBank(AbstractLoraBank):
     weight_axes: ClassVar[Mapping[str, tuple[int | None, ...]]] = {
         "weight": (0, 1),
         "lora_A": (None, None, 1),
-        "lora_B": (None, 0, None),
+        "lora_B": (None, None, 0),
         "scaling": (None,),
         "dropout": (None,),
         "rows": (None,),
@@ -105,7 +107,7 @@ class LoraBank(AbstractLoraBank):
         index = (slice(None),) * self.stack_ndim + (slot,)
         a, b = self.lora_A[index], self.lora_B[index]
         scale = self.scaling[index][..., None, None]
-        return scale * jnp.matmul(b, a)
+        return scale * jnp.matmul(jnp.swapaxes(b, -1, -2), a)
 
     def materialize(self) -> Array:
         w = materialize(self.weight)
@@ -118,7 +120,7 @@ class LoraBank(AbstractLoraBank):
             )
         one = jax.nn.one_hot(self.rows, self.slots, dtype=jnp.float32)  # base row: zeros
         a = jnp.einsum("...s,...sri->...ri", one, self.lora_A)
-        b = jnp.einsum("...s,...sor->...or", one, self.lora_B)
+        b = jnp.einsum("...s,...sro->...or", one, self.lora_B)
         scale = jnp.einsum("...s,...s->...", one, self.scaling)[..., None, None]
         return (w + (scale * jnp.matmul(b, a)).astype(w.dtype)).astype(w.dtype)
 
@@ -169,7 +171,7 @@ def _bank_dot(bank: LoraBank, x: Array, w_is_lhs: bool, params: dict[str, Any]) 
         return add_update(base, _grouped_update(bank, x, p, scale))
     t, t_labels = p.contract(x, p.x, a, (*row_labels, "rank", in_label))
     t = t * p.along(scale.astype(dtype), row_labels, t_labels) if row_labels else t * scale
-    u, u_labels = p.contract(t.astype(dtype), t_labels, b, (*row_labels, out_label, "rank"))
+    u, u_labels = p.contract(t.astype(dtype), t_labels, b, (*row_labels, "rank", out_label))
     return add_update(base, p.arrange(u, u_labels))
 
 
@@ -207,7 +209,7 @@ def _grouped_update(bank: LoraBank, x: Array, p: WeightProduct, scale: Array) ->
     sizes = jnp.where(groups < slots, sizes, 0).astype(jnp.int32)
     chosen = jnp.minimum(groups, slots - 1)
     a = jnp.take(bank.lora_A, chosen, axis=0)  # (groups, rank, in)
-    b = jnp.take(bank.lora_B, chosen, axis=0)  # (groups, out, rank)
+    b = jnp.swapaxes(jnp.take(bank.lora_B, chosen, axis=0), -1, -2)  # (groups, out, rank)
     xs = flat[order].reshape(n_rows * per_row, d_in)
     t = jax.lax.ragged_dot_general(xs, a, sizes, _GROUPED)
     t = t * jnp.repeat(scale[order], per_row)[:, None].astype(t.dtype)
