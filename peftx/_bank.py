@@ -549,13 +549,12 @@ def _with_slot_factors(model: Any, bank_model: PeftBankModel, name: str) -> Any:
         expert = type(adapter) is ExpertLoraArray
         r = adapter.r
         a = jnp.stack([values[p][0][..., :r, :] for p in layer_paths(path)])
-        if expert:
-            b = jnp.stack([values[p][1][..., :r] for p in layer_paths(path)])
-        else:  # the bank's B is rank-major, PEFT's (out, rank)
-            b = jnp.stack([values[p][1][:r].T for p in layer_paths(path)])
         if expert:  # PEFT's layouts: A (r·experts, in) expert-major, B (out, r·experts)
+            b = jnp.stack([values[p][1][..., :r] for p in layer_paths(path)])
             a = a.reshape(a.shape[0], -1, a.shape[-1])
             b = jnp.moveaxis(b, 1, -1).reshape(b.shape[0], b.shape[2], -1)
+        else:  # the bank's B is rank-major, PEFT's (out, rank)
+            b = jnp.stack([values[p][1][:r].T for p in layer_paths(path)])
         if not adapter.stack_ndim:
             a, b = a[0], b[0]
         adapter = eqx.tree_at(

@@ -289,10 +289,13 @@ def _loss(job: Job, labels: Any) -> Any:
     return train.classification_loss if labels else train.causal_lm_loss
 
 
-def _shared_prompts(pairs: list[tuple[dict, dict]]) -> list:
-    """Each dataset's pairs with their prompts held once (`[data] share_prompts`), all of
-    one prompt and one completion length, so that several adapters' rows mix in a batch."""
+def _shared_prompts(pairs: list[tuple[dict, dict]], one_shape: bool) -> list:
+    """Each dataset's pairs with their prompts held once (`[data] share_prompts`); with
+    `one_shape` (several adapters' datasets, whose rows mix in a batch), all of one prompt
+    and one completion length."""
     shared = [tuple(train.share_prompts(d) for d in pair) for pair in pairs]
+    if not one_shape:
+        return shared
     prompt, completion = (
         max(d[key].shape[-1] for pair in shared for d in pair)
         for key in ("prompt_input_ids", "input_ids")
@@ -380,7 +383,7 @@ def _run(
         )
     start = _conversion_start(peft_model) if not (job.multi or job.bank) else None
     if job.data["share_prompts"]:
-        pairs = _shared_prompts(pairs)
+        pairs = _shared_prompts(pairs, job.multi)
     if job.train["objective"] == "dpo" and job.dpo["precompute_ref_log_probs"]:
         pairs = _with_reference(job, peft_model, pairs)
     if job.multi:
