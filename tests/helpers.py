@@ -118,6 +118,18 @@ def tiny_llama_config(vocab_size, **overrides):
     return transformers.LlamaConfig(vocab_size=vocab_size, **{**fields, **overrides})
 
 
+def phi3_longrope():
+    """A fresh LongRoPE `rope_parameters` for the tests' Phi-3s (head_dim 8, half of it
+    rotary: two frequencies, each with its own short and long factor)."""
+    return dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        short_factor=[1.0, 1.7],
+        long_factor=[3.0, 11.0],
+    )
+
+
 def tiny_bert_config(vocab_size, **overrides):
     """transformers' `BertConfig` of a 2-layer, hidden-32 encoder with 4 heads and 64
     positions; `overrides` change any field."""

@@ -17,6 +17,7 @@ import peft
 import pytest
 import torch
 import transformers
+from helpers import phi3_longrope
 
 import peftx
 from peftx.adapters import AdapterSet, NF4Array
@@ -94,13 +95,7 @@ CONFIGS = {
         sliding_window=4,
         # LongRoPE whose original length the generation crosses (the prompts are 6 wide)
         original_max_position_embeddings=PHI3_ORIGINAL,
-        rope_parameters=dict(
-            rope_type="longrope",
-            rope_theta=10000.0,
-            partial_rotary_factor=0.5,
-            short_factor=[1.0, 1.7],
-            long_factor=[3.0, 11.0],
-        ),
+        rope_parameters=phi3_longrope(),
         eos_token_id=2,
         pad_token_id=PAD,
     ),

@@ -15,9 +15,7 @@ import torch
 from helpers import close
 from safetensors.numpy import load_file
 from test_peft_interop import (
-    BUILDERS,
     WEIGHTS,
-    _randomize_torch_base,
     assert_same,
     assert_same_files,
     batch,
@@ -29,7 +27,6 @@ from test_peft_interop import (
 )
 
 import peftx
-import peftx.models as pm
 from peftx.adapters import (
     AdapterSet,
     LoHaArray,
@@ -290,24 +287,6 @@ def test_layer_gradients_match_peft(name, dtype):
 
 
 # ---------------------------------------------------------------- whole models, both ways
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    """test_peft_interop's tiny random Llama checkpoint, built once: its directory and its
-    peftx model by layout."""
-    torch.manual_seed(0)
-    model = _randomize_torch_base(BUILDERS["llama"]().eval(), seed=7)
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path)
-    built = {}
-
-    def get(layout="stacked"):
-        if layout not in built:
-            built[layout] = pm.from_pretrained(path, layout=layout)
-        return built[layout]
-
-    return path, get
 
 
 CASES = {

@@ -25,6 +25,7 @@ import peft
 import pytest
 import torch
 import transformers
+from helpers import phi3_longrope
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
@@ -128,13 +129,7 @@ BUILDERS = {
         _llama_config(
             transformers.Phi3Config,
             sliding_window=4,
-            rope_parameters=dict(
-                rope_type="longrope",
-                rope_theta=10000.0,
-                partial_rotary_factor=0.5,
-                short_factor=[1.0, 1.7],
-                long_factor=[3.0, 11.0],
-            ),
+            rope_parameters=phi3_longrope(),
             original_max_position_embeddings=4,  # the batch is longer: the long factors
             initializer_range=0.2,  # logits the adapters can move past EFFECT
         )

@@ -18,6 +18,7 @@ import peft
 import pytest
 import torch
 import transformers
+from helpers import phi3_longrope
 from test_checkpoint import random_model
 from test_llama import (
     BF16_U,
@@ -68,13 +69,7 @@ CONFIG = dict(
 # head_dim 8, half of it rotary: two frequencies, each with its own short and long factor
 ROPES = {
     "default": dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
-    "longrope": dict(
-        rope_type="longrope",
-        rope_theta=10000.0,
-        partial_rotary_factor=0.5,
-        short_factor=[1.0, 1.7],
-        long_factor=[3.0, 11.0],
-    ),
+    "longrope": phi3_longrope(),
 }
 # every row's positions stay within ORIGINAL (the longest row is exactly 8: still short)
 SHORT_IDS, SHORT_MASK = padded_batch(5, [ORIGINAL, 5, 3, 6], ["right", "left", "right", "left"], 8)

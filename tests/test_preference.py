@@ -20,6 +20,7 @@ from helpers import (
     CLASSES,
     FILLER,
     as_users_run,
+    phi3_longrope,
     run_cli,
     run_script,
     tiny_llama_config,
@@ -27,6 +28,8 @@ from helpers import (
     write_jsonl,
 )
 from hypothesis import given, settings, strategies as st
+from test_moe_lora import BUILD as MOE_BUILD
+from test_peft_interop import BUILDERS, _llama_config
 
 import peftx
 from peftx.implicit import use_implicit_args
@@ -422,29 +425,27 @@ def test_share_prompts_pads_to_given_lengths_and_refuses_what_is_not_pairs(pair_
 
 ARCHITECTURES = {
     # a sliding window the pairs exceed, and both softcaps
-    "gemma2": lambda: transformers.Gemma2Config(
-        **TINY, num_key_value_heads=2, head_dim=8, sliding_window=4,
-        attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+    "gemma2": lambda: transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(
+            vocab_size=len(WORDS),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            sliding_window=4,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+            initializer_range=0.2,
+            attn_implementation="eager",
+        )
     ),
-    "gpt2": lambda: transformers.GPT2Config(
-        vocab_size=len(WORDS), n_embd=32, n_layer=2, n_head=4, n_positions=64,
-        initializer_range=0.2, attn_implementation="eager",
-    ),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **TINY, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=24,
-    ),
-}  # fmt: skip
-TINY = dict(
-    vocab_size=len(WORDS),
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=64,
-    initializer_range=0.2,
-    attn_implementation="eager",
-)
+    # other test files' tiny models (their vocabularies hold WORDS)
+    "gpt2": BUILDERS["gpt2"],
+    "qwen3_moe": MOE_BUILD["qwen3_moe"],
+}
 
 
 @pytest.mark.parametrize(
@@ -458,7 +459,7 @@ def test_shared_prompts_give_each_architectures_log_probs_losses_and_gradients(
     the whole sequences' logits written out, and the losses and gradients those of the
     pairs run whole."""
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(ARCHITECTURES[name]()).save_pretrained(tmp_path)
+    ARCHITECTURES[name]().save_pretrained(tmp_path)
     base = peftx.models.from_pretrained(tmp_path)
     targets = {"gpt2": ["c_attn", "c_fc"]}.get(name, ["q_proj", "v_proj"])
     config = peftx.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
@@ -494,21 +495,11 @@ def test_shared_prompts_give_each_architectures_log_probs_losses_and_gradients(
 def test_shared_prompts_refuse_a_rope_that_the_whole_length_would_change(tmp_path, getkey):
     """A LongRoPE Phi-3 turns to its long factors for a whole call once a position passes
     `original_max_position_embeddings`; a prompt run alone would not see them."""
-    config = transformers.Phi3Config(
-        **{**TINY, "max_position_embeddings": 64},
-        num_key_value_heads=2,
-        original_max_position_embeddings=8,
-        rope_parameters=dict(
-            rope_type="longrope",
-            rope_theta=10000.0,
-            partial_rotary_factor=0.5,
-            short_factor=[1.0, 1.7],
-            long_factor=[3.0, 11.0],
-        ),
-        pad_token_id=0,
+    config = _llama_config(
+        transformers.Phi3Config, original_max_position_embeddings=8, rope_parameters=phi3_longrope()
     )
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
     base = peftx.models.from_pretrained(tmp_path)
     rows = [{"prompt": "w1 w2 w3 w4 w5 w6", "chosen": " w7 w8", "rejected": " w9"}]
     pairs = encode_preference(_tokenizer(), rows, max_length=16)
